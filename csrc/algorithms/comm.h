@@ -1,0 +1,54 @@
+#pragma once
+// What an algorithm sees: one op's view of its group. Ranks here are group ranks; the engine
+// maps them to peers, fills in the op's identity (group, seq, description) on every message
+// it sends, and on receive hands over only messages of this op, checking that the sender
+// issued the same collective.
+#include <c10/core/ScalarType.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <cstdint>
+#include <string>
+
+#include "transport/transport.h"
+
+namespace fastcomm {
+
+enum class OpKind : uint8_t {
+  kAllReduce = 1,
+  kBroadcast = 2,
+  kAllGather = 3,
+  kReduceScatter = 4,
+  kBarrier = 5,
+  kSend = 6,
+  kRecv = 7,
+};
+
+// The part of an op that every member must agree on; travels in every message header.
+struct OpDesc {
+  OpKind kind = OpKind::kAllReduce;
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  c10d::ReduceOp::RedOpType redop = c10d::ReduceOp::SUM;
+  uint64_t numel = 0;
+  int32_t root = -1;
+};
+
+const char* op_kind_name(OpKind k);
+const char* redop_name(uint8_t op);
+std::string describe(const OpDesc& d);
+
+class Comm {
+ public:
+  virtual ~Comm() = default;
+  virtual int rank() const = 0;  // this process's rank in the group
+  virtual int size() const = 0;
+  virtual size_t max_payload() const = 0;
+  // Sends `len` bytes to group rank `to`, labelled with `offset` and `tag`; false if there is
+  // no room now (retry on a later step).
+  virtual bool send(int to, uint64_t offset, uint32_t tag, const void* data, uint32_t len) = 0;
+  // The next message of this op from group rank `from`, or nullptr. Throws CommError when the
+  // sender issued a different collective or aborted this op.
+  virtual const Message* peek(int from) = 0;
+  virtual void pop(int from) = 0;
+};
+
+}  // namespace fastcomm

@@ -1,0 +1,24 @@
+#pragma once
+// Elementwise reduction kernels shared by all algorithms. Written as plain loops over
+// contiguous memory so the compiler vectorises them; 16-bit floats go through float.
+#include <c10/core/ScalarType.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <cstddef>
+
+namespace fastcomm {
+
+// dst[i] = dst[i] (op) src[i] for n elements.
+void reduce_into(void* dst, const void* src, size_t n, c10::ScalarType dtype,
+                 c10d::ReduceOp::RedOpType op);
+// dst[i] = a[i] (op) b[i] for n elements.
+void reduce_to(void* dst, const void* a, const void* b, size_t n, c10::ScalarType dtype,
+               c10d::ReduceOp::RedOpType op);
+// dst[i] /= divisor (floating dtypes only; used for AVG).
+void divide_by(void* dst, size_t n, c10::ScalarType dtype, int divisor);
+
+bool dtype_supported(c10::ScalarType dtype);
+// True when folding in any order gives bit-identical results (integers, MIN, MAX).
+bool order_independent(c10::ScalarType dtype, c10d::ReduceOp::RedOpType op);
+
+}  // namespace fastcomm

@@ -1,0 +1,616 @@
+#include "engine/engine.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "algorithms/reduce.h"
+#include "common/errors.h"
+
+namespace fastcomm {
+
+struct Engine::Pending {
+  std::unique_ptr<Op> op;
+  c10::intrusive_ptr<Work> work;
+  uint64_t seq = 0;
+  Clock::time_point deadline;
+  bool async = false;
+};
+
+struct GroupState {
+  uint64_t id = 0;
+  std::vector<int> ranks;
+  int rank = -1;
+  std::string label;
+  uint64_t next_seq = 0;  // seq of the next op posted
+  uint64_t head_seq = 0;  // seq of the oldest unfinished op; older messages are stale
+  std::deque<Engine::Pending> queue;
+  bool busy = false;
+};
+
+namespace {
+
+uint64_t mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+std::string ranks_label(const std::vector<int>& ranks) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
+  os << "]";
+  return os.str();
+}
+
+int64_t env_int(const char* name, int64_t dflt) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoll(v) : dflt;
+}
+
+int usable_cpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  return 1;
+}
+
+}  // namespace
+
+std::string GroupHandle::label() const { return ranks_label(ranks); }
+
+// ---------------------------------------------------------------------------------------------
+// The group-scoped view handed to algorithms.
+
+namespace {
+class OpComm final : public Comm {
+ public:
+  OpComm(Engine& e, GroupState& g, Engine::Pending& p) : e_(e), g_(g), p_(p) {}
+  int rank() const override { return g_.rank; }
+  int size() const override { return (int)g_.ranks.size(); }
+  size_t max_payload() const override { return e_.max_payload(); }
+  bool send(int to, uint64_t offset, uint32_t tag, const void* data, uint32_t len) override {
+    const OpDesc& d = p_.op->desc();
+    Header h;
+    h.group = g_.id;
+    h.seq = p_.seq;
+    h.numel = d.numel;
+    h.offset = offset;
+    h.len = len;
+    h.tag = tag;
+    h.root = d.root;
+    h.kind = (uint8_t)d.kind;
+    h.dtype = (uint8_t)d.dtype;
+    h.redop = (uint8_t)d.redop;
+    return e_.send_for(g_, p_, g_.ranks[to], h, data);
+  }
+  const Message* peek(int from) override {
+    const int peer = g_.ranks[from];
+    const Message* m = e_.peek_for(g_, p_, peer);
+    if (m == nullptr) return nullptr;
+    const OpDesc& d = p_.op->desc();
+    const Header& h = m->hdr;
+    std::string err;
+    if (h.flags & kMsgAbort) {
+      err = "op #" + std::to_string(p_.seq) + " (" + describe(d) + ") failed on rank " +
+            std::to_string(peer) + ": " + std::string(reinterpret_cast<const char*>(m->data), h.len);
+    } else if (h.kind != (uint8_t)d.kind || h.dtype != (uint8_t)d.dtype || h.numel != d.numel ||
+               h.redop != (uint8_t)d.redop || h.root != d.root) {
+      OpDesc theirs{(OpKind)h.kind, (c10::ScalarType)h.dtype,
+                    (c10d::ReduceOp::RedOpType)h.redop, h.numel, h.root};
+      err = "mismatched collectives at op #" + std::to_string(p_.seq) + ": this rank issued " +
+            describe(d) + ", rank " + std::to_string(peer) + " issued " + describe(theirs);
+    } else {
+      return m;
+    }
+    e_.pop_for(g_, p_, peer);
+    throw_comm_error("fastcomm: rank " + std::to_string(g_.ranks[g_.rank]) + ", group " + g_.label +
+                     ": " + err);
+  }
+  void pop(int from) override { e_.pop_for(g_, p_, g_.ranks[from]); }
+
+ private:
+  Engine& e_;
+  GroupState& g_;
+  Engine::Pending& p_;
+};
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+
+Engine::Engine(EngineOptions opts) : opts_(std::move(opts)) {
+  const int R = opts_.rank, W = opts_.world_size;
+  TORCH_CHECK_VALUE(W >= 1 && R >= 0 && R < W, "fastcomm: invalid rank ", R, " for world size ", W);
+  TORCH_CHECK_VALUE((int)opts_.host_of.size() == W && (int)opts_.pids.size() == W,
+                    "fastcomm: rendezvous data does not cover the world");
+  std::vector<int> local;
+  for (int r = 0; r < W; ++r)
+    if (opts_.host_of[r] == opts_.host_of[R]) local.push_back(r);
+  shm_ = std::make_unique<ShmTransport>(R, W, opts_.token, local, opts_.pids, opts_.ring_bytes);
+  bell_ = shm_->doorbell();
+  dead_.assign(W, 0);
+  // Spinning only pays when every local rank has a core to itself; otherwise it steals the
+  // time slice the peer needs to answer, so back off to yield and sleep almost at once.
+  const bool oversubscribed = (int)local.size() > usable_cpus();
+  spin_ns_ = opts_.spin_ns >= 0 ? opts_.spin_ns : (oversubscribed ? 2000 : 200000);
+  yield_ns_ = opts_.yield_ns >= 0 ? opts_.yield_ns : (oversubscribed ? 20000 : 2000000);
+}
+
+Engine::~Engine() {
+  shutdown();
+}
+
+void Engine::attach_peers() {
+  std::lock_guard<std::mutex> lk(mu_);
+  shm_->attach_peers();
+}
+
+void Engine::unlink_segment() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (shm_) shm_->unlink_own();
+}
+
+Transport* Engine::transport_for(int peer) { return shm_.get(); }
+
+// ---------------------------------------------------------------------------------------------
+// Groups
+
+GroupHandle Engine::new_group(std::vector<int> ranks) {
+  return new_groups({std::move(ranks)}).at(0);
+}
+
+std::vector<GroupHandle> Engine::new_groups(const std::vector<std::vector<int>>& lists) {
+  const int me = opts_.rank, W = opts_.world_size;
+  std::vector<GroupHandle> out;
+  out.reserve(lists.size());
+  std::lock_guard<std::mutex> lk(mu_);
+  TORCH_CHECK(!shut_down_, "fastcomm: rank ", me, ": new_group after shutdown()");
+  for (const auto& given : lists) {
+    std::vector<int> ranks = given;
+    std::sort(ranks.begin(), ranks.end());
+    const std::string label = ranks_label(given);
+    TORCH_CHECK_VALUE(!ranks.empty(), "fastcomm.new_group: rank ", me, ": argument 'ranks' is empty");
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      TORCH_CHECK_VALUE(ranks[i] >= 0 && ranks[i] < W, "fastcomm.new_group: rank ", me,
+                        ": argument 'ranks' ", label, " holds rank ", ranks[i],
+                        ", outside the world of size ", W);
+      TORCH_CHECK_VALUE(i == 0 || ranks[i] != ranks[i - 1], "fastcomm.new_group: rank ", me,
+                        ": argument 'ranks' ", label, " lists rank ", ranks[i], " twice");
+    }
+    GroupHandle h;
+    h.ranks = ranks;
+    auto it = std::find(ranks.begin(), ranks.end(), me);
+    if (it == ranks.end()) {
+      out.push_back(std::move(h));  // not a member: nothing to create
+      continue;
+    }
+    for (int r : ranks) {
+      TORCH_CHECK(shm_->is_local(r), "fastcomm.new_group: rank ", me, ": group ", ranks_label(ranks),
+                  " spans hosts (rank ", r,
+                  " is on another host); cross-host groups need the Gloo transport, not available yet");
+    }
+    // Members agree on the id without talking: it is a function of the rank list and of how
+    // many groups over that same list this process made before (members make them in the
+    // same order, as with torch.distributed.new_group).
+    const uint32_t instance = instances_[ranks]++;
+    uint64_t id = mix64(0x66636f6dULL ^ ranks.size());
+    for (int r : ranks) id = mix64(id ^ (uint64_t)r);
+    id = mix64(id ^ ((uint64_t)instance << 32));
+    TORCH_INTERNAL_ASSERT(groups_.count(id) == 0, "group id collision");
+    auto st = std::make_shared<GroupState>();
+    st->id = id;
+    st->ranks = ranks;
+    st->rank = (int)(it - ranks.begin());
+    st->label = ranks_label(ranks);
+    groups_[id] = st;
+    h.rank = st->rank;
+    h.id = id;
+    h.state = st;
+    out.push_back(std::move(h));
+  }
+  return out;
+}
+
+void Engine::check_member(const GroupHandle& g, const char* api) const {
+  TORCH_CHECK(!shut_down_, "fastcomm.", api, ": rank ", opts_.rank,
+              ": fastcomm was shut down; call fastcomm.init() again first");
+  TORCH_CHECK_VALUE(g.state != nullptr, "fastcomm.", api, ": rank ", opts_.rank,
+                    " is not a member of group ", g.label(), " (argument 'group')");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Collectives: validate everything locally, before anything is sent.
+
+namespace {
+void check_tensor(const at::Tensor& t, int rank, const std::string& group, const char* api,
+                  const char* arg) {
+  TORCH_CHECK_VALUE(t.defined(), "fastcomm.", api, ": rank ", rank, ", group ", group,
+                    ": argument '", arg, "' is undefined");
+  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, "fastcomm.", api, ": rank ", rank, ", group ",
+                    group, ": argument '", arg, "' must be a dense tensor, got layout ", t.layout());
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "fastcomm.", api, ": rank ", rank, ", group ", group,
+                    ": argument '", arg, "' is on ", t.device(),
+                    "; only CPU tensors are supported for now");
+  TORCH_CHECK_VALUE(t.is_contiguous(), "fastcomm.", api, ": rank ", rank, ", group ", group,
+                    ": argument '", arg, "' must be contiguous");
+  TORCH_CHECK_TYPE(dtype_supported(t.scalar_type()), "fastcomm.", api, ": rank ", rank, ", group ",
+                   group, ": argument '", arg, "' has unsupported dtype ", t.scalar_type());
+}
+}  // namespace
+
+c10::intrusive_ptr<Work> Engine::all_reduce(const GroupHandle& g, const at::Tensor& t,
+                                            c10d::ReduceOp::RedOpType op, bool async_op) {
+  check_member(g, "all_reduce");
+  check_tensor(t, opts_.rank, g.label(), "all_reduce", "tensor");
+  using R = c10d::ReduceOp;
+  TORCH_CHECK_VALUE(op == R::SUM || op == R::AVG || op == R::PRODUCT || op == R::MIN || op == R::MAX,
+                    "fastcomm.all_reduce: rank ", opts_.rank, ", group ", g.label(),
+                    ": argument 'op' ", redop_name(op),
+                    " is not supported (SUM, AVG, PRODUCT, MIN, MAX are)");
+  TORCH_CHECK_VALUE(op != R::AVG || c10::isFloatingType(t.scalar_type()), "fastcomm.all_reduce: rank ",
+                    opts_.rank, ", group ", g.label(), ": argument 'op' AVG needs a floating dtype, got ",
+                    t.scalar_type());
+  return post(g, make_all_reduce(t, op, g.rank, (int)g.ranks.size()), c10d::OpType::ALLREDUCE,
+              async_op);
+}
+
+c10::intrusive_ptr<Work> Engine::post(const GroupHandle& h, std::unique_ptr<Op> op,
+                                      c10d::OpType type, bool async_op) {
+  auto work = c10::make_intrusive<Work>(shared_from_this(), opts_.rank, type, op->outputs());
+  Done done;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    TORCH_CHECK(!shut_down_, "fastcomm: rank ", opts_.rank, ": fastcomm was shut down");
+    GroupState& g = *h.state;
+    for (int r : g.ranks) {
+      // Known-dead member: fail now instead of after a timeout, and send nothing.
+      if (dead_[r]) {
+        work->complete(std::make_exception_ptr(c10::DistBackendError(
+            {__func__, __FILE__, (uint32_t)__LINE__},
+            "fastcomm: rank " + std::to_string(opts_.rank) + ", group " + g.label + ": " +
+                describe(op->desc()) + " cannot run: rank " + std::to_string(r) + " has exited")));
+        return work;
+      }
+    }
+    Pending p;
+    p.op = std::move(op);
+    p.work = work;
+    p.seq = g.next_seq++;
+    p.deadline = Clock::now() + std::chrono::milliseconds(opts_.timeout_ms);
+    p.async = async_op;
+    if (async_op) pending_async_.fetch_add(1);
+    g.queue.push_back(std::move(p));
+    if (!g.busy) {
+      g.busy = true;
+      busy_.push_back(&g);
+    }
+    // Eager first step: a small op's sends leave now, before the caller even waits.
+    progress_locked(done);
+  }
+  finish(done);
+  if (async_op) ensure_bg_thread();
+  return work;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Message routing
+
+const Message* Engine::peek_for(GroupState& g, Pending& p, int peer) {
+  if (stash_msgs_) {
+    auto it = stash_.find(StashKey{g.id, p.seq, peer});
+    if (it != stash_.end() && !it->second.empty()) return &it->second.front().msg;
+  }
+  Transport* tr = transport_for(peer);
+  while (const Message* m = tr->peek(peer)) {
+    if (m->hdr.group == g.id && m->hdr.seq == p.seq) return m;
+    auto git = groups_.find(m->hdr.group);
+    if (git != groups_.end() && m->hdr.seq < git->second->head_seq) {
+      tr->pop(peer);  // left over from an op that already finished or failed here
+      continue;
+    }
+    // Another op's message in front of ours: keep a copy and read on.
+    auto& q = stash_[StashKey{m->hdr.group, m->hdr.seq, peer}];
+    q.emplace_back();
+    Stashed& s = q.back();
+    s.bytes.assign(m->data, m->data + m->hdr.len);
+    s.msg.hdr = m->hdr;
+    s.msg.data = s.bytes.data();
+    ++stash_msgs_;
+    tr->pop(peer);
+  }
+  return nullptr;
+}
+
+void Engine::pop_for(GroupState& g, Pending& p, int peer) {
+  if (stash_msgs_) {
+    auto it = stash_.find(StashKey{g.id, p.seq, peer});
+    if (it != stash_.end() && !it->second.empty()) {
+      it->second.pop_front();
+      if (it->second.empty()) stash_.erase(it);
+      --stash_msgs_;
+      return;
+    }
+  }
+  transport_for(peer)->pop(peer);
+}
+
+bool Engine::send_for(GroupState& g, Pending& p, int peer, const Header& h, const void* data) {
+  return transport_for(peer)->try_send(peer, h, data);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Progress
+
+bool Engine::progress_locked(Done& done) {
+  if (shut_down_) return false;
+  bool any = false;
+  for (size_t i = 0; i < busy_.size();) {
+    GroupState& g = *busy_[i];
+    Pending& p = g.queue.front();
+    bool finished = false;
+    std::exception_ptr err;
+    try {
+      OpComm comm(*this, g, p);
+      any |= p.op->step(comm);
+      finished = p.op->done();
+    } catch (...) {
+      err = std::current_exception();
+    }
+    if (err) {
+      fail_front_locked(g, err, done, true);
+      any = true;
+    } else if (finished) {
+      done.emplace_back(p.work, nullptr);
+      if (p.async) pending_async_.fetch_sub(1);
+      g.queue.pop_front();
+      ++g.head_seq;
+      any = true;
+    } else {
+      ++i;
+      continue;
+    }
+    if (g.queue.empty()) {
+      g.busy = false;
+      busy_[i] = busy_.back();
+      busy_.pop_back();
+    }
+    // else: the group's next op is now at the front; step it at the same index.
+  }
+  return any;
+}
+
+void Engine::fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, bool tell_peers) {
+  Pending& p = g.queue.front();
+  if (tell_peers && shm_) {
+    // Best effort: tell the other members so they fail this op too instead of waiting for
+    // data that will not come. A full ring just means the peer learns by its own timeout.
+    std::string why;
+    try {
+      std::rethrow_exception(e);
+    } catch (const c10::Error& ex) {
+      why = ex.what_without_backtrace();
+    } catch (const std::exception& ex) {
+      why = ex.what();
+    }
+    why.resize(std::min(why.size(), max_payload()));
+    const OpDesc& d = p.op->desc();
+    for (int r : g.ranks) {
+      if (r == opts_.rank || dead_[r]) continue;
+      Header h;
+      h.group = g.id;
+      h.seq = p.seq;
+      h.numel = d.numel;
+      h.len = (uint32_t)why.size();
+      h.root = d.root;
+      h.kind = (uint8_t)d.kind;
+      h.dtype = (uint8_t)d.dtype;
+      h.redop = (uint8_t)d.redop;
+      h.flags = kMsgAbort;
+      transport_for(r)->try_send(r, h, why.data());
+    }
+  }
+  done.emplace_back(p.work, e);
+  if (p.async) pending_async_.fetch_sub(1);
+  g.queue.pop_front();
+  ++g.head_seq;
+}
+
+// Slow path, run while waiting: peers that exited and ops past their deadline.
+void Engine::health_locked(Done& done) {
+  if (shut_down_) return;
+  const auto now = Clock::now();
+  for (size_t i = 0; i < busy_.size();) {
+    GroupState& g = *busy_[i];
+    int dead = -1;
+    for (int r : g.ranks) {
+      if (r == opts_.rank) continue;
+      if (!dead_[r] && !shm_->peer_alive(r)) dead_[r] = 1;
+      if (dead_[r]) {
+        dead = r;
+        break;
+      }
+    }
+    Pending& p = g.queue.front();
+    std::string msg;
+    if (dead >= 0) {
+      msg = "fastcomm: rank " + std::to_string(opts_.rank) + ", group " + g.label + ": " +
+            describe(p.op->desc()) + " (op #" + std::to_string(p.seq) + ") failed: rank " +
+            std::to_string(dead) + " (pid " + std::to_string(opts_.pids[dead]) + ") has exited";
+    } else if (now >= p.deadline) {
+      msg = "fastcomm: rank " + std::to_string(opts_.rank) + ", group " + g.label + ": " +
+            describe(p.op->desc()) + " (op #" + std::to_string(p.seq) + ") timed out after " +
+            std::to_string(opts_.timeout_ms) +
+            " ms; a member stalled or issued this group's collectives in a different order";
+    }
+    if (msg.empty()) {
+      ++i;
+      continue;
+    }
+    auto e = std::make_exception_ptr(
+        c10::DistBackendError({__func__, __FILE__, (uint32_t)__LINE__}, msg));
+    // A dead member dooms every queued op of the group; a timeout only the one that stalled.
+    do {
+      fail_front_locked(g, e, done, dead < 0);
+    } while (dead >= 0 && !g.queue.empty());
+    if (g.queue.empty()) {
+      g.busy = false;
+      busy_[i] = busy_.back();
+      busy_.pop_back();
+    } else {
+      ++i;
+    }
+  }
+}
+
+void Engine::finish(Done& done) {
+  if (done.empty()) return;
+  for (auto& [w, e] : done) w->complete(e);
+  done.clear();
+  // Another thread of this process may be asleep waiting for one of these.
+  bell_.ring_if_sleeping();
+}
+
+bool Engine::try_progress() {
+  Done done;
+  bool any;
+  {
+    std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
+    if (!lk.owns_lock()) return false;
+    any = progress_locked(done);
+  }
+  finish(done);
+  return any;
+}
+
+void Engine::poll() { try_progress(); }
+
+// The waiting policy: poll (spin), then yield, then sleep on the doorbell. Peers ring it when
+// they send to us or free ring space we asked for; sleeping is in short slices so deadlines
+// and dead peers are noticed without anyone ringing.
+void Engine::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) {
+  auto idle_since = Clock::now();
+  auto last_health = idle_since;
+  uint32_t idle = 0;
+  for (;;) {
+    if (w ? w->done() : (shut_down_ || pending_async_.load() == 0 || fg_drivers_.load() > 0)) return;
+    if (try_progress()) {
+      idle = 0;
+      continue;
+    }
+    if (idle++ == 0) idle_since = Clock::now();
+    if ((idle & 63) != 0 && idle < 4096) {
+      cpu_relax();
+      continue;
+    }
+    const auto now = Clock::now();
+    const int64_t idle_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(now - idle_since).count();
+    if (idle_ns < spin_ns_) {
+      cpu_relax();
+      continue;
+    }
+    if (now - last_health >= std::chrono::milliseconds(20)) {
+      last_health = now;
+      Done done;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        health_locked(done);
+      }
+      finish(done);
+      if (w && w->done()) return;
+    }
+    if (has_deadline && now >= user_deadline) {
+      throw_comm_error("fastcomm: rank " + std::to_string(opts_.rank) +
+                       ": Work.wait timed out (the op is still pending)");
+    }
+    if (idle_ns < spin_ns_ + yield_ns_) {
+      sched_yield();
+      continue;
+    }
+    if (shut_down_) return;
+    bell_.begin_sleep();
+    const uint32_t tok = bell_.token();
+    const bool progressed = try_progress();
+    if (!progressed && !(w && w->done())) bell_.sleep(tok, 5000000);
+    bell_.end_sleep();
+    if (progressed) idle = 0;
+  }
+}
+
+void Engine::wait(Work& w, std::chrono::milliseconds timeout) {
+  if (w.done()) return;
+  fg_drivers_.fetch_add(1);
+  struct Leave {
+    Engine* e;
+    ~Leave() {
+      if (e->fg_drivers_.fetch_sub(1) == 1 && e->pending_async_.load() > 0) e->bg_cv_.notify_one();
+    }
+  } leave{this};
+  const bool has_deadline = timeout.count() > 0;
+  drive(&w, Clock::now() + timeout, has_deadline);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Background progress for async ops
+
+void Engine::ensure_bg_thread() {
+  std::lock_guard<std::mutex> lk(bg_mu_);
+  if (!bg_.joinable() && !bg_stop_) bg_ = std::thread([this] { bg_main(); });
+  bg_cv_.notify_one();
+}
+
+void Engine::bg_main() {
+  std::unique_lock<std::mutex> lk(bg_mu_);
+  while (!bg_stop_) {
+    bg_cv_.wait_for(lk, std::chrono::milliseconds(50), [&] {
+      return bg_stop_ || (pending_async_.load() > 0 && fg_drivers_.load() == 0);
+    });
+    if (bg_stop_) break;
+    if (pending_async_.load() == 0 || fg_drivers_.load() > 0) continue;
+    lk.unlock();
+    try {
+      drive(nullptr, Clock::time_point{}, false);
+    } catch (...) {
+      // drive() without a Work has no user deadline; errors are delivered through Works.
+    }
+    lk.lock();
+  }
+}
+
+void Engine::shutdown() {
+  Done done;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+    auto e = std::make_exception_ptr(c10::DistBackendError(
+        {__func__, __FILE__, (uint32_t)__LINE__},
+        "fastcomm: rank " + std::to_string(opts_.rank) + ": fastcomm was shut down with this op pending"));
+    for (GroupState* g : busy_) {
+      while (!g->queue.empty()) fail_front_locked(*g, e, done, false);
+      g->busy = false;
+    }
+    busy_.clear();
+  }
+  for (auto& [w, e] : done) w->complete(e);
+  {
+    std::lock_guard<std::mutex> lk(bg_mu_);
+    bg_stop_ = true;
+  }
+  bg_cv_.notify_all();
+  if (bg_.joinable()) {
+    if (bg_.get_id() == std::this_thread::get_id()) bg_.detach();
+    else bg_.join();
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  stash_.clear();
+  stash_msgs_ = 0;
+  groups_.clear();
+  // The mapping itself stays until the engine is destroyed: a thread still inside drive()
+  // may touch the doorbell. The name is gone already (or goes now, if init stopped early).
+  if (shm_) shm_->unlink_own();
+}
+
+}  // namespace fastcomm

@@ -1,0 +1,154 @@
+#pragma once
+// The engine: one per process. It knows every peer once (from the rendezvous the Python layer
+// runs through the c10d Store), owns the transports, the groups and their op queues, and
+// drives progress.
+//
+// Groups are plain records (id, ranks, sequence counters): creating one touches nothing
+// shared, so thousands cost no threads, connections or memory beyond the record. Ops of one
+// group run one after another in issue order; ops of different groups progress independently
+// in the same loop, so no group ever waits on another.
+//
+// Threading: all engine state (groups, queues, transports, stash) is guarded by mu_. Progress
+// is driven by whichever thread waits (Work::wait, blocking calls), and by one background
+// thread, started on the first async op, that steps in only while async ops are pending and no
+// foreground thread is driving. Blocking bindings release the GIL before they get here.
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "algorithms/op.h"
+#include "common/doorbell.h"
+#include "engine/work.h"
+#include "transport/shm/transport.h"
+
+namespace fastcomm {
+
+using Clock = std::chrono::steady_clock;
+
+struct GroupState;
+
+// What Python holds for a group. `state` is null on a rank that is not a member.
+struct GroupHandle {
+  std::vector<int> ranks;  // sorted global ranks; group rank i is ranks[i]
+  int rank = -1;           // this process's group rank, -1 if not a member
+  uint64_t id = 0;
+  std::shared_ptr<GroupState> state;
+  std::string label() const;
+};
+
+struct EngineOptions {
+  int rank = 0;
+  int world_size = 1;
+  std::string token;            // random per job, from the store
+  std::vector<int> host_of;     // host index per global rank
+  std::vector<int64_t> pids;    // pid per global rank
+  size_t ring_bytes = 1 << 20;  // shared-memory ring per peer and direction
+  int64_t timeout_ms = 300000;  // an op not finished by then fails
+  int64_t spin_ns = -1;         // waiting policy; -1 picks by oversubscription
+  int64_t yield_ns = -1;
+};
+
+class Engine : public std::enable_shared_from_this<Engine> {
+ public:
+  explicit Engine(EngineOptions opts);
+  ~Engine();
+
+  // Init steps; between them the Python layer synchronises the ranks through the store.
+  void attach_peers();
+  void unlink_segment();
+
+  GroupHandle new_group(std::vector<int> ranks);
+  std::vector<GroupHandle> new_groups(const std::vector<std::vector<int>>& lists);
+
+  c10::intrusive_ptr<Work> all_reduce(const GroupHandle& g, const at::Tensor& t,
+                                      c10d::ReduceOp::RedOpType op, bool async_op);
+
+  // Blocks until `w` completes (or the user timeout passes, which throws), driving progress.
+  void wait(Work& w, std::chrono::milliseconds timeout);
+  // One non-blocking progress attempt (for is_completed polling).
+  void poll();
+  // Fails every pending op, stops the background thread and unmaps the transport.
+  void shutdown();
+  bool is_shut_down() const { return shut_down_.load(); }
+
+  int rank() const { return opts_.rank; }
+  int world_size() const { return opts_.world_size; }
+  int64_t timeout_ms() const { return opts_.timeout_ms; }
+
+  // Used by the group-scoped Comm view (engine.cpp).
+  struct Pending;
+  const Message* peek_for(GroupState& g, Pending& p, int peer);
+  void pop_for(GroupState& g, Pending& p, int peer);
+  bool send_for(GroupState& g, Pending& p, int peer, const Header& h, const void* data);
+  size_t max_payload() const { return shm_ ? shm_->max_payload() : 0; }
+
+ private:
+  using Done = std::vector<std::pair<c10::intrusive_ptr<Work>, std::exception_ptr>>;
+
+  c10::intrusive_ptr<Work> post(const GroupHandle& g, std::unique_ptr<Op> op, c10d::OpType type,
+                                bool async_op);
+  void check_member(const GroupHandle& g, const char* api) const;
+  bool progress_locked(Done& done);
+  bool try_progress();
+  void finish(Done& done);
+  void fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, bool tell_peers);
+  void health_locked(Done& done);
+  void drive(Work* w, Clock::time_point user_deadline, bool has_deadline);
+  void bg_main();
+  void ensure_bg_thread();
+  Transport* transport_for(int peer);
+
+  EngineOptions opts_;
+  std::mutex mu_;
+  std::unique_ptr<ShmTransport> shm_;
+  Doorbell bell_;
+  std::unordered_map<uint64_t, std::shared_ptr<GroupState>> groups_;
+  std::map<std::vector<int>, uint32_t> instances_;  // how many groups over each rank list
+  std::vector<GroupState*> busy_;                   // groups with queued ops
+  std::vector<char> dead_;                          // peers known to have exited
+
+  struct StashKey {
+    uint64_t group, seq;
+    int peer;
+    bool operator==(const StashKey& o) const {
+      return group == o.group && seq == o.seq && peer == o.peer;
+    }
+  };
+  struct StashHash {
+    size_t operator()(const StashKey& k) const {
+      return std::hash<uint64_t>()(k.group * 0x9e3779b97f4a7c15ULL ^ k.seq * 31 ^ (uint64_t)k.peer);
+    }
+  };
+  struct Stashed {
+    Message msg;
+    std::vector<uint8_t> bytes;
+  };
+  // Messages that arrived for an op this rank has not started yet (or for another group's op
+  // while a different op was reading the same peer); replayed in arrival order.
+  std::unordered_map<StashKey, std::deque<Stashed>, StashHash> stash_;
+  size_t stash_msgs_ = 0;
+
+  std::atomic<bool> shut_down_{false};
+  std::atomic<int> pending_async_{0};
+  std::atomic<int> fg_drivers_{0};
+  std::mutex bg_mu_;
+  std::condition_variable bg_cv_;
+  std::thread bg_;
+  bool bg_stop_ = false;
+  int64_t spin_ns_;
+  int64_t yield_ns_;
+};
+
+}  // namespace fastcomm

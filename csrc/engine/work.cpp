@@ -1,0 +1,69 @@
+#include "engine/work.h"
+
+#include <ATen/core/jit_type.h>
+
+#include "engine/engine.h"
+
+namespace fastcomm {
+
+Work::Work(std::shared_ptr<Engine> engine, int rank, c10d::OpType type,
+           std::vector<at::Tensor> outputs)
+    : c10d::Work(rank, type), engine_(std::move(engine)), outputs_(std::move(outputs)) {}
+
+bool Work::isCompleted() {
+  if (!done()) engine_->poll();
+  return done();
+}
+
+bool Work::isSuccess() const {
+  std::lock_guard<std::mutex> lk(mutex_);
+  return completed_ && !exception_;
+}
+
+std::exception_ptr Work::exception() const {
+  std::lock_guard<std::mutex> lk(mutex_);
+  return exception_;
+}
+
+std::vector<at::Tensor> Work::result() { return outputs_; }
+
+void Work::rethrow_if_failed() const {
+  std::exception_ptr e = exception();
+  if (e) std::rethrow_exception(e);
+}
+
+bool Work::wait(std::chrono::milliseconds timeout) {
+  engine_->wait(*this, timeout);
+  rethrow_if_failed();
+  return true;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Work::getFuture() {
+  std::lock_guard<std::mutex> lk(mutex_);
+  if (!future_) {
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    if (completed_) {
+      if (exception_) future_->setError(exception_);
+      else future_->markCompleted(c10::IValue(outputs_));
+    }
+  }
+  return future_;
+}
+
+void Work::complete(std::exception_ptr error) {
+  c10::intrusive_ptr<c10::ivalue::Future> fut;
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    completed_ = true;
+    exception_ = error;
+    fut = future_;
+    done_.store(true, std::memory_order_release);
+  }
+  cv_.notify_all();
+  if (fut) {
+    if (error) fut->setError(error);
+    else fut->markCompleted(c10::IValue(outputs_));
+  }
+}
+
+}  // namespace fastcomm

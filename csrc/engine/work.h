@@ -1,0 +1,41 @@
+#pragma once
+// fastcomm's Work is a c10d::Work, so Python gets torch's own Work type (wait, is_completed,
+// exception, get_future) and the torch.distributed backend can hand the same objects out.
+// The engine completes it; wait() drives the engine's progress on the calling thread instead
+// of sleeping on a condition variable, which is what makes a blocking op cost microseconds.
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <atomic>
+#include <memory>
+
+namespace fastcomm {
+
+class Engine;
+
+class Work final : public c10d::Work {
+ public:
+  Work(std::shared_ptr<Engine> engine, int rank, c10d::OpType type, std::vector<at::Tensor> outputs);
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  std::vector<at::Tensor> result() override;
+  void synchronize() override {}
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+  // Engine side. Called once, outside the engine lock (future callbacks may run inline).
+  void complete(std::exception_ptr error);
+  bool done() const { return done_.load(std::memory_order_acquire); }
+  // Raises the op's error, if any. Called after done().
+  void rethrow_if_failed() const;
+
+ private:
+  std::shared_ptr<Engine> engine_;
+  std::vector<at::Tensor> outputs_;
+  std::atomic<bool> done_{false};
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // created on first getFuture()
+};
+
+}  // namespace fastcomm

@@ -1,0 +1,264 @@
+#include "transport/shm/transport.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+
+#include "common/errors.h"
+
+namespace fastcomm {
+
+namespace {
+constexpr uint64_t kMagic = 0x6d6d6f6374736166ULL;  // "fastcomm"
+constexpr uint32_t kVersion = 1;
+constexpr size_t kCtlBytes = 4096;
+constexpr size_t kRingCtlBytes = 256;
+constexpr size_t kRecordHeader = 64;
+constexpr uint32_t kRecData = 1;
+constexpr uint32_t kRecWrap = 2;
+
+size_t align64(size_t n) { return (n + 63) & ~size_t(63); }
+}  // namespace
+
+struct ShmSegmentHeader {
+  uint64_t magic;
+  uint32_t version;
+  int32_t rank;
+  int64_t pid;
+  uint64_t ring_bytes;
+  uint32_t num_local;
+  char token[68];
+  alignas(64) DoorbellWords bell;
+};
+static_assert(sizeof(ShmSegmentHeader) <= kCtlBytes, "control block too large");
+
+// One ring's control words; head is written only by the sender, tail only by the receiver,
+// each on its own cache line so neither side's writes evict the other's.
+struct ShmRingCtl {
+  alignas(64) std::atomic<uint64_t> head;
+  alignas(64) std::atomic<uint64_t> tail;
+  alignas(64) std::atomic<uint32_t> space_waiter;  // sender asks for a doorbell on pop
+};
+static_assert(sizeof(ShmRingCtl) <= kRingCtlBytes, "ring control too large");
+
+struct Record {  // 64-byte record header in the ring; payload follows, padded to 64
+  Header hdr;
+  uint32_t type;
+  uint32_t pad[3];
+};
+static_assert(sizeof(Record) == kRecordHeader, "record layout");
+
+ShmTransport::ShmTransport(int rank, int world_size, const std::string& token,
+                           std::vector<int> local_ranks, std::vector<int64_t> pids,
+                           size_t ring_bytes)
+    : rank_(rank),
+      world_size_(world_size),
+      token_(token),
+      local_ranks_(std::move(local_ranks)),
+      local_index_(world_size, -1),
+      pids_(std::move(pids)),
+      ring_bytes_(align64(ring_bytes)),
+      in_(world_size),
+      out_(world_size) {
+  TORCH_CHECK_VALUE(ring_bytes_ >= 4 * 4096, "fastcomm: FASTCOMM_SHM_RING_BYTES must be >= 16384");
+  TORCH_CHECK_VALUE(token_.size() < sizeof(ShmSegmentHeader::token), "fastcomm: job token too long");
+  for (size_t i = 0; i < local_ranks_.size(); ++i) local_index_[local_ranks_[i]] = (int)i;
+  TORCH_INTERNAL_ASSERT(local_index_[rank_] >= 0, "own rank missing from local ranks");
+  // A record never takes more than a quarter of the ring, so several can be in flight.
+  max_payload_ = (ring_bytes_ / 4 - kRecordHeader) & ~size_t(63);
+
+  const std::string name = segment_name(rank_);
+  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  FASTCOMM_SYSCHECK(fd >= 0, "shm_open(" + name + ")");
+  own_.size = segment_size();
+  if (ftruncate(fd, (off_t)own_.size) != 0) {
+    int e = errno;
+    close(fd);
+    shm_unlink(name.c_str());
+    errno = e;
+    FASTCOMM_SYSCHECK(false, "ftruncate of shared-memory segment");
+  }
+  own_.base = mmap(nullptr, own_.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (own_.base == MAP_FAILED) {
+    shm_unlink(name.c_str());
+    FASTCOMM_SYSCHECK(false, "mmap of shared-memory segment");
+  }
+  auto* h = new (own_.base) ShmSegmentHeader();
+  h->rank = rank_;
+  h->pid = getpid();
+  h->ring_bytes = ring_bytes_;
+  h->num_local = (uint32_t)local_ranks_.size();
+  std::memcpy(h->token, token_.data(), token_.size());
+  h->version = kVersion;
+  for (size_t i = 0; i < local_ranks_.size(); ++i) new (ring_ctl(own_.base, (int)i)) ShmRingCtl();
+  std::atomic_thread_fence(std::memory_order_release);
+  h->magic = kMagic;
+  own_bell_ = Doorbell(&h->bell);
+  peer_maps_.resize(local_ranks_.size());
+  peer_maps_[local_index_[rank_]] = Mapping{nullptr, 0};
+}
+
+ShmTransport::~ShmTransport() {
+  unlink_own();
+  for (auto& m : peer_maps_)
+    if (m.base) munmap(m.base, m.size);
+  if (own_.base) munmap(own_.base, own_.size);
+}
+
+std::string ShmTransport::segment_name(int rank) const {
+  return "/fastcomm-" + token_ + "-" + std::to_string(rank);
+}
+
+size_t ShmTransport::segment_size() const {
+  return kCtlBytes + local_ranks_.size() * (kRingCtlBytes + ring_bytes_);
+}
+
+ShmRingCtl* ShmTransport::ring_ctl(void* base, int local_idx) const {
+  return reinterpret_cast<ShmRingCtl*>(static_cast<uint8_t*>(base) + kCtlBytes +
+                                       local_idx * (kRingCtlBytes + ring_bytes_));
+}
+
+uint8_t* ShmTransport::ring_data(void* base, int local_idx) const {
+  return reinterpret_cast<uint8_t*>(ring_ctl(base, local_idx)) + kRingCtlBytes;
+}
+
+void ShmTransport::attach_peers() {
+  const int me = local_index_[rank_];
+  for (size_t i = 0; i < local_ranks_.size(); ++i) {
+    const int peer = local_ranks_[i];
+    void* base = own_.base;
+    if (peer != rank_) {
+      const std::string name = segment_name(peer);
+      int fd = shm_open(name.c_str(), O_RDWR, 0600);
+      FASTCOMM_SYSCHECK(fd >= 0, "rank " + std::to_string(rank_) + ": attaching segment of rank " +
+                                     std::to_string(peer) + " (shm_open " + name + ")");
+      struct stat st;
+      if (fstat(fd, &st) != 0 || (size_t)st.st_size != segment_size()) {
+        close(fd);
+        throw_comm_error("fastcomm: rank " + std::to_string(rank_) + ": segment of rank " +
+                         std::to_string(peer) +
+                         " has an unexpected size (FASTCOMM_SHM_RING_BYTES must be equal on all ranks)");
+      }
+      base = mmap(nullptr, segment_size(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      close(fd);
+      FASTCOMM_SYSCHECK(base != MAP_FAILED, "mmap of peer segment");
+      peer_maps_[i] = Mapping{base, segment_size()};
+      auto* h = static_cast<ShmSegmentHeader*>(base);
+      // The name already carries the token; checking the block as well rejects a stale or
+      // foreign segment that happens to sit under the same name.
+      if (h->magic != kMagic || h->version != kVersion || h->rank != peer ||
+          std::strncmp(h->token, token_.c_str(), sizeof(h->token)) != 0 || h->pid != pids_[peer]) {
+        throw_comm_error("fastcomm: rank " + std::to_string(rank_) + ": segment of rank " +
+                         std::to_string(peer) + " does not belong to this job");
+      }
+    }
+    auto* peer_hdr = static_cast<ShmSegmentHeader*>(base);
+    Doorbell peer_bell(&peer_hdr->bell);
+    out_[peer].ctl = ring_ctl(own_.base, (int)i);
+    out_[peer].ring = ring_data(own_.base, (int)i);
+    out_[peer].peer_bell = peer_bell;
+    in_[peer].ctl = ring_ctl(base, me);
+    in_[peer].ring = ring_data(base, me);
+    in_[peer].peer_bell = peer_bell;
+  }
+}
+
+void ShmTransport::unlink_own() {
+  if (unlinked_) return;
+  unlinked_ = true;
+  shm_unlink(segment_name(rank_).c_str());
+}
+
+bool ShmTransport::try_send(int peer, const Header& hdr, const void* payload) {
+  Outbound& o = out_[peer];
+  TORCH_INTERNAL_ASSERT(o.ctl != nullptr, "no shared-memory ring to rank ", peer);
+  TORCH_INTERNAL_ASSERT(hdr.len <= max_payload_, "payload larger than max_payload");
+  const uint64_t R = ring_bytes_;
+  const uint64_t need = kRecordHeader + align64(hdr.len);
+  uint64_t head = o.ctl->head.load(std::memory_order_relaxed);
+  uint64_t pos = head % R;
+  const uint64_t contig = R - pos;
+  const uint64_t total = need <= contig ? need : contig + need;
+  uint64_t tail = o.ctl->tail.load(std::memory_order_acquire);
+  if (head + total - tail > R) {
+    // Full: ask the receiver to ring us when it frees space, then look once more so a pop
+    // that raced with the request is not missed.
+    o.ctl->space_waiter.store(1, std::memory_order_seq_cst);
+    tail = o.ctl->tail.load(std::memory_order_seq_cst);
+    if (head + total - tail > R) return false;
+  }
+  if (need > contig) {
+    auto* wrap = reinterpret_cast<Record*>(o.ring + pos);
+    wrap->type = kRecWrap;
+    head += contig;
+    pos = 0;
+  }
+  auto* rec = reinterpret_cast<Record*>(o.ring + pos);
+  rec->hdr = hdr;
+  rec->type = kRecData;
+  if (hdr.len) std::memcpy(o.ring + pos + kRecordHeader, payload, hdr.len);
+  o.ctl->head.store(head + need, std::memory_order_release);
+  o.peer_bell.ring();
+  return true;
+}
+
+const Message* ShmTransport::peek(int peer) {
+  Inbound& in = in_[peer];
+  if (in.have) return &in.msg;
+  if (in.ctl == nullptr) return nullptr;
+  const uint64_t R = ring_bytes_;
+  const uint64_t head = in.ctl->head.load(std::memory_order_acquire);
+  uint64_t t = in.tail;
+  if (t == head) return nullptr;
+  uint64_t pos = t % R;
+  auto* rec = reinterpret_cast<const Record*>(in.ring + pos);
+  uint64_t skip = 0;
+  if (rec->type == kRecWrap) {
+    skip = R - pos;
+    t += skip;
+    TORCH_INTERNAL_ASSERT(t != head, "wrap record without a following record");
+    rec = reinterpret_cast<const Record*>(in.ring);
+    pos = 0;
+  }
+  TORCH_INTERNAL_ASSERT(rec->type == kRecData, "corrupt shared-memory ring from rank ", peer);
+  in.msg.hdr = rec->hdr;
+  in.msg.data = in.ring + pos + kRecordHeader;
+  in.cur_bytes = skip + kRecordHeader + align64(rec->hdr.len);
+  in.have = true;
+  return &in.msg;
+}
+
+void ShmTransport::pop(int peer) {
+  Inbound& in = in_[peer];
+  TORCH_INTERNAL_ASSERT(in.have, "pop without peek");
+  in.have = false;
+  in.tail += in.cur_bytes;
+  in.ctl->tail.store(in.tail, std::memory_order_seq_cst);
+  if (in.ctl->space_waiter.load(std::memory_order_seq_cst) != 0 &&
+      in.ctl->space_waiter.exchange(0, std::memory_order_seq_cst) != 0) {
+    in.peer_bell.ring();
+  }
+}
+
+bool ShmTransport::peer_alive(int peer) {
+  const int64_t pid = pids_[peer];
+  if (pid <= 0) return true;
+  if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) return false;
+  // A dead child that its parent has not reaped yet still answers kill(); read its state.
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(f, line)) return true;  // no procfs: trust kill()
+  auto rp = line.rfind(')');
+  if (rp == std::string::npos || rp + 2 >= line.size()) return true;
+  const char state = line[rp + 2];
+  return state != 'Z' && state != 'X';
+}
+
+}  // namespace fastcomm

@@ -1,0 +1,91 @@
+#pragma once
+// Shared-memory transport for peers on the same host.
+//
+// Each process owns one segment. It holds a control block (identity, doorbell) and one
+// outbound byte ring per same-host peer: the sender writes records into its own segment and
+// the receiver reads them from there, advancing the ring's tail. Every process maps the
+// segments of all its same-host peers once at init; pages are only backed when first written,
+// so an unused peer costs address space, not memory.
+//
+// Lifetime: the segment is created with mode 0600 under a name that carries the job's random
+// token, and unlinked as soon as every same-host rank has attached it (see unlink_own), so a
+// crash of any rank afterwards leaves nothing behind in /dev/shm; the kernel frees the memory
+// when the last mapping goes away.
+//
+// Thread-safety: none. The engine serialises every call under its progress lock.
+#include <string>
+#include <vector>
+
+#include "common/doorbell.h"
+#include "transport/transport.h"
+
+namespace fastcomm {
+
+struct ShmSegmentHeader;
+struct ShmRingCtl;
+
+class ShmTransport final : public Transport {
+ public:
+  // Creates this rank's segment. `local_ranks` lists the global ranks on this host (sorted,
+  // including this rank); `pids` are the peers' process ids, indexed by global rank.
+  ShmTransport(int rank, int world_size, const std::string& token, std::vector<int> local_ranks,
+               std::vector<int64_t> pids, size_t ring_bytes);
+  ~ShmTransport() override;
+
+  // Maps every same-host peer's segment and checks it belongs to this job.
+  void attach_peers();
+  // Removes this rank's segment name; safe to call more than once.
+  void unlink_own();
+
+  const char* name() const override { return "shm"; }
+  size_t max_payload() const override { return max_payload_; }
+  bool try_send(int peer, const Header& hdr, const void* payload) override;
+  const Message* peek(int peer) override;
+  void pop(int peer) override;
+  bool peer_alive(int peer) override;
+
+  bool is_local(int peer) const { return local_index_[peer] >= 0; }
+  Doorbell doorbell() const { return own_bell_; }
+
+ private:
+  struct Mapping {
+    void* base = nullptr;
+    size_t size = 0;
+  };
+  struct Inbound {  // reading side of peer->me ring (lives in the peer's segment)
+    ShmRingCtl* ctl = nullptr;
+    uint8_t* ring = nullptr;
+    uint64_t tail = 0;       // private copy of ctl->tail, published on pop
+    uint64_t cur_bytes = 0;  // bytes the peeked record occupies (incl. any wrap skip)
+    bool have = false;
+    Message msg;
+    Doorbell peer_bell;
+  };
+  struct Outbound {  // writing side of me->peer ring (lives in this segment)
+    ShmRingCtl* ctl = nullptr;
+    uint8_t* ring = nullptr;
+    Doorbell peer_bell;
+  };
+
+  std::string segment_name(int rank) const;
+  size_t segment_size() const;
+  ShmRingCtl* ring_ctl(void* base, int local_idx) const;
+  uint8_t* ring_data(void* base, int local_idx) const;
+
+  int rank_;
+  int world_size_;
+  std::string token_;
+  std::vector<int> local_ranks_;
+  std::vector<int> local_index_;  // global rank -> index in local_ranks_, or -1
+  std::vector<int64_t> pids_;
+  size_t ring_bytes_;
+  size_t max_payload_;
+  bool unlinked_ = false;
+  Mapping own_;
+  std::vector<Mapping> peer_maps_;  // by local index
+  std::vector<Inbound> in_;         // by global rank
+  std::vector<Outbound> out_;       // by global rank
+  Doorbell own_bell_;
+};
+
+}  // namespace fastcomm

@@ -1,0 +1,35 @@
+"""fastcomm: fast collectives over many small process groups, with a torch.distributed-like API.
+
+    import fastcomm as fc
+    fc.init()                                   # rendezvous once (torch's default store or env://)
+    g = fc.new_group([0, 1])                    # members only; costs nothing global
+    fc.all_reduce(t, op=fc.ReduceOp.SUM, group=g)
+"""
+from torch.distributed import ReduceOp  # same enum as torch.distributed, so either spelling works
+
+from ._state import (
+    Group,
+    get_rank,
+    get_world_size,
+    init,
+    is_initialized,
+    new_group,
+    new_groups,
+    shutdown,
+)
+from .collectives import all_reduce
+from .work import Work
+
+__all__ = [
+    "Group",
+    "ReduceOp",
+    "Work",
+    "all_reduce",
+    "get_rank",
+    "get_world_size",
+    "init",
+    "is_initialized",
+    "new_group",
+    "new_groups",
+    "shutdown",
+]

@@ -1,0 +1,207 @@
+"""Process-wide engine state: rendezvous, groups, shutdown.
+
+The rendezvous is the only world-wide step: every rank publishes its host identity and pid
+once through a c10d Store, creates its shared-memory segment, attaches its same-host peers'
+segments and, once all of them have attached, unlinks its own name (so no crash can leave a
+segment behind). After that, groups are made by their members alone.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import socket
+import threading
+from datetime import timedelta
+from typing import Iterable, List, Optional, Sequence
+
+import torch.distributed as dist
+
+from . import _C
+
+_lock = threading.Lock()
+_engine: Optional[_C.Engine] = None
+_world: Optional["Group"] = None
+_generation = 0  # how many times this process called init(); keys each rendezvous apart
+
+DEFAULT_TIMEOUT = timedelta(seconds=300)
+
+
+class Group:
+    """A small process group. Mirrors the parts of torch's ProcessGroup users touch:
+    ``rank()`` (this process's rank in the group, -1 for a non-member), ``size()``, ``ranks``."""
+
+    __slots__ = ("_h",)
+
+    def __init__(self, handle: _C.GroupHandle):
+        self._h = handle
+
+    @property
+    def ranks(self) -> List[int]:
+        return list(self._h.ranks)
+
+    @property
+    def is_member(self) -> bool:
+        return self._h.is_member
+
+    def rank(self) -> int:
+        return self._h.rank
+
+    def size(self) -> int:
+        return len(self._h.ranks)
+
+    def __repr__(self) -> str:
+        return f"fastcomm.Group(ranks={self.ranks}, rank={self.rank()})"
+
+
+def _host_identity() -> str:
+    """Ranks with equal identities share /dev/shm and can see each other's pids."""
+    override = os.environ.get("FASTCOMM_HOST_ID")
+    if override:
+        return override
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        pass
+    for ns in ("pid", "ipc"):
+        try:
+            parts.append(os.readlink(f"/proc/self/ns/{ns}"))
+        except OSError:
+            pass
+    try:
+        st = os.stat("/dev/shm")
+        parts.append(f"{st.st_dev}:{st.st_ino}")
+    except OSError:
+        pass
+    return "|".join(parts)
+
+
+def _to_timedelta(timeout) -> timedelta:
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, timedelta):
+        return timeout
+    return timedelta(seconds=float(timeout))
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    return int(v) if v else default
+
+
+def init(timeout=None, store: Optional[dist.Store] = None, rank: Optional[int] = None,
+         world_size: Optional[int] = None) -> None:
+    """Starts this process's engine. Uses ``store`` if given, else torch.distributed's default
+    store when it is initialized, else env:// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    global _engine, _world, _generation
+    timeout = _to_timedelta(timeout)
+    with _lock:
+        if _engine is not None:
+            raise RuntimeError(f"fastcomm: rank {_engine.rank}: init() called twice without shutdown()")
+        if store is None:
+            if dist.is_available() and dist.is_initialized():
+                store = dist.distributed_c10d._get_default_store()
+                rank, world_size = dist.get_rank(), dist.get_world_size()
+            else:
+                store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        elif rank is None or world_size is None:
+            raise ValueError("fastcomm.init: 'rank' and 'world_size' are required with 'store'")
+        _generation += 1
+        store = dist.PrefixStore(f"fastcomm/{_generation}/", store)
+        engine = _rendezvous(store, rank, world_size, timeout)
+        try:
+            world = engine.new_group(list(range(world_size)))
+        except Exception:
+            engine.shutdown()
+            raise
+        _engine, _world = engine, Group(world)
+
+
+def _rendezvous(store: dist.Store, rank: int, world: int, timeout: timedelta) -> _C.Engine:
+    if rank == 0:
+        store.set("token", secrets.token_hex(16))
+    token = store.get("token").decode()
+    store.set(f"peer/{rank}", f"{os.getpid()}\n{_host_identity()}")
+    keys = [f"peer/{r}" for r in range(world)]
+    store.wait(keys, timeout)
+    infos = [v.decode().split("\n", 1) for v in store.multi_get(keys)]
+    pids = [int(pid) for pid, _ in infos]
+    host_index = {}
+    host_of = [host_index.setdefault(host, len(host_index)) for _, host in infos]
+    local = [r for r in range(world) if host_of[r] == host_of[rank]]
+
+    engine = _C.Engine(
+        rank, world, token, host_of, pids,
+        ring_bytes=_env_int("FASTCOMM_SHM_RING_BYTES", 1 << 20),
+        timeout_ms=int(timeout.total_seconds() * 1000),
+        spin_ns=_env_int("FASTCOMM_SPIN_NS", -1),
+        yield_ns=_env_int("FASTCOMM_YIELD_NS", -1))
+    try:
+        store.set(f"created/{rank}", "1")
+        store.wait([f"created/{r}" for r in local], timeout)
+        engine.attach_peers()
+        store.set(f"attached/{rank}", "1")
+        store.wait([f"attached/{r}" for r in local], timeout)
+    except BaseException:
+        engine.shutdown()  # unlinks our segment: nothing may outlive a failed init
+        raise
+    engine.unlink_segment()
+    return engine
+
+
+def _require(api: str) -> _C.Engine:
+    e = _engine
+    if e is None:
+        raise RuntimeError(f"fastcomm.{api}: fastcomm is not initialized (call fastcomm.init() "
+                           f"first; after shutdown() call it again)")
+    return e
+
+
+def is_initialized() -> bool:
+    return _engine is not None
+
+
+def get_rank() -> int:
+    return _require("get_rank").rank
+
+
+def get_world_size() -> int:
+    return _require("get_world_size").world_size
+
+
+def world() -> Group:
+    _require("world")
+    return _world
+
+
+def new_group(ranks: Iterable[int]) -> Group:
+    """Creates a group. Only its members call this, in the same order relative to their other
+    new_group calls; nothing is sent to any other process."""
+    e = _require("new_group")
+    ranks = [int(r) for r in ranks]
+    g = e.new_group(ranks)
+    if not g.is_member:
+        raise ValueError(f"fastcomm.new_group: rank {e.rank} is not in argument 'ranks' {ranks}; "
+                         f"only members create a group (new_groups takes lists for everyone)")
+    return Group(g)
+
+
+def new_groups(lists: Sequence[Iterable[int]]) -> List[Group]:
+    """Creates many groups at once from the same list on every caller. Entries this rank is not
+    in come back as non-member groups (``rank() == -1``) that refuse collectives."""
+    e = _require("new_groups")
+    return [Group(h) for h in e.new_groups([[int(r) for r in ranks] for ranks in lists])]
+
+
+def shutdown() -> None:
+    """Fails pending ops, stops the engine's thread and releases its shared memory."""
+    global _engine, _world
+    with _lock:
+        e, _engine, _world = _engine, None, None
+    if e is not None:
+        e.shutdown()
+
+
+atexit.register(shutdown)

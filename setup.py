@@ -1,0 +1,45 @@
+"""Build driver: setuptools hands the native build to CMakeLists.txt (the single description
+of sources and flags) and copies the module it produces into the package."""
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name):
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext):
+        import torch  # the installed torch is the one we build against (--no-build-isolation)
+
+        src = os.path.abspath(os.path.dirname(__file__))
+        build_dir = os.path.join(src, "build", f"py{sys.version_info.major}{sys.version_info.minor}")
+        os.makedirs(build_dir, exist_ok=True)
+        gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+        cfg = os.environ.get("FASTCOMM_BUILD_TYPE", "Release")
+        subprocess.check_call(
+            ["cmake", "-S", src, "-B", build_dir, *gen,
+             f"-DCMAKE_BUILD_TYPE={cfg}",
+             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+             f"-DPython_EXECUTABLE={sys.executable}"])
+        subprocess.check_call(["cmake", "--build", build_dir, "--parallel", str(os.cpu_count() or 2)])
+        built = os.path.join(build_dir, "_C" + sysconfig.get_config_var("EXT_SUFFIX"))
+        dest = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        shutil.copyfile(built, dest)
+        if self.inplace is False:
+            return
+        # Editable installs import the package from the source tree: keep the module there too.
+        inplace = os.path.join(src, "fastcomm", os.path.basename(dest))
+        if os.path.abspath(inplace) != os.path.abspath(dest):
+            shutil.copyfile(built, inplace)
+
+
+setup(ext_modules=[CMakeExtension("fastcomm._C")], cmdclass={"build_ext": CMakeBuild})

@@ -1,0 +1,93 @@
+"""Runs a test body on several ranks, each a separate process, and brings back their results.
+
+Every rank is a forked child with its own fastcomm engine, rendezvousing through a TCPStore
+that the parent hosts on a free loopback port. Each run has a hard timeout: on expiry every
+child is killed and the test fails, so a hang can never stall the suite."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_ctx = mp.get_context("fork")
+
+
+def _child(fn, rank, world, port, conn, args, env, init_kwargs):
+    try:
+        os.environ.update(env)
+        torch.set_num_threads(1)
+        import fastcomm as fc
+
+        if init_kwargs is not None:
+            store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=30))
+            fc.init(store=store, rank=rank, world_size=world, **init_kwargs)
+        result = fn(rank, world, *args)
+        if init_kwargs is not None:
+            fc.shutdown()
+        conn.send(("ok", result))
+    except BaseException as e:  # report everything, including assertion failures
+        conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+        os._exit(0)
+
+
+def run(fn, world, *args, timeout=60.0, env=None, init=True, init_timeout=30.0, allow_fail=()):
+    """Runs ``fn(rank, world, *args)`` on ``world`` ranks; returns the list of their results.
+
+    ``allow_fail`` names ranks expected to die (their missing result is None)."""
+    server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=30),
+                           wait_for_workers=False)
+    init_kwargs = {"timeout": timedelta(seconds=init_timeout)} if init else None
+    procs, conns = [], []
+    for r in range(world):
+        parent, child = _ctx.Pipe(duplex=False)
+        p = _ctx.Process(target=_child,
+                         args=(fn, r, world, server.port, child, args, dict(env or {}), init_kwargs))
+        p.start()
+        child.close()
+        procs.append(p)
+        conns.append(parent)
+    deadline = time.monotonic() + timeout
+    results, errors = [None] * world, []
+    try:
+        for r, (p, c) in enumerate(zip(procs, conns)):
+            remaining = max(0.0, deadline - time.monotonic())
+            if c.poll(remaining):
+                try:
+                    status, value = c.recv()
+                except EOFError:
+                    status, value = "error", f"rank {r}: exited without a result (code {p.exitcode})"
+            elif r in allow_fail:
+                continue
+            else:
+                alive = not c.closed and p.is_alive()
+                status, value = "error", (f"rank {r}: no result within {timeout}s (hung)" if alive
+                                          else f"rank {r}: died (exit code {p.exitcode})")
+            if status == "ok":
+                results[r] = value
+            elif r not in allow_fail:
+                errors.append(value)
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join()
+        del server
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return results
+
+
+def shm_entries():
+    try:
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith("fastcomm-"))
+    except FileNotFoundError:
+        return []
