@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing), installs the build/test requirements and builds fastcomm in place
+# against the installed torch. Idempotent: a second run only rebuilds what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --disable-pip-version-check -r requirements.txt
+python -m pip install -q --disable-pip-version-check --no-build-isolation -e .
