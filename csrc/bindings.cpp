@@ -18,12 +18,42 @@ py::object to_py_work(c10::intrusive_ptr<Work> w) {
 
 // Accepts torch.distributed.ReduceOp, its RedOpType members, or a plain int.
 c10d::ReduceOp::RedOpType to_redop(const py::handle& op) {
+  // Checked by type, not by trying casts: a failed pybind cast costs a C++ exception per call.
+  if (py::isinstance<c10d::ReduceOp::RedOpType>(op)) return op.cast<c10d::ReduceOp::RedOpType>();
+  if (py::isinstance<c10d::ReduceOp>(op)) return op.cast<c10d::ReduceOp>().op_;
   if (py::isinstance<py::int_>(op)) return (c10d::ReduceOp::RedOpType)op.cast<int>();
-  try {
-    return op.cast<c10d::ReduceOp>().op_;
-  } catch (const py::cast_error&) {
+  throw py::type_error("fastcomm: argument 'op' must be a torch.distributed.ReduceOp, got " +
+                       std::string(py::str(py::type::of(op))));
+}
+
+// Ops issued inside `with fastcomm.batch()`: prepared (validated) at issue time, posted
+// together when the block ends.
+struct Batch {
+  std::vector<Engine::Prepared> ops;
+  bool posted = false;
+};
+
+// Common tail of every collective binding: queue into the batch, or post and (for a blocking
+// call) wait, with the GIL released.
+template <typename Prepare>
+py::object issue(Engine& e, bool async_op, Batch* batch, Prepare&& prepare) {
+  if (batch != nullptr) {
+    TORCH_CHECK(!batch->posted, "fastcomm: rank ", e.rank(), ": op issued into a batch that was already posted");
+    batch->ops.push_back(prepare());
+    return py::none();
   }
-  return op.cast<c10d::ReduceOp::RedOpType>();
+  c10::intrusive_ptr<Work> w;
+  {
+    py::gil_scoped_release nogil;
+    std::vector<Engine::Prepared> ops;
+    ops.push_back(prepare());
+    w = e.post(std::move(ops), async_op);
+    if (!async_op) {
+      e.wait(*w, std::chrono::milliseconds(0));
+      w->rethrow_if_failed();
+    }
+  }
+  return async_op ? to_py_work(std::move(w)) : py::none();
 }
 
 }  // namespace
@@ -68,18 +98,88 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("new_groups", &Engine::new_groups, py::arg("lists"))
       .def(
           "all_reduce",
-          [](Engine& e, const GroupHandle& g, const at::Tensor& t, const py::handle& op, bool async_op) {
+          [](Engine& e, const GroupHandle& g, const at::Tensor& t, const py::handle& op, bool async_op,
+             Batch* batch) {
             const auto rop = to_redop(op);
+            return issue(e, async_op, batch, [&] { return e.prepare_all_reduce(g, t, rop); });
+          },
+          py::arg("group"), py::arg("tensor"), py::arg("op"), py::arg("async_op"), py::arg("batch"))
+      .def(
+          "broadcast",
+          [](Engine& e, const GroupHandle& g, const at::Tensor& t, int src, bool async_op, Batch* batch) {
+            return issue(e, async_op, batch, [&] { return e.prepare_broadcast(g, t, src); });
+          },
+          py::arg("group"), py::arg("tensor"), py::arg("src"), py::arg("async_op"), py::arg("batch"))
+      .def(
+          "all_gather",
+          [](Engine& e, const GroupHandle& g, const std::vector<at::Tensor>& outs, const at::Tensor& in,
+             bool async_op, Batch* batch) {
+            return issue(e, async_op, batch, [&] { return e.prepare_all_gather(g, outs, in); });
+          },
+          py::arg("group"), py::arg("tensor_list"), py::arg("tensor"), py::arg("async_op"), py::arg("batch"))
+      .def(
+          "all_gather_into_tensor",
+          [](Engine& e, const GroupHandle& g, const at::Tensor& out, const at::Tensor& in, bool async_op,
+             Batch* batch) {
+            return issue(e, async_op, batch, [&] { return e.prepare_all_gather_into_tensor(g, out, in); });
+          },
+          py::arg("group"), py::arg("output_tensor"), py::arg("input_tensor"), py::arg("async_op"),
+          py::arg("batch"))
+      .def(
+          "reduce_scatter",
+          [](Engine& e, const GroupHandle& g, const at::Tensor& out, const std::vector<at::Tensor>& ins,
+             const py::handle& op, bool async_op, Batch* batch) {
+            const auto rop = to_redop(op);
+            return issue(e, async_op, batch, [&] { return e.prepare_reduce_scatter(g, out, ins, rop); });
+          },
+          py::arg("group"), py::arg("output"), py::arg("input_list"), py::arg("op"), py::arg("async_op"),
+          py::arg("batch"))
+      .def(
+          "reduce_scatter_tensor",
+          [](Engine& e, const GroupHandle& g, const at::Tensor& out, const at::Tensor& in,
+             const py::handle& op, bool async_op, Batch* batch) {
+            const auto rop = to_redop(op);
+            return issue(e, async_op, batch, [&] { return e.prepare_reduce_scatter_tensor(g, out, in, rop); });
+          },
+          py::arg("group"), py::arg("output"), py::arg("input"), py::arg("op"), py::arg("async_op"),
+          py::arg("batch"))
+      .def(
+          "barrier",
+          [](Engine& e, const GroupHandle& g, bool async_op, Batch* batch) {
+            return issue(e, async_op, batch, [&] { return e.prepare_barrier(g); });
+          },
+          py::arg("group"), py::arg("async_op"), py::arg("batch"))
+      .def(
+          "send",
+          [](Engine& e, const GroupHandle& g, const at::Tensor& t, int dst, int tag, bool async_op,
+             Batch* batch) {
+            return issue(e, async_op, batch, [&] { return e.prepare_p2p(g, t, dst, tag, true); });
+          },
+          py::arg("group"), py::arg("tensor"), py::arg("dst"), py::arg("tag"), py::arg("async_op"),
+          py::arg("batch"))
+      .def(
+          "recv",
+          [](Engine& e, const GroupHandle& g, const at::Tensor& t, int src, int tag, bool async_op,
+             Batch* batch) {
+            return issue(e, async_op, batch, [&] { return e.prepare_p2p(g, t, src, tag, false); });
+          },
+          py::arg("group"), py::arg("tensor"), py::arg("src"), py::arg("tag"), py::arg("async_op"),
+          py::arg("batch"))
+      .def(
+          "post_batch",
+          [](Engine& e, Batch& b) {
+            TORCH_CHECK(!b.posted, "fastcomm: rank ", e.rank(), ": batch posted twice");
+            b.posted = true;
             c10::intrusive_ptr<Work> w;
             {
               py::gil_scoped_release nogil;
-              w = e.all_reduce(g, t, rop, async_op);
-              if (!async_op) {
-                e.wait(*w, std::chrono::milliseconds(0));
-                w->rethrow_if_failed();
-              }
+              w = e.post(std::move(b.ops), true);
             }
-            return async_op ? to_py_work(std::move(w)) : py::none();
+            return to_py_work(std::move(w));
           },
-          py::arg("group"), py::arg("tensor"), py::arg("op"), py::arg("async_op"));
+          py::arg("batch"));
+
+  py::class_<Batch>(m, "Batch")
+      .def(py::init<>())
+      .def("__len__", [](const Batch& b) { return b.ops.size(); });
 }

@@ -17,14 +17,40 @@ from ._state import (
     new_groups,
     shutdown,
 )
-from .collectives import all_reduce
+from .collectives import (
+    all_gather,
+    all_gather_into_tensor,
+    all_reduce,
+    all_reduce_many,
+    barrier,
+    batch,
+    broadcast,
+    irecv,
+    isend,
+    recv,
+    reduce_scatter,
+    reduce_scatter_tensor,
+    send,
+)
 from .work import Work
 
 __all__ = [
     "Group",
     "ReduceOp",
     "Work",
+    "all_gather",
+    "all_gather_into_tensor",
     "all_reduce",
+    "all_reduce_many",
+    "barrier",
+    "batch",
+    "broadcast",
+    "irecv",
+    "isend",
+    "recv",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "send",
     "get_rank",
     "get_world_size",
     "init",

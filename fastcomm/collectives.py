@@ -1,16 +1,20 @@
 """Collectives with torch.distributed's names, argument order and async_op semantics.
 
 Each call is a straight pass-through to the engine, which validates the arguments (naming
-rank, group and argument on error) before anything is sent."""
+rank, group and argument on error) before anything is sent. Inside ``with fastcomm.batch()``
+the same calls are validated and queued instead, and the batch issues them together."""
 from __future__ import annotations
 
-from typing import Optional
+import threading
+from typing import List, Optional, Sequence
 
 import torch
 from torch.distributed import ReduceOp
 
-from . import _state
+from . import _C, _state
 from .work import Work
+
+_tls = threading.local()  # the batch being collected by this thread, if any
 
 
 def _handle(group, api: str):
@@ -26,8 +30,159 @@ def _handle(group, api: str):
                         f"(from fastcomm.new_group), got {type(group).__name__}") from None
 
 
+def _wrap(w) -> Optional[Work]:
+    return None if w is None else Work(w)
+
+
+def _global_rank(group, rank, group_rank, api: str, arg: str) -> int:
+    if (rank is None) == (group_rank is None):
+        raise ValueError(f"fastcomm.{api}: give exactly one of '{arg}' and 'group_{arg}'")
+    if rank is not None:
+        return int(rank)
+    ranks = group.ranks if group is not None else list(range(_state.get_world_size()))
+    return ranks[group_rank]
+
+
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False) -> Optional[Work]:
     """Reduces ``tensor`` in place across ``group`` (default: all ranks)."""
     e, h = _handle(group, "all_reduce")
-    w = e.all_reduce(h, tensor, op, async_op)
-    return Work(w) if async_op else None
+    return _wrap(e.all_reduce(h, tensor, op, async_op, getattr(_tls, "batch", None)))
+
+
+def broadcast(tensor: torch.Tensor, src: Optional[int] = None, group=None, async_op: bool = False,
+              group_src: Optional[int] = None) -> Optional[Work]:
+    """Copies ``tensor`` from global rank ``src`` (or group rank ``group_src``) to all members."""
+    e, h = _handle(group, "broadcast")
+    src = _global_rank(group, src, group_src, "broadcast", "src")
+    return _wrap(e.broadcast(h, tensor, src, async_op, getattr(_tls, "batch", None)))
+
+
+def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = False) -> Optional[Work]:
+    """Gathers every member's ``tensor`` into ``tensor_list`` (one tensor per member, in group
+    rank order), or into one tensor of ``size() * numel`` elements when given a tensor."""
+    if isinstance(tensor_list, torch.Tensor):
+        return all_gather_into_tensor(tensor_list, tensor, group, async_op)
+    e, h = _handle(group, "all_gather")
+    return _wrap(e.all_gather(h, list(tensor_list), tensor, async_op, getattr(_tls, "batch", None)))
+
+
+def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
+                           async_op: bool = False) -> Optional[Work]:
+    e, h = _handle(group, "all_gather_into_tensor")
+    return _wrap(e.all_gather_into_tensor(h, output_tensor, input_tensor, async_op,
+                                          getattr(_tls, "batch", None)))
+
+
+def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op=ReduceOp.SUM, group=None,
+                   async_op: bool = False) -> Optional[Work]:
+    """Member i receives the reduction over members of their ``input_list[i]``."""
+    e, h = _handle(group, "reduce_scatter")
+    return _wrap(e.reduce_scatter(h, output, list(input_list), op, async_op, getattr(_tls, "batch", None)))
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
+                          async_op: bool = False) -> Optional[Work]:
+    """Like reduce_scatter, with the inputs concatenated in one tensor of ``size() * numel``."""
+    e, h = _handle(group, "reduce_scatter_tensor")
+    return _wrap(e.reduce_scatter_tensor(h, output, input, op, async_op, getattr(_tls, "batch", None)))
+
+
+def barrier(group=None, async_op: bool = False) -> Optional[Work]:
+    e, h = _handle(group, "barrier")
+    return _wrap(e.barrier(h, async_op, getattr(_tls, "batch", None)))
+
+
+def isend(tensor: torch.Tensor, dst: Optional[int] = None, group=None, tag: int = 0,
+          group_dst: Optional[int] = None) -> Optional[Work]:
+    """Sends ``tensor`` to global rank ``dst``; matched, in order, by the recv with the same
+    source, group and tag on ``dst``."""
+    e, h = _handle(group, "isend")
+    dst = _global_rank(group, dst, group_dst, "isend", "dst")
+    return _wrap(e.send(h, tensor, dst, tag, True, getattr(_tls, "batch", None)))
+
+
+def irecv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0,
+          group_src: Optional[int] = None) -> Optional[Work]:
+    e, h = _handle(group, "irecv")
+    src = _global_rank(group, src, group_src, "irecv", "src")
+    return _wrap(e.recv(h, tensor, src, tag, True, getattr(_tls, "batch", None)))
+
+
+def send(tensor: torch.Tensor, dst: Optional[int] = None, group=None, tag: int = 0,
+         group_dst: Optional[int] = None) -> None:
+    e, h = _handle(group, "send")
+    dst = _global_rank(group, dst, group_dst, "send", "dst")
+    e.send(h, tensor, dst, tag, False, getattr(_tls, "batch", None))
+
+
+def recv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0,
+         group_src: Optional[int] = None) -> int:
+    """Receives into ``tensor``; returns the sender's global rank, as torch does."""
+    e, h = _handle(group, "recv")
+    src = _global_rank(group, src, group_src, "recv", "src")
+    e.recv(h, tensor, src, tag, False, getattr(_tls, "batch", None))
+    return src
+
+
+class batch:
+    """``with fastcomm.batch() as b:`` -- every op issued in the block (any groups, overlapping
+    or not) is validated at once and issued together when the block ends, as one fused step:
+    one write and one wake-up per peer. Inside the block ops return None; ``b`` is the Work of
+    the whole batch (wait, is_completed, is_success, exception, get_future). An exception
+    inside the block discards the batch: nothing was sent."""
+
+    def __init__(self):
+        self._engine = None
+        self._ops = None
+        self._work: Optional[Work] = None
+
+    def __enter__(self) -> "batch":
+        if getattr(_tls, "batch", None) is not None:
+            raise RuntimeError("fastcomm.batch: batches do not nest")
+        self._engine = _state._require("batch")
+        self._ops = _C.Batch()
+        _tls.batch = self._ops
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        _tls.batch = None
+        if exc_type is None:
+            self._work = Work(self._engine.post_batch(self._ops))
+        return False
+
+    def __len__(self) -> int:
+        return len(self._ops) if self._ops is not None else 0
+
+    def _posted(self) -> Work:
+        if self._work is None:
+            raise RuntimeError("fastcomm.batch: the batch has not been issued yet (leave the with-block first)")
+        return self._work
+
+    def wait(self, timeout=None) -> bool:
+        return self._posted().wait(timeout)
+
+    def is_completed(self) -> bool:
+        return self._posted().is_completed()
+
+    def is_success(self) -> bool:
+        return self._posted().is_success()
+
+    def exception(self):
+        return self._posted().exception()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._posted().get_future()
+
+
+def all_reduce_many(tensors: Sequence[torch.Tensor], groups: Sequence, op=ReduceOp.SUM,
+                    async_op: bool = False):
+    """all_reduce of ``tensors[i]`` over ``groups[i]`` for every i, as one batch."""
+    if len(tensors) != len(groups):
+        raise ValueError(f"fastcomm.all_reduce_many: {len(tensors)} tensors but {len(groups)} groups")
+    with batch() as b:
+        for t, g in zip(tensors, groups):
+            all_reduce(t, op=op, group=g)
+    if async_op:
+        return b
+    b.wait()
+    return None

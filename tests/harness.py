@@ -2,7 +2,13 @@
 
 Every rank is a forked child with its own fastcomm engine, rendezvousing through a TCPStore
 that the parent hosts on a free loopback port. Each run has a hard timeout: on expiry every
-child is killed and the test fails, so a hang can never stall the suite."""
+child is killed and the test fails, so a hang can never stall the suite.
+
+Inside a child, ``child_store()`` gives a client of the run's store and ``init_child()`` calls
+fc.init through it (for tests that run with ``init=False`` or re-init after shutdown);
+``job_token()`` is the random token of the current fastcomm session (it names the job's
+shared-memory segments). The parent records every token its runs used in ``TOKENS_SEEN``, so
+the leak check can tell this suite's segments from those of unrelated jobs on the machine."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -17,9 +23,43 @@ import torch.distributed as dist
 
 _ctx = mp.get_context("fork")
 
+# torch.testing.assert_close imports a lot lazily on its first call (about a second); pay that
+# once here, in the parent, instead of once in every forked child.
+torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
+
+# In a child: the run's store port and world size (set before fn runs).
+_port = None
+_rank = None
+_world = None
+
+# In the parent: the fastcomm job tokens of every run so far (for the leak check).
+TOKENS_SEEN: set = set()
+
+
+def child_store():
+    """A new client of the run's TCPStore (only inside a child)."""
+    assert _port is not None, "child_store() is only available inside harness.run children"
+    return dist.TCPStore("127.0.0.1", _port, _world, False, timeout=timedelta(seconds=30))
+
+
+def init_child(rank, world, timeout=30.0):
+    """fc.init through the run's store (only inside a child)."""
+    import fastcomm as fc
+
+    fc.init(store=child_store(), rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+
+
+def job_token():
+    """The token of this child's current fastcomm session (only inside a child, after init)."""
+    from fastcomm import _state
+
+    return child_store().get(f"fastcomm/{_state._generation}/token").decode()
+
 
 def _child(fn, rank, world, port, conn, args, env, init_kwargs):
+    global _port, _rank, _world
     try:
+        _port, _rank, _world = port, rank, world
         os.environ.update(env)
         torch.set_num_threads(1)
         import fastcomm as fc
@@ -36,6 +76,17 @@ def _child(fn, rank, world, port, conn, args, env, init_kwargs):
     finally:
         conn.close()
         os._exit(0)
+
+
+def _record_tokens(server):
+    for gen in range(1, 9):
+        key = f"fastcomm/{gen}/token"
+        try:
+            if not server.check([key]):
+                break
+            TOKENS_SEEN.add(server.get(key).decode())
+        except Exception:
+            break
 
 
 def run(fn, world, *args, timeout=60.0, env=None, init=True, init_timeout=30.0, allow_fail=()):
@@ -80,6 +131,9 @@ def run(fn, world, *args, timeout=60.0, env=None, init=True, init_timeout=30.0, 
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
                 p.join()
+        for c in conns:
+            c.close()
+        _record_tokens(server)
         del server
     if errors:
         raise AssertionError("\n".join(errors))

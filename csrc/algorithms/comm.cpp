@@ -11,7 +11,7 @@ const char* op_kind_name(OpKind k) {
     case OpKind::kAllGather: return "all_gather";
     case OpKind::kReduceScatter: return "reduce_scatter";
     case OpKind::kBarrier: return "barrier";
-    case OpKind::kSend: return "send";
+    case OpKind::kSend: return "send/recv";
     case OpKind::kRecv: return "recv";
   }
   return "unknown op";

@@ -45,6 +45,10 @@ class Comm {
   // Sends `len` bytes to group rank `to`, labelled with `offset` and `tag`; false if there is
   // no room now (retry on a later step).
   virtual bool send(int to, uint64_t offset, uint32_t tag, const void* data, uint32_t len) = 0;
+  // Sends become visible to peers when the engine's progress pass ends (so a batch costs one
+  // write and one wake-up per peer); an op streaming large data calls flush() to publish its
+  // pieces before it spends time reducing.
+  virtual void flush() = 0;
   // The next message of this op from group rank `from`, or nullptr. Throws CommError when the
   // sender issued a different collective or aborted this op.
   virtual const Message* peek(int from) = 0;

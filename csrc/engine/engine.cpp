@@ -87,6 +87,7 @@ class OpComm final : public Comm {
     h.redop = (uint8_t)d.redop;
     return e_.send_for(g_, p_, g_.ranks[to], h, data);
   }
+  void flush() override { e_.flush_sends(); }
   const Message* peek(int from) override {
     const int peer = g_.ranks[from];
     const Message* m = e_.peek_for(g_, p_, peer);
@@ -241,57 +242,189 @@ void check_tensor(const at::Tensor& t, int rank, const std::string& group, const
 }
 }  // namespace
 
-c10::intrusive_ptr<Work> Engine::all_reduce(const GroupHandle& g, const at::Tensor& t,
-                                            c10d::ReduceOp::RedOpType op, bool async_op) {
-  check_member(g, "all_reduce");
-  check_tensor(t, opts_.rank, g.label(), "all_reduce", "tensor");
+void Engine::check_reduce_op(const GroupHandle& g, const char* api, RedOp op,
+                             c10::ScalarType dt) const {
   using R = c10d::ReduceOp;
   TORCH_CHECK_VALUE(op == R::SUM || op == R::AVG || op == R::PRODUCT || op == R::MIN || op == R::MAX,
-                    "fastcomm.all_reduce: rank ", opts_.rank, ", group ", g.label(),
-                    ": argument 'op' ", redop_name(op),
-                    " is not supported (SUM, AVG, PRODUCT, MIN, MAX are)");
-  TORCH_CHECK_VALUE(op != R::AVG || c10::isFloatingType(t.scalar_type()), "fastcomm.all_reduce: rank ",
-                    opts_.rank, ", group ", g.label(), ": argument 'op' AVG needs a floating dtype, got ",
-                    t.scalar_type());
-  return post(g, make_all_reduce(t, op, g.rank, (int)g.ranks.size()), c10d::OpType::ALLREDUCE,
-              async_op);
+                    "fastcomm.", api, ": rank ", opts_.rank, ", group ", g.label(), ": argument 'op' ",
+                    redop_name(op), " is not supported (SUM, AVG, PRODUCT, MIN, MAX are)");
+  TORCH_CHECK_VALUE(op != R::AVG || c10::isFloatingType(dt), "fastcomm.", api, ": rank ", opts_.rank,
+                    ", group ", g.label(), ": argument 'op' AVG needs a floating dtype, got ", dt);
 }
 
-c10::intrusive_ptr<Work> Engine::post(const GroupHandle& h, std::unique_ptr<Op> op,
-                                      c10d::OpType type, bool async_op) {
-  auto work = c10::make_intrusive<Work>(shared_from_this(), opts_.rank, type, op->outputs());
+int Engine::group_rank_of(const GroupHandle& g, int global, const char* api, const char* arg) const {
+  auto it = std::find(g.ranks.begin(), g.ranks.end(), global);
+  TORCH_CHECK_VALUE(it != g.ranks.end(), "fastcomm.", api, ": rank ", opts_.rank, ", group ", g.label(),
+                    ": argument '", arg, "' is rank ", global, ", which is not in the group");
+  return (int)(it - g.ranks.begin());
+}
+
+namespace {
+void check_same(const at::Tensor& a, const at::Tensor& ref, int64_t numel, int rank,
+                const std::string& group, const char* api, const std::string& arg) {
+  check_tensor(a, rank, group, api, arg.c_str());
+  TORCH_CHECK_TYPE(a.scalar_type() == ref.scalar_type(), "fastcomm.", api, ": rank ", rank, ", group ",
+                   group, ": argument '", arg, "' has dtype ", a.scalar_type(), ", expected ",
+                   ref.scalar_type());
+  TORCH_CHECK_VALUE(a.numel() == numel, "fastcomm.", api, ": rank ", rank, ", group ", group,
+                    ": argument '", arg, "' has ", a.numel(), " elements, expected ", numel);
+}
+}  // namespace
+
+Engine::Prepared Engine::prepare_all_reduce(const GroupHandle& g, const at::Tensor& t, RedOp op) {
+  check_member(g, "all_reduce");
+  check_tensor(t, opts_.rank, g.label(), "all_reduce", "tensor");
+  check_reduce_op(g, "all_reduce", op, t.scalar_type());
+  return {g, make_all_reduce(t, op, g.rank, (int)g.ranks.size()), c10d::OpType::ALLREDUCE};
+}
+
+Engine::Prepared Engine::prepare_broadcast(const GroupHandle& g, const at::Tensor& t, int src) {
+  check_member(g, "broadcast");
+  check_tensor(t, opts_.rank, g.label(), "broadcast", "tensor");
+  const int root = group_rank_of(g, src, "broadcast", "src");
+  return {g, make_broadcast(t, root, g.rank, (int)g.ranks.size()), c10d::OpType::BROADCAST};
+}
+
+Engine::Prepared Engine::prepare_all_gather(const GroupHandle& g, const std::vector<at::Tensor>& outs,
+                                            const at::Tensor& in) {
+  check_member(g, "all_gather");
+  check_tensor(in, opts_.rank, g.label(), "all_gather", "tensor");
+  TORCH_CHECK_VALUE(outs.size() == g.ranks.size(), "fastcomm.all_gather: rank ", opts_.rank, ", group ",
+                    g.label(), ": argument 'tensor_list' has ", outs.size(), " tensors, expected ",
+                    g.ranks.size());
+  for (size_t i = 0; i < outs.size(); ++i)
+    check_same(outs[i], in, in.numel(), opts_.rank, g.label(), "all_gather",
+               "tensor_list[" + std::to_string(i) + "]");
+  return {g, make_all_gather(outs, in, g.rank, (int)g.ranks.size()), c10d::OpType::ALLGATHER};
+}
+
+Engine::Prepared Engine::prepare_all_gather_into_tensor(const GroupHandle& g, const at::Tensor& out,
+                                                        const at::Tensor& in) {
+  const char* api = "all_gather_into_tensor";
+  check_member(g, api);
+  check_tensor(in, opts_.rank, g.label(), api, "input_tensor");
+  const int64_t k = (int64_t)g.ranks.size();
+  check_same(out, in, in.numel() * k, opts_.rank, g.label(), api, "output_tensor");
+  return {g, make_all_gather(out.reshape({-1}).chunk(k), in, g.rank, (int)k), c10d::OpType::_ALLGATHER_BASE};
+}
+
+Engine::Prepared Engine::prepare_reduce_scatter(const GroupHandle& g, const at::Tensor& out,
+                                                const std::vector<at::Tensor>& ins, RedOp op) {
+  const char* api = "reduce_scatter";
+  check_member(g, api);
+  check_tensor(out, opts_.rank, g.label(), api, "output");
+  check_reduce_op(g, api, op, out.scalar_type());
+  TORCH_CHECK_VALUE(ins.size() == g.ranks.size(), "fastcomm.reduce_scatter: rank ", opts_.rank,
+                    ", group ", g.label(), ": argument 'input_list' has ", ins.size(),
+                    " tensors, expected ", g.ranks.size());
+  for (size_t i = 0; i < ins.size(); ++i)
+    check_same(ins[i], out, out.numel(), opts_.rank, g.label(), api, "input_list[" + std::to_string(i) + "]");
+  return {g, make_reduce_scatter(out, ins, op, g.rank, (int)g.ranks.size()), c10d::OpType::REDUCE_SCATTER};
+}
+
+Engine::Prepared Engine::prepare_reduce_scatter_tensor(const GroupHandle& g, const at::Tensor& out,
+                                                       const at::Tensor& in, RedOp op) {
+  const char* api = "reduce_scatter_tensor";
+  check_member(g, api);
+  check_tensor(out, opts_.rank, g.label(), api, "output");
+  check_reduce_op(g, api, op, out.scalar_type());
+  const int64_t k = (int64_t)g.ranks.size();
+  check_same(in, out, out.numel() * k, opts_.rank, g.label(), api, "input");
+  auto parts = in.reshape({-1}).chunk(k);
+  if (out.numel() == 0) parts.assign(k, in.reshape({-1}));  // chunk() of an empty tensor yields one
+  return {g, make_reduce_scatter(out, parts, op, g.rank, (int)k), c10d::OpType::_REDUCE_SCATTER_BASE};
+}
+
+Engine::Prepared Engine::prepare_barrier(const GroupHandle& g) {
+  check_member(g, "barrier");
+  return {g, make_barrier(g.rank, (int)g.ranks.size()), c10d::OpType::BARRIER};
+}
+
+Engine::Prepared Engine::prepare_p2p(const GroupHandle& g, const at::Tensor& t, int peer, int tag,
+                                     bool sending) {
+  const char* api = sending ? "send" : "recv";
+  const char* arg = sending ? "dst" : "src";
+  check_member(g, api);
+  check_tensor(t, opts_.rank, g.label(), api, "tensor");
+  group_rank_of(g, peer, api, arg);
+  TORCH_CHECK_VALUE(peer != opts_.rank, "fastcomm.", api, ": rank ", opts_.rank, ", group ", g.label(),
+                    ": argument '", arg, "' is this rank itself");
+  GroupHandle ch = sending ? p2p_channel(g, opts_.rank, peer, tag) : p2p_channel(g, peer, opts_.rank, tag);
+  const int peer_rank = ch.ranks[0] == peer ? 0 : 1;
+  return {ch, make_p2p(t, sending, peer_rank, ch.rank), sending ? c10d::OpType::SEND : c10d::OpType::RECV};
+}
+
+// A send/recv channel is a two-member pseudo-group, made on first use by each side alone; the
+// k-th send from src to dst with a tag matches the k-th recv at dst from src with that tag.
+GroupHandle Engine::p2p_channel(const GroupHandle& g, int src, int dst, int tag) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto key = std::make_tuple(g.id, src, dst, tag);
+  auto it = p2p_.find(key);
+  if (it != p2p_.end()) return it->second;
+  auto st = std::make_shared<GroupState>();
+  st->ranks = {std::min(src, dst), std::max(src, dst)};
+  st->rank = st->ranks[0] == opts_.rank ? 0 : 1;
+  st->label = g.label() + " (" + std::to_string(src) + "->" + std::to_string(dst) + ", tag " +
+              std::to_string(tag) + ")";
+  st->id = mix64(mix64(mix64(mix64(g.id ^ 0x7032705ULL) ^ (uint64_t)src) ^ (uint64_t)dst) ^ (uint64_t)(uint32_t)tag);
+  groups_[st->id] = st;
+  GroupHandle h;
+  h.ranks = st->ranks;
+  h.rank = st->rank;
+  h.id = st->id;
+  h.state = st;
+  p2p_[key] = h;
+  return h;
+}
+
+c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared> ops, bool async_op) {
+  std::vector<at::Tensor> outputs;
+  for (auto& p : ops)
+    for (auto& t : p.op->outputs()) outputs.push_back(t);
+  const c10d::OpType type = ops.size() == 1 ? ops[0].type : c10d::OpType::COALESCED;
+  auto work = c10::make_intrusive<Work>(shared_from_this(), opts_.rank, type, std::move(outputs),
+                                        (int)ops.size(), async_op);
+  if (ops.empty()) {
+    work->complete(nullptr, true);
+    return work;
+  }
   Done done;
   {
     std::lock_guard<std::mutex> lk(mu_);
     TORCH_CHECK(!shut_down_, "fastcomm: rank ", opts_.rank, ": fastcomm was shut down");
-    GroupState& g = *h.state;
-    for (int r : g.ranks) {
-      // Known-dead member: fail now instead of after a timeout, and send nothing.
-      if (dead_[r]) {
-        work->complete(std::make_exception_ptr(c10::DistBackendError(
+    if (async_op) pending_async_.fetch_add(1);
+    const auto deadline = Clock::now() + std::chrono::milliseconds(opts_.timeout_ms);
+    for (auto& prep : ops) {
+      GroupState& g = *prep.group.state;
+      int dead = -1;
+      for (int r : g.ranks)
+        if (dead_[r]) dead = r;
+      if (dead >= 0) {
+        // Known-dead member: fail now instead of after a timeout, and send nothing.
+        done.emplace_back(work, std::make_exception_ptr(c10::DistBackendError(
             {__func__, __FILE__, (uint32_t)__LINE__},
             "fastcomm: rank " + std::to_string(opts_.rank) + ", group " + g.label + ": " +
-                describe(op->desc()) + " cannot run: rank " + std::to_string(r) + " has exited")));
-        return work;
+                describe(prep.op->desc()) + " cannot run: rank " + std::to_string(dead) +
+                " has exited")));
+        continue;
+      }
+      Pending p;
+      p.op = std::move(prep.op);
+      p.work = work;
+      p.seq = g.next_seq++;
+      p.deadline = deadline;
+      p.async = async_op;
+      g.queue.push_back(std::move(p));
+      if (!g.busy) {
+        g.busy = true;
+        busy_.push_back(&g);
       }
     }
-    Pending p;
-    p.op = std::move(op);
-    p.work = work;
-    p.seq = g.next_seq++;
-    p.deadline = Clock::now() + std::chrono::milliseconds(opts_.timeout_ms);
-    p.async = async_op;
-    if (async_op) pending_async_.fetch_add(1);
-    g.queue.push_back(std::move(p));
-    if (!g.busy) {
-      g.busy = true;
-      busy_.push_back(&g);
-    }
-    // Eager first step: a small op's sends leave now, before the caller even waits.
+    // Eager first step: small ops' sends leave now, before the caller even waits.
     progress_locked(done);
   }
   finish(done);
-  if (async_op) ensure_bg_thread();
+  if (async_op && !work->done()) ensure_bg_thread();
   return work;
 }
 
@@ -364,7 +497,6 @@ bool Engine::progress_locked(Done& done) {
       any = true;
     } else if (finished) {
       done.emplace_back(p.work, nullptr);
-      if (p.async) pending_async_.fetch_sub(1);
       g.queue.pop_front();
       ++g.head_seq;
       any = true;
@@ -379,6 +511,7 @@ bool Engine::progress_locked(Done& done) {
     }
     // else: the group's next op is now at the front; step it at the same index.
   }
+  shm_->flush();
   return any;
 }
 
@@ -413,7 +546,6 @@ void Engine::fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, 
     }
   }
   done.emplace_back(p.work, e);
-  if (p.async) pending_async_.fetch_sub(1);
   g.queue.pop_front();
   ++g.head_seq;
 }
@@ -463,11 +595,13 @@ void Engine::health_locked(Done& done) {
       ++i;
     }
   }
+  shm_->flush();  // abort notices
 }
 
 void Engine::finish(Done& done) {
   if (done.empty()) return;
-  for (auto& [w, e] : done) w->complete(e);
+  for (auto& [w, e] : done)
+    if (w->complete(e, false) && w->is_async()) pending_async_.fetch_sub(1);
   done.clear();
   // Another thread of this process may be asleep waiting for one of these.
   bell_.ring_if_sleeping();
@@ -594,7 +728,7 @@ void Engine::shutdown() {
     }
     busy_.clear();
   }
-  for (auto& [w, e] : done) w->complete(e);
+  finish(done);
   {
     std::lock_guard<std::mutex> lk(bg_mu_);
     bg_stop_ = true;

@@ -25,6 +25,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -72,8 +73,30 @@ class Engine : public std::enable_shared_from_this<Engine> {
   GroupHandle new_group(std::vector<int> ranks);
   std::vector<GroupHandle> new_groups(const std::vector<std::vector<int>>& lists);
 
-  c10::intrusive_ptr<Work> all_reduce(const GroupHandle& g, const at::Tensor& t,
-                                      c10d::ReduceOp::RedOpType op, bool async_op);
+  // A validated op, not yet issued. Collectives are prepared (all argument checks happen
+  // here, before anything is sent) and then posted, alone or as one batch.
+  struct Prepared {
+    GroupHandle group;
+    std::unique_ptr<Op> op;
+    c10d::OpType type;
+  };
+  using RedOp = c10d::ReduceOp::RedOpType;
+  Prepared prepare_all_reduce(const GroupHandle& g, const at::Tensor& t, RedOp op);
+  Prepared prepare_broadcast(const GroupHandle& g, const at::Tensor& t, int src);
+  Prepared prepare_all_gather(const GroupHandle& g, const std::vector<at::Tensor>& outs,
+                              const at::Tensor& in);
+  Prepared prepare_all_gather_into_tensor(const GroupHandle& g, const at::Tensor& out,
+                                          const at::Tensor& in);
+  Prepared prepare_reduce_scatter(const GroupHandle& g, const at::Tensor& out,
+                                  const std::vector<at::Tensor>& ins, RedOp op);
+  Prepared prepare_reduce_scatter_tensor(const GroupHandle& g, const at::Tensor& out,
+                                         const at::Tensor& in, RedOp op);
+  Prepared prepare_barrier(const GroupHandle& g);
+  Prepared prepare_p2p(const GroupHandle& g, const at::Tensor& t, int peer, int tag, bool sending);
+
+  // Issues the ops together: one progress pass, one coalesced write and wake-up per peer, and
+  // one Work that completes when all of them have (its error is the first op's error).
+  c10::intrusive_ptr<Work> post(std::vector<Prepared> ops, bool async_op);
 
   // Blocks until `w` completes (or the user timeout passes, which throws), driving progress.
   void wait(Work& w, std::chrono::milliseconds timeout);
@@ -92,14 +115,16 @@ class Engine : public std::enable_shared_from_this<Engine> {
   const Message* peek_for(GroupState& g, Pending& p, int peer);
   void pop_for(GroupState& g, Pending& p, int peer);
   bool send_for(GroupState& g, Pending& p, int peer, const Header& h, const void* data);
+  void flush_sends() { shm_->flush(); }
   size_t max_payload() const { return shm_ ? shm_->max_payload() : 0; }
 
  private:
   using Done = std::vector<std::pair<c10::intrusive_ptr<Work>, std::exception_ptr>>;
 
-  c10::intrusive_ptr<Work> post(const GroupHandle& g, std::unique_ptr<Op> op, c10d::OpType type,
-                                bool async_op);
   void check_member(const GroupHandle& g, const char* api) const;
+  void check_reduce_op(const GroupHandle& g, const char* api, RedOp op, c10::ScalarType dt) const;
+  int group_rank_of(const GroupHandle& g, int global, const char* api, const char* arg) const;
+  GroupHandle p2p_channel(const GroupHandle& g, int src, int dst, int tag);
   bool progress_locked(Done& done);
   bool try_progress();
   void finish(Done& done);
@@ -118,6 +143,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::map<std::vector<int>, uint32_t> instances_;  // how many groups over each rank list
   std::vector<GroupState*> busy_;                   // groups with queued ops
   std::vector<char> dead_;                          // peers known to have exited
+  // send/recv channels: one ordered two-member pseudo-group per (group, src, dst, tag).
+  std::map<std::tuple<uint64_t, int, int, int>, GroupHandle> p2p_;
 
   struct StashKey {
     uint64_t group, seq;

@@ -7,8 +7,12 @@
 namespace fastcomm {
 
 Work::Work(std::shared_ptr<Engine> engine, int rank, c10d::OpType type,
-           std::vector<at::Tensor> outputs)
-    : c10d::Work(rank, type), engine_(std::move(engine)), outputs_(std::move(outputs)) {}
+           std::vector<at::Tensor> outputs, int parts, bool async_op)
+    : c10d::Work(rank, type),
+      engine_(std::move(engine)),
+      outputs_(std::move(outputs)),
+      remaining_(parts),
+      async_(async_op) {}
 
 bool Work::isCompleted() {
   if (!done()) engine_->poll();
@@ -50,12 +54,16 @@ c10::intrusive_ptr<c10::ivalue::Future> Work::getFuture() {
   return future_;
 }
 
-void Work::complete(std::exception_ptr error) {
+bool Work::complete(std::exception_ptr error, bool all) {
   c10::intrusive_ptr<c10::ivalue::Future> fut;
   {
     std::lock_guard<std::mutex> lk(mutex_);
+    if (completed_) return false;
+    if (error && !exception_) exception_ = error;  // a batch reports its first failed op
+    remaining_ = all ? 0 : remaining_ - 1;
+    if (remaining_ > 0) return false;
     completed_ = true;
-    exception_ = error;
+    error = exception_;
     fut = future_;
     done_.store(true, std::memory_order_release);
   }
@@ -64,6 +72,7 @@ void Work::complete(std::exception_ptr error) {
     if (error) fut->setError(error);
     else fut->markCompleted(c10::IValue(outputs_));
   }
+  return true;
 }
 
 }  // namespace fastcomm

@@ -15,7 +15,9 @@ class Engine;
 
 class Work final : public c10d::Work {
  public:
-  Work(std::shared_ptr<Engine> engine, int rank, c10d::OpType type, std::vector<at::Tensor> outputs);
+  // `parts` ops complete this Work (more than one for a batch).
+  Work(std::shared_ptr<Engine> engine, int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
+       int parts, bool async_op);
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -25,8 +27,10 @@ class Work final : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
-  // Engine side. Called once, outside the engine lock (future callbacks may run inline).
-  void complete(std::exception_ptr error);
+  // Engine side, outside the engine lock (future callbacks may run inline): one part finished
+  // (or, with `all`, every part). Returns true when this call finished the whole Work.
+  bool complete(std::exception_ptr error, bool all);
+  bool is_async() const { return async_; }
   bool done() const { return done_.load(std::memory_order_acquire); }
   // Raises the op's error, if any. Called after done().
   void rethrow_if_failed() const;
@@ -35,6 +39,8 @@ class Work final : public c10d::Work {
   std::shared_ptr<Engine> engine_;
   std::vector<at::Tensor> outputs_;
   std::atomic<bool> done_{false};
+  int remaining_;  // parts not yet finished; guarded by mutex_
+  const bool async_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;  // created on first getFuture()
 };
 

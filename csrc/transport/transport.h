@@ -46,7 +46,11 @@ class Transport {
   virtual size_t max_payload() const = 0;
   // Appends one message for `peer` (global rank) if there is room now; never blocks.
   // On false the transport arranges to ring this process's doorbell once room appears.
+  // Appended messages become visible to the peer at the next flush().
   virtual bool try_send(int peer, const Header& hdr, const void* payload) = 0;
+  // Publishes everything appended since the last flush and wakes the receivers: one publish
+  // and one wake-up per peer, however many messages (of however many groups) were appended.
+  virtual void flush() = 0;
   // The oldest unconsumed message from `peer`, or nullptr; never blocks.
   virtual const Message* peek(int peer) = 0;
   // Consumes the message last returned by peek(peer).

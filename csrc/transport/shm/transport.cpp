@@ -182,7 +182,7 @@ bool ShmTransport::try_send(int peer, const Header& hdr, const void* payload) {
   TORCH_INTERNAL_ASSERT(hdr.len <= max_payload_, "payload larger than max_payload");
   const uint64_t R = ring_bytes_;
   const uint64_t need = kRecordHeader + align64(hdr.len);
-  uint64_t head = o.ctl->head.load(std::memory_order_relaxed);
+  uint64_t head = o.wpos;
   uint64_t pos = head % R;
   const uint64_t contig = R - pos;
   const uint64_t total = need <= contig ? need : contig + need;
@@ -204,9 +204,22 @@ bool ShmTransport::try_send(int peer, const Header& hdr, const void* payload) {
   rec->hdr = hdr;
   rec->type = kRecData;
   if (hdr.len) std::memcpy(o.ring + pos + kRecordHeader, payload, hdr.len);
-  o.ctl->head.store(head + need, std::memory_order_release);
-  o.peer_bell.ring();
+  o.wpos = head + need;
+  if (!o.dirty) {
+    o.dirty = true;
+    dirty_.push_back(peer);
+  }
   return true;
+}
+
+void ShmTransport::flush() {
+  for (int peer : dirty_) {
+    Outbound& o = out_[peer];
+    o.ctl->head.store(o.wpos, std::memory_order_release);
+    o.dirty = false;
+    o.peer_bell.ring();
+  }
+  dirty_.clear();
 }
 
 const Message* ShmTransport::peek(int peer) {

@@ -40,6 +40,7 @@ class ShmTransport final : public Transport {
   const char* name() const override { return "shm"; }
   size_t max_payload() const override { return max_payload_; }
   bool try_send(int peer, const Header& hdr, const void* payload) override;
+  void flush() override;
   const Message* peek(int peer) override;
   void pop(int peer) override;
   bool peer_alive(int peer) override;
@@ -64,6 +65,8 @@ class ShmTransport final : public Transport {
   struct Outbound {  // writing side of me->peer ring (lives in this segment)
     ShmRingCtl* ctl = nullptr;
     uint8_t* ring = nullptr;
+    uint64_t wpos = 0;   // end of what we wrote; ctl->head trails it until flush()
+    bool dirty = false;  // wpos is ahead of ctl->head
     Doorbell peer_bell;
   };
 
@@ -85,6 +88,7 @@ class ShmTransport final : public Transport {
   std::vector<Mapping> peer_maps_;  // by local index
   std::vector<Inbound> in_;         // by global rank
   std::vector<Outbound> out_;       // by global rank
+  std::vector<int> dirty_;          // peers with unpublished messages
   Doorbell own_bell_;
 };
 

@@ -1,0 +1,64 @@
+#pragma once
+// Exchange: the one building block every small-group algorithm is made of. In one exchange,
+// each member sends one byte span to each other member (possibly empty, possibly nothing at
+// all) and receives one span from each. Spans travel in pieces of at most the transport's
+// payload, so any size flows through bounded rings. What happens to received bytes is either:
+//  - copy: each peer's span lands in its own destination (broadcast, all_gather, p2p), in any
+//    order, as pieces arrive;
+//  - fold: every peer's span is reduced into one output in group-rank order, including this
+//    rank's own contribution at its position, so all members round identically
+//    (all_reduce, reduce_scatter).
+// An empty span still sends one zero-length message: the header tells the receiver which
+// collective the sender issued, which is how mismatches are caught on every member.
+#include <c10/core/ScalarType.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <cstdint>
+#include <vector>
+
+#include "algorithms/comm.h"
+
+namespace fastcomm {
+
+struct Span {
+  uint8_t* ptr = nullptr;
+  size_t len = 0;
+  bool active = false;  // false: no message at all in this direction
+  static Span of(void* p, size_t n) { return Span{static_cast<uint8_t*>(p), n, true}; }
+};
+
+struct ExchangePlan {
+  std::vector<Span> send;  // by group rank
+  std::vector<Span> recv;  // by group rank; copy mode destinations
+  bool fold = false;       // fold mode: every active recv span is reduced into `out`
+  Span out;                // fold output
+  const uint8_t* own = nullptr;  // this rank's contribution to the fold (may alias out)
+  bool send_aliases_out = false;  // the spans we send are `out` itself (in-place all_reduce)
+  c10::ScalarType dtype = c10::ScalarType::Byte;
+  c10d::ReduceOp::RedOpType op = c10d::ReduceOp::SUM;
+  int avg_divisor = 1;  // AVG: divide each folded piece by this
+  uint32_t tag = 0;     // distinguishes the exchanges of one multi-phase op
+};
+
+class Exchange {
+ public:
+  void start(ExchangePlan plan, int rank, int size, size_t elem_size, size_t max_payload);
+  bool step(Comm& c);
+  bool done() const { return done_; }
+
+ private:
+  size_t pieces(size_t len) const { return len == 0 ? 1 : (len + piece_ - 1) / piece_; }
+  bool fold_piece(Comm& c);
+  void fold_from(const uint8_t* src, uint8_t* dst, size_t n);
+
+  ExchangePlan plan_;
+  int rank_ = 0, size_ = 1;
+  size_t es_ = 1, piece_ = 1;
+  std::vector<size_t> sent_, send_total_, recvd_, recv_total_;
+  size_t folded_ = 0, fold_total_ = 0;
+  int fold_next_ = 0;
+  bool inplace_ = false, direct_ = false, acc_started_ = false, done_ = false;
+  std::vector<uint8_t> tmp_;
+};
+
+}  // namespace fastcomm

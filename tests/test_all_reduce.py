@@ -1,0 +1,364 @@
+"""Correctness of fc.all_reduce: every op x dtype x size on every group shape, async handles,
+and issue orders that must not deadlock (overlapping groups, threads, same-list groups).
+
+Every result is compared with a reference computed locally from the same deterministic
+inputs: each rank regenerates the inputs of every member of its group and folds them left to
+right in group-rank order (the order the engine promises), in the tensor's own dtype. Members
+also return a digest of their result bytes, and the parent checks that every member of a group
+got bit-identical results."""
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import pytest
+import torch
+from torch.distributed import ReduceOp
+
+import harness
+
+import fastcomm as fc
+
+RING_ENV = {"FASTCOMM_SHM_RING_BYTES": "65536"}  # a 64 KiB ring: "larger than the ring" is cheap
+LARGE = 300_000  # elements: 0.6-2.4 MB, many times the ring in every dtype
+
+OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "MIN": ReduceOp.MIN, "MAX": ReduceOp.MAX,
+       "PRODUCT": ReduceOp.PRODUCT}
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+          "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
+SIZES = [0, 1, 7, 1000, LARGE]
+
+
+def sweep_cases():
+    """(op, dtype, numel, kind) for the whole sweep. kind "int": small integer values (results
+    exact in every dtype); kind "randn": normal floats, where rounding order shows."""
+    cases = []
+    for n in SIZES:
+        for op in OPS:
+            for dt in DTYPES:
+                if op == "AVG" and not DTYPES[dt].is_floating_point:
+                    continue
+                cases.append((op, dt, n, "int"))
+                if DTYPES[dt].is_floating_point and n in (7, 1000, LARGE):
+                    cases.append((op, dt, n, "randn"))
+    return cases
+
+
+def make_input(rank, case, op, dt, n, kind):
+    """Deterministic input of global ``rank`` for case number ``case``."""
+    g = torch.Generator().manual_seed(1_000_003 * case + 7919 * rank + 12345)
+    dtype = DTYPES[dt]
+    if kind == "randn":
+        return torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+    if op == "PRODUCT":  # values in {-2, -1, 1, 2}: products of <= 4 of them are exact everywhere
+        v = torch.tensor([-2, -1, 1, 2])[torch.randint(0, 4, (n,), generator=g)]
+        return v.to(dtype)
+    return torch.randint(-8, 9, (n,), generator=g).to(dtype)
+
+
+def reference(inputs, op):
+    """Left fold over the members' inputs in group-rank order, in the inputs' dtype."""
+    acc = inputs[0].clone()
+    for x in inputs[1:]:
+        if op in ("SUM", "AVG"):
+            acc = acc + x
+        elif op == "PRODUCT":
+            acc = acc * x
+        elif op == "MIN":
+            acc = torch.minimum(acc, x)
+        else:
+            acc = torch.maximum(acc, x)
+    if op == "AVG":
+        acc = acc / len(inputs)
+    return acc
+
+
+def digest(t):
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:24]
+
+
+def check_result(out, ref, op, kind, what):
+    """Returns None or a failure description."""
+    try:
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        if op != "AVG" and kind == "int":  # integer-valued data: every dtype computes it exactly
+            torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(out, ref)  # dtype-appropriate default tolerances
+    except AssertionError as e:
+        return f"{what}: {str(e)[:400]}"
+    return None
+
+
+def sweep_body(rank, world, shape):
+    """Runs the whole sweep on this rank's group; returns (group ranks, {case: digest}, failures)."""
+    if shape == "pairs":
+        g = fc.new_group([0, 1] if rank < 2 else [2, 3])
+        ranks = g.ranks
+    elif shape == "triple":
+        if rank == 0:
+            return None  # not a member: the triple [1, 2, 3] runs without it
+        g = fc.new_group([3, 1, 2])  # given unsorted; group rank order is sorted
+        ranks = g.ranks
+        assert ranks == [1, 2, 3] and g.rank() == rank - 1
+    elif shape == "world":
+        g = fc.new_group(range(world))
+        ranks = g.ranks
+    elif shape == "default":
+        g = None
+        ranks = list(range(world))
+    elif shape == "single":
+        g = fc.new_group([rank])
+        ranks = [rank]
+        assert g.size() == 1 and g.rank() == 0
+    else:
+        raise AssertionError(shape)
+    digests, failures = {}, []
+    for i, (op, dt, n, kind) in enumerate(sweep_cases()):
+        t = make_input(rank, i, op, dt, n, kind)
+        fc.all_reduce(t, op=OPS[op], group=g)
+        ref = reference([make_input(r, i, op, dt, n, kind) for r in ranks], op)
+        what = f"rank {rank}, group {ranks}, case #{i} {op} {dt} numel={n} {kind}"
+        err = check_result(t, ref, op, kind, what)
+        if err:
+            failures.append(err)
+        digests[i] = digest(t)
+    return ranks, digests, failures
+
+
+@pytest.mark.parametrize("shape,world", [("pairs", 4), ("triple", 4), ("world", 4),
+                                         ("default", 4), ("single", 2)])
+def test_all_reduce_sweep(shape, world):
+    results = harness.run(sweep_body, world, shape, timeout=120, env=RING_ENV)
+    failures = [f for res in results if res is not None for f in res[2]]
+    assert not failures, f"{len(failures)} wrong results:\n" + "\n".join(failures[:20])
+    # Bit-identical on every member of a group.
+    by_group = {}
+    for rank, res in enumerate(results):
+        if res is None:
+            continue
+        ranks, digests, _ = res
+        assert len(digests) == len(sweep_cases())
+        by_group.setdefault(tuple(ranks), []).append((rank, digests))
+    assert by_group, "no member ran the sweep"
+    for ranks, members in by_group.items():
+        assert [r for r, _ in members] == list(ranks) or len(ranks) == 1
+        r0, d0 = members[0]
+        for r, d in members[1:]:
+            diff = [sweep_cases()[i] for i in d0 if d0[i] != d[i]]
+            assert not diff, f"group {list(ranks)}: ranks {r0} and {r} differ in {diff[:10]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Async work handles
+
+
+def _work_api_body(rank, world):
+    g = fc.new_group([0, 1])
+    out = []
+    for n in (7, LARGE):
+        t = torch.arange(n, dtype=torch.float32) * (rank + 1)
+        ptr = t.data_ptr()
+        w = fc.all_reduce(t, op=ReduceOp.SUM, group=g, async_op=True)
+        assert isinstance(w, fc.Work)
+        fut = w.get_future()  # taken before completion: must complete by itself
+        assert w.wait() is True
+        assert w.is_completed() is True
+        assert w.is_success() is True
+        assert w.exception() is None
+        value = fut.wait()
+        assert isinstance(value, list) and len(value) == 1
+        assert value[0].data_ptr() == ptr  # the very tensor, reduced in place
+        fut2 = w.get_future()  # taken after completion: already done
+        assert fut2.done()
+        assert fut2.wait()[0].data_ptr() == ptr
+        expected = torch.arange(n, dtype=torch.float32) * 3
+        torch.testing.assert_close(t, expected, rtol=0, atol=0)
+        out.append(digest(t))
+    # get_future().wait() alone (no Work.wait) completes the op.
+    t = torch.full((100,), float(rank + 1))
+    w = fc.all_reduce(t, op=ReduceOp.MAX, group=g, async_op=True)
+    res = w.get_future().wait()
+    torch.testing.assert_close(res[0], torch.full((100,), 2.0), rtol=0, atol=0)
+    assert w.is_completed() and w.exception() is None
+    # is_completed() polling alone (no wait at all) completes the op.
+    t = torch.full((10,), float(rank + 1), dtype=torch.float64)
+    w = fc.all_reduce(t, op=ReduceOp.PRODUCT, group=g, async_op=True)
+    for _ in range(2_000_000):
+        if w.is_completed():
+            break
+    assert w.is_completed(), "is_completed() never became true"
+    torch.testing.assert_close(t, torch.full((10,), 2.0, dtype=torch.float64), rtol=0, atol=0)
+    # blocking form returns None
+    assert fc.all_reduce(torch.ones(3), group=g) is None
+    return out
+
+
+def test_async_work_api():
+    res = harness.run(_work_api_body, 2, timeout=60, env=RING_ENV)
+    assert res[0] == res[1]
+
+
+def _issue_order_body(rank, world, k):
+    g = fc.new_group([0, 1])
+    done_order = []
+    works, tensors = [], []
+    for i in range(k):
+        n = LARGE if i % 4 == 1 else 5 + i
+        t = torch.full((n,), float(rank + 1 + i), dtype=torch.float64)
+        w = fc.all_reduce(t, op=ReduceOp.SUM, group=g, async_op=True)
+        w.get_future().then(lambda _f, i=i: done_order.append(i))
+        works.append(w)
+        tensors.append(t)
+    works[-1].wait()
+    # Ops of one group complete in issue order: once the last is done, all earlier ones are.
+    assert all(w.is_completed() for w in works)
+    for i, (w, t) in enumerate(zip(works, tensors)):
+        w.wait()
+        assert w.exception() is None
+        expected = float((1 + i) + (2 + i))
+        assert torch.equal(t, torch.full_like(t, expected)), f"op {i}: {t[:4]}"
+    # Callbacks may run on the engine's thread; give them a moment, bounded.
+    for _ in range(10_000_000):
+        if len(done_order) == k:
+            break
+    assert done_order == list(range(k)), done_order
+    return True
+
+
+def test_async_ops_complete_in_issue_order():
+    harness.run(_issue_order_body, 2, 16, timeout=60, env=RING_ENV)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue orders that must not deadlock
+
+
+def _ring_body(rank, world, iters):
+    left = fc.new_group([(rank - 1) % world, rank])
+    right = fc.new_group([rank, (rank + 1) % world])
+    sizes = [7, 1000, 100_000]  # 100k float32 = 400 KB, several times the 64 KiB ring
+    for it in range(iters):
+        n = sizes[it % len(sizes)]
+
+        def val(r, side):  # global rank r's contribution to its left/right group
+            return float(1 + r + 10 * (side == "right") + it % 5)
+
+        tl = torch.full((n,), val(rank, "left"))
+        tr = torch.full((n,), val(rank, "right"))
+        if rank % 2 == 0:  # even ranks: right first
+            wr = fc.all_reduce(tr, group=right, async_op=True)
+            wl = fc.all_reduce(tl, group=left, async_op=True)
+        else:
+            wl = fc.all_reduce(tl, group=left, async_op=True)
+            wr = fc.all_reduce(tr, group=right, async_op=True)
+        if it % 2:
+            wl.wait(); wr.wait()  # noqa: E702
+        else:
+            wr.wait(); wl.wait()  # noqa: E702
+        # left group (rank-1, rank): rank-1 contributes its "right" value, rank its "left" one.
+        exp_l = val((rank - 1) % world, "right") + val(rank, "left")
+        exp_r = val(rank, "right") + val((rank + 1) % world, "left")
+        assert torch.equal(tl, torch.full((n,), exp_l)), f"iter {it} left: {tl[:3]} != {exp_l}"
+        assert torch.equal(tr, torch.full((n,), exp_r)), f"iter {it} right: {tr[:3]} != {exp_r}"
+    return True
+
+
+def test_overlapping_ring_groups_async_any_order():
+    harness.run(_ring_body, 4, 30, timeout=90, env=RING_ENV)
+
+
+def _threads_body(rank, world, iters):
+    # world 3: rank 0 drives groups [0, 1] and [0, 2] from two Python threads at once;
+    # ranks 1 and 2 each drive their one group from the main thread.
+    g01, g02 = fc.new_groups([[0, 1], [0, 2]])  # the non-member entry stays unused
+    errors = []
+
+    def loop(g, peer, salt):
+        try:
+            for it in range(iters):
+                n = (7, 1000, 50_000)[it % 3]
+                mine = torch.full((n,), float(salt + it + rank))
+                fc.all_reduce(mine, group=g)
+                exp = float(salt + it + rank) + float(salt + it + peer)
+                assert torch.equal(mine, torch.full((n,), exp)), f"{g.ranks} iter {it}"
+                if it % 4 == 0:
+                    t = torch.full((n,), float(rank + 2))
+                    fc.all_reduce(t, op=ReduceOp.MAX, group=g, async_op=True).wait()
+                    assert torch.equal(t, torch.full((n,), float(max(rank, peer) + 2)))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(f"{g.ranks}: {type(e).__name__}: {e}")
+
+    if rank == 0:
+        ths = [threading.Thread(target=loop, args=(g01, 1, 100)),
+               threading.Thread(target=loop, args=(g02, 2, 200))]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(timeout=60)
+        assert not any(th.is_alive() for th in ths), "a thread hung"
+    elif rank == 1:
+        loop(g01, 0, 100)
+    else:
+        loop(g02, 0, 200)
+    assert not errors, errors
+    return True
+
+
+def test_two_threads_on_one_rank_different_groups():
+    harness.run(_threads_body, 3, 60, timeout=90, env=RING_ENV)
+
+
+def _threads_both_body(rank, world, iters):
+    # world 2: two groups over the same list [0, 1]; both ranks run one thread per group.
+    ga = fc.new_group([0, 1])
+    gb = fc.new_group([0, 1])
+    errors = []
+
+    def loop(g, salt):
+        try:
+            for it in range(iters):
+                n = (3, 2000, 40_000)[it % 3]
+                t = torch.full((n,), float(salt * (rank + 1) + it))
+                fc.all_reduce(t, group=g)
+                exp = float(salt * 1 + it) + float(salt * 2 + it)
+                assert torch.equal(t, torch.full((n,), exp)), f"salt {salt} iter {it}: {t[:3]}"
+        except BaseException as e:  # noqa: BLE001
+            errors.append(f"salt {salt}: {type(e).__name__}: {e}")
+
+    ths = [threading.Thread(target=loop, args=(ga, 10)), threading.Thread(target=loop, args=(gb, 1000))]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(timeout=60)
+    assert not any(th.is_alive() for th in ths), "a thread hung"
+    assert not errors, errors
+    return True
+
+
+def test_threads_on_both_ranks_same_list_groups():
+    harness.run(_threads_both_body, 2, 60, timeout=90, env=RING_ENV)
+
+
+def _same_list_body(rank, world, iters):
+    ga = fc.new_group([0, 1])
+    gb = fc.new_group([0, 1])  # a second, distinct group over the same ranks
+    for it in range(iters):
+        n = (1, 999, LARGE // 2)[it % 3]
+        ta = torch.full((n,), float(rank + 1), dtype=torch.float64)  # sum over ga: 3
+        tb = torch.full((n,), float(10 * (rank + 1)), dtype=torch.float64)  # sum over gb: 30
+        if rank == 0:
+            wa = fc.all_reduce(ta, group=ga, async_op=True)
+            wb = fc.all_reduce(tb, group=gb, async_op=True)
+        else:
+            wb = fc.all_reduce(tb, group=gb, async_op=True)
+            wa = fc.all_reduce(ta, group=ga, async_op=True)
+        (wb if it % 2 else wa).wait()
+        (wa if it % 2 else wb).wait()
+        assert torch.equal(ta, torch.full((n,), 3.0, dtype=torch.float64)), f"iter {it} ga {ta[:3]}"
+        assert torch.equal(tb, torch.full((n,), 30.0, dtype=torch.float64)), f"iter {it} gb {tb[:3]}"
+    return True
+
+
+def test_same_rank_list_groups_opposite_orders():
+    harness.run(_same_list_body, 2, 30, timeout=60, env=RING_ENV)
