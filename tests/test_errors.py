@@ -35,48 +35,83 @@ def expect(exc_type, fn, *must_contain):
     raise AssertionError(f"expected {exc_type.__name__}, nothing was raised")
 
 
-def _argument_errors_body(rank, world):
+def _nonmember_group():
+    g = fc.new_groups([[1]])[0]  # an entry this rank (0) is not in
+    assert g.rank() == -1 and not g.is_member
+    return g
+
+
+# (name, exception type, call(group) -> None, words the message must hold besides "rank 0").
+# A call gets the pair group [0, 1]; a tensor it passes is checked unchanged afterwards.
+G = "[0, 1]"
+ARG_ERRORS = [
+    # -- group construction ----------------------------------------------------------------
+    ("new_group-non-member", ValueError, lambda g: fc.new_group([1]), ["'ranks'", "[1]"]),
+    ("new_group-duplicate", ValueError, lambda g: fc.new_group([0, 0, 1]), ["'ranks'", "twice"]),
+    ("new_group-out-of-range", ValueError, lambda g: fc.new_group([0, 5]), ["'ranks'", "5"]),
+    ("new_group-negative", ValueError, lambda g: fc.new_group([-1, 0]), ["'ranks'", "-1"]),
+    ("new_group-empty", ValueError, lambda g: fc.new_group([]), ["'ranks'", "empty"]),
+    ("new_groups-out-of-range", ValueError, lambda g: fc.new_groups([[0, 2], [1]]), ["'ranks'", "2"]),
+    ("new_groups-duplicate", ValueError, lambda g: fc.new_groups([[1, 1]]), ["'ranks'", "twice"]),
+    # -- a non-member entry of new_groups refuses collectives ------------------------------
+    ("non-member-group", ValueError,
+     lambda g: fc.all_reduce(torch.ones(4), group=_nonmember_group()), ["[1]", "'group'"]),
+    # -- tensors -------------------------------------------------------------------------
+    ("non-contiguous-transpose", ValueError,
+     lambda g: fc.all_reduce(torch.arange(16.0).reshape(4, 4).t(), group=g), [G, "'tensor'", "contiguous"]),
+    ("non-contiguous-stride", ValueError,
+     lambda g: fc.all_reduce(torch.arange(10.0)[::2], group=g), [G, "'tensor'", "contiguous"]),
+    ("dtype-bool", TypeError,
+     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.bool), group=g), [G, "'tensor'", "dtype", "Bool"]),
+    ("dtype-complex64", TypeError,
+     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.complex64), group=g), [G, "'tensor'", "dtype"]),
+    ("sparse", ValueError, lambda g: fc.all_reduce(torch.ones(4).to_sparse(), group=g), [G, "'tensor'"]),
+    ("meta-device", ValueError,
+     lambda g: fc.all_reduce(torch.empty(4, device="meta"), group=g), [G, "'tensor'", "meta"]),
+    # -- ops -----------------------------------------------------------------------------
+    ("op-BAND", ValueError,
+     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.int32), op=ReduceOp.BAND, group=g), [G, "'op'", "BAND"]),
+    ("op-AVG-int32", ValueError,
+     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.int32), op=ReduceOp.AVG, group=g), [G, "'op'", "AVG"]),
+    ("op-AVG-int64", ValueError,
+     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.int64), op=ReduceOp.AVG, group=g), [G, "'op'", "AVG"]),
+    ("op-AVG-int32-async", ValueError,
+     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.int32), op=ReduceOp.AVG, group=g, async_op=True),
+     [G, "'op'", "AVG"]),
+    ("op-not-a-ReduceOp", TypeError, lambda g: fc.all_reduce(torch.ones(4), op="sum", group=g), ["'op'"]),
+    # -- group of the wrong type -----------------------------------------------------------
+    ("group-not-a-Group", TypeError, lambda g: fc.all_reduce(torch.ones(4), group=[0, 1]), ["'group'"]),
+    # -- async_op=True refuses the same way, at the call ----------------------------------
+    ("dtype-bool-async", TypeError,
+     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.bool), group=g, async_op=True), [G, "'tensor'"]),
+]
+XFAIL_ARG = {
+    "op-not-a-ReduceOp": "engine bug: the TypeError for an 'op' of the wrong type does not name "
+                         "the rank (nor the group): \"fastcomm: argument 'op' must be a "
+                         "torch.distributed.ReduceOp, got <class 'str'>\" (bindings.cpp to_redop)",
+}
+
+
+def _argument_error_body(rank, world, name):
     g = fc.new_group([0, 1])
-    label = "[0, 1]"
-    me = f"rank {rank}"
-    checked = []
-
-    def bad_reduce(t, exc, *needles, op=ReduceOp.SUM, group=g):
-        before = t.clone() if t.layout == torch.strided and t.device.type == "cpu" else None
-        msg = expect(exc, lambda: fc.all_reduce(t, op=op, group=group), me, *needles)
-        if before is not None:  # a refused call leaves the caller's tensor alone
-            assert torch.equal(t, before), f"tensor modified by a refused call: {msg}"
-        checked.append(msg)
-
+    msg = None
     if rank == 0:
-        # -- group construction --------------------------------------------------------------
-        checked.append(expect(ValueError, lambda: fc.new_group([1]), me, "'ranks'", "[1]"))
-        checked.append(expect(ValueError, lambda: fc.new_group([0, 0, 1]), me, "'ranks'", "twice"))
-        checked.append(expect(ValueError, lambda: fc.new_group([0, 5]), me, "'ranks'", "5"))
-        checked.append(expect(ValueError, lambda: fc.new_group([-1, 0]), me, "'ranks'", "-1"))
-        checked.append(expect(ValueError, lambda: fc.new_group([]), me, "'ranks'", "empty"))
-        checked.append(expect(ValueError, lambda: fc.new_groups([[0, 2], [1]]), me, "'ranks'", "2"))
-        # -- a non-member entry of new_groups refuses collectives ----------------------------
-        g_other = fc.new_groups([[1]])[0]
-        assert g_other.rank() == -1 and not g_other.is_member
-        bad_reduce(torch.ones(4), ValueError, "[1]", "'group'", group=g_other)
-        # -- tensors ---------------------------------------------------------------------
-        bad_reduce(torch.arange(16.0).reshape(4, 4).t(), ValueError, label, "'tensor'", "contiguous")
-        bad_reduce(torch.arange(10.0)[::2], ValueError, label, "'tensor'", "contiguous")
-        bad_reduce(torch.ones(4, dtype=torch.bool), TypeError, label, "'tensor'", "dtype", "Bool")
-        bad_reduce(torch.ones(4, dtype=torch.complex64), TypeError, label, "'tensor'", "dtype")
-        bad_reduce(torch.ones(4).to_sparse(), ValueError, label, "'tensor'")
-        bad_reduce(torch.empty(4, device="meta"), ValueError, label, "'tensor'", "meta")
-        # -- ops -------------------------------------------------------------------------
-        bad_reduce(torch.ones(4, dtype=torch.int32), ValueError, label, "'op'", "BAND", op=ReduceOp.BAND)
-        bad_reduce(torch.ones(4, dtype=torch.int32), ValueError, label, "'op'", "AVG", op=ReduceOp.AVG)
-        bad_reduce(torch.ones(4, dtype=torch.int64), ValueError, label, "'op'", "AVG", op=ReduceOp.AVG)
-        bad_reduce(torch.ones(4), TypeError, "'op'", op="sum")
-        # -- group argument of the wrong type --------------------------------------------
-        bad_reduce(torch.ones(4), TypeError, "'group'", group=[0, 1])
-        # -- async_op=True refuses the same way, at the call ------------------------------
-        t = torch.ones(4, dtype=torch.bool)
-        checked.append(expect(TypeError, lambda: fc.all_reduce(t, group=g, async_op=True), me, "'tensor'"))
+        _, exc, call, needles = next(c for c in ARG_ERRORS if c[0] == name)
+        seen = []
+        real_all_reduce = fc.all_reduce
+
+        def spy(t, *a, **k):  # remember the tensor to check it is left unchanged
+            if t.layout == torch.strided and t.device.type == "cpu":
+                seen.append((t, t.clone()))
+            return real_all_reduce(t, *a, **k)
+
+        fc.all_reduce = spy
+        try:
+            msg = expect(exc, lambda: call(g), "rank 0", *needles)
+        finally:
+            fc.all_reduce = real_all_reduce
+        for t, before in seen:
+            assert torch.equal(t, before), f"tensor modified by a refused call: {msg}"
     # Nothing was sent and no sequence number was used: the group works for both ranks.
     for i in range(3):
         t = torch.full((5,), float(rank + 1 + i))
@@ -85,12 +120,15 @@ def _argument_errors_body(rank, world):
     t = torch.full((5,), float(rank + 1))
     fc.all_reduce(t)  # and the world group too
     assert torch.equal(t, torch.full((5,), 3.0)), t
-    return checked
+    return msg
 
 
-def test_argument_errors_name_rank_group_argument_and_send_nothing():
-    res = harness.run(_argument_errors_body, 2, timeout=60, **SHORT)
-    assert len(res[0]) >= 20 and res[1] == []
+@pytest.mark.parametrize("name", [
+    pytest.param(c[0], marks=pytest.mark.xfail(reason=XFAIL_ARG[c[0]], strict=True))
+    if c[0] in XFAIL_ARG else c[0] for c in ARG_ERRORS])
+def test_argument_error_names_rank_group_argument_and_sends_nothing(name):
+    res = harness.run(_argument_error_body, 2, name, timeout=60, **SHORT)
+    assert res[0] and res[1] is None
 
 
 def _before_init_body(rank, world):
