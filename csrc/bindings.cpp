@@ -5,6 +5,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/extension.h>
 
+#include "backend/backend.h"
 #include "engine/engine.h"
 
 namespace py = pybind11;
@@ -182,4 +183,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Batch>(m, "Batch")
       .def(py::init<>())
       .def("__len__", [](const Batch& b) { return b.ops.size(); });
+
+  register_backend_bindings(m);  // the torch.distributed backend (csrc/backend)
 }

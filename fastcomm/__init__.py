@@ -33,6 +33,7 @@ from .collectives import (
     send,
 )
 from .work import Work
+from . import backend  # noqa: F401,E402  registers the "fastcomm" torch.distributed backend
 
 __all__ = [
     "Group",

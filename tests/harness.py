@@ -21,6 +21,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Every TCPStore connect makes torch reverse-resolve the peer address (::ffff:127.0.0.1 is not
+# in /etc/hosts, so the query goes to the DNS server). On this machine a few percent of those
+# queries get no answer and glibc waits its default 5 s: a test would start 5 s late for no
+# reason of fastcomm's. A 1 s, single-try resolver timeout bounds that stall. (Set before the
+# first store is made; forked children inherit it.)
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+
 _ctx = mp.get_context("fork")
 
 # torch.testing.assert_close imports a lot lazily on its first call (about a second); pay that
@@ -53,12 +60,21 @@ def job_token():
     """The token of this child's current fastcomm session (only inside a child, after init)."""
     from fastcomm import _state
 
-    return child_store().get(f"fastcomm/{_state._generation}/token").decode()
+    return _session_store(child_store(), _state._generation).get("token").decode()
 
 
-def _child(fn, rank, world, port, conn, args, env, init_kwargs):
+def _session_store(store, generation):
+    # fc.init keys each session's rendezvous under this prefix (see fastcomm/_state.py).
+    return dist.PrefixStore(f"fastcomm/{generation}/", store)
+
+
+def _child(fn, rank, world, port, conn, go, args, env, init_kwargs):
     global _port, _rank, _world
     try:
+        # Wait until the parent has forked every rank: see run().
+        if not go.poll(60) or go.recv() != "go":
+            raise RuntimeError("harness: no start signal from the parent")
+        go.close()
         _port, _rank, _world = port, rank, world
         os.environ.update(env)
         torch.set_num_threads(1)
@@ -80,11 +96,11 @@ def _child(fn, rank, world, port, conn, args, env, init_kwargs):
 
 def _record_tokens(server):
     for gen in range(1, 9):
-        key = f"fastcomm/{gen}/token"
+        store = _session_store(server, gen)
         try:
-            if not server.check([key]):
+            if not store.check(["token"]):
                 break
-            TOKENS_SEEN.add(server.get(key).decode())
+            TOKENS_SEEN.add(store.get("token").decode())
         except Exception:
             break
 
@@ -96,15 +112,26 @@ def run(fn, world, *args, timeout=60.0, env=None, init=True, init_timeout=30.0, 
     server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=30),
                            wait_for_workers=False)
     init_kwargs = {"timeout": timedelta(seconds=init_timeout)} if init else None
-    procs, conns = [], []
+    # Every child is forked before any of them starts: the parent's store thread is then idle
+    # (parked in its event loop) at each fork. Forking while it served an earlier child's
+    # connection could copy a lock it held (allocator, resolver) into the new child, which then
+    # deadlocks before it ever reaches fn (seen as a rank that never publishes its rendezvous key).
+    procs, conns, gos = [], [], []
     for r in range(world):
         parent, child = _ctx.Pipe(duplex=False)
+        go_recv, go_send = _ctx.Pipe(duplex=False)
         p = _ctx.Process(target=_child,
-                         args=(fn, r, world, server.port, child, args, dict(env or {}), init_kwargs))
+                         args=(fn, r, world, server.port, child, go_recv, args, dict(env or {}),
+                               init_kwargs))
         p.start()
         child.close()
+        go_recv.close()
         procs.append(p)
         conns.append(parent)
+        gos.append(go_send)
+    for g in gos:
+        g.send("go")
+        g.close()
     deadline = time.monotonic() + timeout
     results, errors = [None] * world, []
     try:

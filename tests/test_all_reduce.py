@@ -74,7 +74,7 @@ def reference(inputs, op):
 
 
 def digest(t):
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:24]
+    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:24]
 
 
 def check_result(out, ref, op, kind, what):
@@ -199,35 +199,86 @@ def test_async_work_api():
     assert res[0] == res[1]
 
 
-def _issue_order_body(rank, world, k):
+def _many_async_body(rank, world, k):
     g = fc.new_group([0, 1])
-    done_order = []
     works, tensors = [], []
     for i in range(k):
         n = LARGE if i % 4 == 1 else 5 + i
         t = torch.full((n,), float(rank + 1 + i), dtype=torch.float64)
-        w = fc.all_reduce(t, op=ReduceOp.SUM, group=g, async_op=True)
-        w.get_future().then(lambda _f, i=i: done_order.append(i))
-        works.append(w)
+        works.append(fc.all_reduce(t, group=g, async_op=True))
         tensors.append(t)
     works[-1].wait()
-    # Ops of one group complete in issue order: once the last is done, all earlier ones are.
-    assert all(w.is_completed() for w in works)
-    for i, (w, t) in enumerate(zip(works, tensors)):
+    for i in reversed(range(k)):  # waited on in reverse order
+        w, t = works[i], tensors[i]
         w.wait()
-        assert w.exception() is None
+        assert w.is_completed() and w.exception() is None
         expected = float((1 + i) + (2 + i))
         assert torch.equal(t, torch.full_like(t, expected)), f"op {i}: {t[:4]}"
-    # Callbacks may run on the engine's thread; give them a moment, bounded.
-    for _ in range(10_000_000):
-        if len(done_order) == k:
-            break
-    assert done_order == list(range(k)), done_order
     return True
 
 
-def test_async_ops_complete_in_issue_order():
-    harness.run(_issue_order_body, 2, 16, timeout=60, env=RING_ENV)
+def test_many_async_ops_on_one_group():
+    harness.run(_many_async_body, 2, 16, timeout=60, env=RING_ENV)
+
+
+def _issue_order_body(rank, world, flag_dir):
+    """Ops 0 and 1 of the group become ready together (the peer issues them in one batch);
+    op 0's future callback then holds the thread that completed it until op 2 completes (at
+    most 2 s). Completion in issue order means op 2 cannot be complete while op 1 is not."""
+    import os
+    import time
+
+    g = fc.new_group([0, 1])
+    ts = [torch.full((n,), float(rank + 1)) for n in (4, 4, 200_000, 200_000)]
+    if rank == 1:
+        for _ in range(3000):
+            if os.path.exists(os.path.join(flag_dir, "go")):
+                break
+            time.sleep(0.001)
+        with fc.batch() as b:
+            fc.all_reduce(ts[0], group=g)
+            fc.all_reduce(ts[1], group=g)
+        ws = [fc.all_reduce(t, group=g, async_op=True) for t in ts[2:]]
+        b.wait()
+        for w in ws:
+            w.wait()
+        return None
+    ws = [fc.all_reduce(t, group=g, async_op=True) for t in ts]
+    futs = [w.get_future() for w in ws]
+    seen = {}
+
+    def on_op0(_fut):
+        for _ in range(2000):
+            if futs[2].done():
+                break
+            time.sleep(0.001)
+        seen["op2_done"] = futs[2].done()
+        seen["op1_done"] = futs[1].done()
+        seen["op1_is_completed"] = ws[1].is_completed()
+
+    futs[0].then(on_op0)
+    open(os.path.join(flag_dir, "go"), "w").close()
+    for _ in range(100_000_000):  # drive by polling, so that the engine's thread drives too
+        if ws[-1].is_completed():
+            break
+    for w in ws:
+        w.wait()
+    for t in ts:
+        assert torch.equal(t, torch.full_like(t, 3.0))
+    assert seen, "op 0's callback never ran"
+    assert not (seen["op2_done"] and not seen["op1_done"]), (
+        f"op 2 of the group completed while op 1 (issued before it) had not: {seen}")
+    return seen
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "engine bug: completions are published outside the engine lock by whichever thread ran the "
+    "progress pass (Engine::finish), so when two threads drive (the engine's background thread and "
+    "a caller polling is_completed/waiting), a later op of a group can be marked complete before an "
+    "earlier one that sits in the other thread's not-yet-finished completion list; a slow future "
+    "callback makes the window arbitrarily long"))
+def test_async_ops_complete_in_issue_order(tmp_path):
+    harness.run(_issue_order_body, 2, str(tmp_path), timeout=60, env=RING_ENV)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,3 +413,105 @@ def _same_list_body(rank, world, iters):
 
 def test_same_rank_list_groups_opposite_orders():
     harness.run(_same_list_body, 2, 30, timeout=60, env=RING_ENV)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor shapes, the other integer dtypes, non-finite values
+
+
+def _shapes_body(rank, world):
+    g = fc.new_group([0, 1, 2])
+    out = []
+    base = torch.arange(1000, dtype=torch.float32)
+    cases = [
+        ("0-d", lambda r: torch.tensor(float(r + 1))),
+        ("10x10 (the forum's MWE)", lambda r: torch.full((10, 10), float(r + 1))),
+        ("3-d", lambda r: (base[:60] + r).reshape(3, 4, 5).clone()),
+        ("storage offset", lambda r: (base + r)[100:]),  # contiguous view into a bigger storage
+        ("empty 2-d", lambda r: torch.empty(0, 5)),
+    ]
+    for name, make in cases:
+        t = make(rank)
+        whole = t._base if t._base is not None else None
+        whole_before = whole.clone() if whole is not None else None
+        fc.all_reduce(t, group=g)
+        ref = reference([make(r) for r in range(3)], "SUM")
+        assert t.shape == ref.shape, name
+        torch.testing.assert_close(t, ref, rtol=0, atol=0, msg=name)
+        if whole is not None:  # nothing outside the view was touched
+            assert torch.equal(whole[:100], whole_before[:100]), name
+        out.append(digest(t))
+    # int8 / uint8 / int16 (supported too), with torch's wrap-around for the integer sum
+    for dt in (torch.int8, torch.uint8, torch.int16):
+        for op in ("SUM", "MIN", "MAX", "PRODUCT"):
+            def make(r, dt=dt, op=op):
+                gen = torch.Generator().manual_seed(r * 31 + len(op))
+                lo, hi = (0, 100) if dt == torch.uint8 else (-60, 60)
+                if op == "PRODUCT":
+                    lo, hi = (1, 4) if dt == torch.uint8 else (-3, 4)
+                return torch.randint(lo, hi, (257,), generator=gen).to(dt)
+            t = make(rank)
+            fc.all_reduce(t, op=OPS[op], group=g)
+            ref = reference([make(r) for r in range(3)], op)
+            torch.testing.assert_close(t, ref, rtol=0, atol=0, msg=f"{dt} {op}")
+            out.append(digest(t))
+    return out
+
+
+def test_shapes_offsets_and_small_int_dtypes():
+    res = harness.run(_shapes_body, 3, timeout=60)
+    assert res[0] == res[1] == res[2]
+
+
+def _nonfinite_body(rank, world):
+    g = fc.new_group([0, 1, 2])
+    out = []
+    for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        def make(r, dt=dt):
+            t = torch.arange(12, dtype=torch.float64) - 6.0 + r
+            t[r] = float("nan")  # each rank a NaN in a different place
+            t[5 + r] = float("inf") if r != 1 else -float("inf")
+            t[11] = float("nan") if r == 2 else 1.0
+            return t.to(dt)
+        for op in ("SUM", "MIN", "MAX", "PRODUCT", "AVG"):
+            t = make(rank)
+            fc.all_reduce(t, op=OPS[op], group=g)
+            ref = reference([make(r) for r in range(3)], op)
+            torch.testing.assert_close(t, ref, equal_nan=True, msg=f"{dt} {op}")
+            out.append(digest(t))
+    return out
+
+
+def test_nan_and_inf_propagate_like_torch():
+    res = harness.run(_nonfinite_body, 3, timeout=60)
+    assert res[0] == res[1] == res[2]
+
+
+def _wait_timeout_body(rank, world, flag_dir):
+    import os
+    import time
+
+    g = fc.new_group([0, 1])
+    t = torch.full((1000,), float(rank + 1))
+    if rank == 0:
+        w = fc.all_reduce(t, group=g, async_op=True)
+        try:  # rank 1 has not issued it yet: a bounded wait gives up, the op stays pending
+            w.wait(timeout=0.2)
+            raise AssertionError("wait(timeout) returned before the peer issued the op")
+        except RuntimeError as e:
+            assert "rank 0" in str(e) and "timed out" in str(e), str(e)
+        assert not w.is_completed()
+        open(os.path.join(flag_dir, "go"), "w").close()
+        assert w.wait() is True  # and completes once the peer comes
+    else:
+        for _ in range(3000):
+            if os.path.exists(os.path.join(flag_dir, "go")):
+                break
+            time.sleep(0.01)
+        fc.all_reduce(t, group=g)
+    assert torch.equal(t, torch.full((1000,), 3.0))
+    return True
+
+
+def test_work_wait_with_timeout_leaves_op_pending(tmp_path):
+    harness.run(_wait_timeout_body, 2, str(tmp_path), timeout=60)

@@ -49,17 +49,48 @@ def die(how):
 # A dying peer
 
 
-def _pair_death_body(rank, world, how, when):
+def _wait_dead(pid_file):
+    """Waits (bounded) until the process whose pid is in pid_file has died (zombie or gone)."""
+    for _ in range(3000):
+        if os.path.exists(pid_file):
+            break
+        time.sleep(0.01)
+    pid = int(open(pid_file).read())
+    for _ in range(3000):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"rank with pid {pid} did not die")
+
+
+def _pair_death_body(rank, world, how, when, flag_dir):
     g = fc.new_group([0, 1])
     for i in range(3):  # a few good ops first: the peer dies mid-sequence
         t = torch.full((100,), float(rank + 1))
         fc.all_reduce(t, group=g)
         assert torch.equal(t, torch.full((100,), 3.0))
+    pid_file = os.path.join(flag_dir, "pid")
     if rank == 1:
-        if when == "in_flight":  # dies with a large async op half sent
+        if when == "survivor_mid_op":  # rank 0 is inside its op (and never gets our data)
+            while not os.path.exists(os.path.join(flag_dir, "posted")):
+                time.sleep(0.001)
+            time.sleep(0.1)
+        elif when == "in_flight":  # dies with a large async op of its own half sent
             fc.all_reduce(torch.ones(300_000), group=g, async_op=True)
+        with open(pid_file + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(pid_file + ".tmp", pid_file)
         die(how)
-    t = torch.ones(300_000 if when == "in_flight" else 100)
+    n = 300_000 if when != "between_ops" else 100
+    if when == "survivor_mid_op":
+        open(os.path.join(flag_dir, "posted"), "w").close()
+    else:
+        _wait_dead(pid_file)  # so the op below cannot have the peer's data (nothing was drained)
+    t = torch.ones(n)
     msg = expect_backend_error(lambda: fc.all_reduce(t, group=g), "rank 0", "[0, 1]", "rank 1")
     assert "exited" in msg, f"death reported as something else (a timeout?): {msg}"
     # Later ops on the group fail at once, naming the dead rank again.
@@ -71,20 +102,45 @@ def _pair_death_body(rank, world, how, when):
 
 
 @pytest.mark.parametrize("how,when", [("exit", "between_ops"), ("sigkill", "between_ops"),
-                                      ("sigkill", "in_flight")])
-def test_dead_peer_fails_survivor_naming_it(how, when):
-    res = harness.run(_pair_death_body, 2, how, when, timeout=60, env=RING_ENV,
+                                      ("sigkill", "in_flight"), ("sigkill", "survivor_mid_op"),
+                                      ("exit", "survivor_mid_op")])
+def test_dead_peer_fails_survivor_naming_it(tmp_path, how, when):
+    res = harness.run(_pair_death_body, 2, how, when, str(tmp_path), timeout=60, env=RING_ENV,
                       init_timeout=OP_TIMEOUT, allow_fail=(1,))
     assert res[0] is not None and res[1] is None
 
 
-def _world4_death_body(rank, world):
+def _queued_death_body(rank, world, flag_dir):
+    # The survivor has several async ops queued on the group when its peer dies: every one of
+    # them fails naming the dead rank; none hangs.
+    g = fc.new_group([0, 1])
+    fc.all_reduce(torch.ones(4), group=g)
+    if rank == 1:
+        for _ in range(3000):
+            if os.path.exists(os.path.join(flag_dir, "queued")):
+                break
+            time.sleep(0.01)
+        die("sigkill")
+    works = [fc.all_reduce(torch.ones(n), group=g, async_op=True) for n in (5, 200_000, 5, 7)]
+    open(os.path.join(flag_dir, "queued"), "w").close()
+    msgs = [expect_backend_error(w.wait, "rank 0", "[0, 1]", "rank 1") for w in works]
+    assert all(w.is_completed() and w.exception() is not None for w in works)
+    return msgs
+
+
+def test_dead_peer_fails_every_queued_async_op(tmp_path):
+    res = harness.run(_queued_death_body, 2, str(tmp_path), timeout=60, env=RING_ENV,
+                      init_timeout=OP_TIMEOUT, allow_fail=(1,))
+    assert len(res[0]) == 4
+
+
+def _world4_death_body(rank, world, flag_dir):
     g01, g23 = fc.new_groups([[0, 1], [2, 3]])
     mine = g01 if rank < 2 else g23
     for i in range(3):
         t = torch.full((50,), float(rank + 1 + i))
         fc.all_reduce(t, group=mine)
-        exp = float(1 + 2 * i + (1 if rank < 2 else 5))  # sums (1+2) / (3+4), plus 2i
+        exp = float((3 if rank < 2 else 7) + 2 * i)  # (1+i)+(2+i) on [0, 1], (3+i)+(4+i) on [2, 3]
         assert torch.equal(t, torch.full((50,), exp)), (rank, i, t[:3])
     if rank == 3:
         die("sigkill")
@@ -105,11 +161,17 @@ def _world4_death_body(rank, world):
         t = torch.full((9,), float(rank))
         fc.all_reduce(t, group=g01)
         assert torch.equal(t, torch.full((9,), 1.0))
+        open(os.path.join(flag_dir, f"done.{rank}"), "w").close()
+    else:  # rank 2 stays alive until 0 and 1 are done, so that only rank 3 is dead for them
+        for _ in range(6000):
+            if all(os.path.exists(os.path.join(flag_dir, f"done.{r}")) for r in (0, 1)):
+                break
+            time.sleep(0.01)
     return msg
 
 
-def test_dead_rank_only_breaks_its_groups():
-    res = harness.run(_world4_death_body, 4, timeout=60, env=RING_ENV,
+def test_dead_rank_only_breaks_its_groups(tmp_path):
+    res = harness.run(_world4_death_body, 4, str(tmp_path), timeout=60, env=RING_ENV,
                       init_timeout=OP_TIMEOUT, allow_fail=(3,))
     assert res[3] is None and res[2] is not None
 
@@ -118,11 +180,12 @@ def test_dead_rank_only_breaks_its_groups():
 # A stalled peer
 
 
-def _stall_body(rank, world, flag_dir, members, staller):
+def _stall_body(rank, world, flag_dir, members, staller, numel):
     g = fc.new_group(members)
     t = torch.full((10,), float(rank + 1))
     fc.all_reduce(t, group=g)  # everyone is there once
-    assert torch.equal(t, torch.full((10,), float(sum(r + 1 for r in members))))
+    total = float(sum(r + 1 for r in members))
+    assert torch.equal(t, torch.full((10,), total))
     label = "[" + ", ".join(map(str, members)) + "]"
     if rank == staller:
         # Never calls while the others wait; wakes up once every other member has timed out.
@@ -133,35 +196,44 @@ def _stall_body(rank, world, flag_dir, members, staller):
             time.sleep(0.01)
         else:
             raise AssertionError("the other members never reported a timeout")
-        # Its late call must not hang: the others gave up on this op.
-        w = fc.all_reduce(torch.ones(10), group=g, async_op=True)
+        # Its late call must not hang. It may fail (the others gave up on this op) or, when
+        # their data had all been sent before they gave up, complete with the right values.
+        t = torch.full((numel,), float(rank + 1))
         try:
-            w.wait()
-            late = "completed"
+            fc.all_reduce(t, group=g)
+            assert torch.equal(t, torch.full((numel,), total)), "late op completed with wrong values"
+            result = ("stalled", "completed")
         except dist.DistBackendError as e:
-            late = str(e)
-        return ("stalled", late)
-    t0 = time.monotonic()
-    msg = expect_backend_error(lambda: fc.all_reduce(torch.ones(10), group=g), f"rank {rank}", label,
-                               "timed out")
-    waited = time.monotonic() - t0
-    open(os.path.join(flag_dir, f"timed_out.{rank}"), "w").close()
-    return ("waiter", msg, waited)
+            result = ("stalled", str(e))
+    else:
+        t0 = time.monotonic()
+        msg = expect_backend_error(lambda: fc.all_reduce(torch.full((numel,), float(rank + 1)), group=g),
+                                   f"rank {rank}", label, "timed out")
+        waited = time.monotonic() - t0
+        open(os.path.join(flag_dir, f"timed_out.{rank}"), "w").close()
+        result = ("waiter", msg, waited)
+    # The group is back in step for everyone: the next ops are correct on every member.
+    for n in (numel, 7):
+        t = torch.full((n,), float(rank + 1))
+        fc.all_reduce(t, group=g)
+        assert torch.equal(t, torch.full((n,), total)), f"after the stall: {t[:4]} != {total}"
+    return result
 
 
-@pytest.mark.parametrize("members,staller", [([0, 1], 1), ([0, 1, 2], 2)])
-def test_stalled_peer_times_out_naming_the_group(tmp_path, members, staller):
+@pytest.mark.parametrize("members,staller,numel", [([0, 1], 1, 10), ([0, 1], 1, 200_000),
+                                                   ([0, 1, 2], 2, 10), ([0, 1, 2], 2, 200_000)])
+def test_stalled_peer_times_out_naming_the_group(tmp_path, members, staller, numel):
     world = len(members)
-    res = harness.run(_stall_body, world, str(tmp_path), members, staller, timeout=60,
-                      init_timeout=3.0)
+    res = harness.run(_stall_body, world, str(tmp_path), members, staller, numel, timeout=60,
+                      env=RING_ENV, init_timeout=2.0)
     for r in members:
         if r == staller:
             assert res[r][0] == "stalled"
         else:
             kind, msg, waited = res[r]
-            # Not a timing assertion on speed: only that the op did wait for its timeout
-            # instead of failing for another reason first.
-            assert waited >= 2.0, f"rank {r} gave up after {waited:.2f}s, before the 3 s timeout: {msg}"
+            # Not a speed assertion: only that the op waited for its timeout instead of failing
+            # for another reason first.
+            assert waited >= 1.5, f"rank {r} gave up after {waited:.2f}s, before the 2 s timeout: {msg}"
 
 
 def _shutdown_inflight_body(rank, world, flag_dir):
@@ -306,9 +378,8 @@ def test_failed_init_leaves_nothing():
 
 
 def _init_peer_dies_after_create_body(rank, world):
-    """Rank 1 creates its segment and dies before attaching: rank 0's init must fail (not
-    hang) and neither segment may survive (rank 1's is unlinked by nobody but the kernel?
-    no: fastcomm must not leave it, so the survivor or the dead rank's own exit path must)."""
+    """Rank 1 creates its segment and is SIGKILLed before attaching its peers (so before it
+    could unlink its name); rank 0's init must fail, not hang."""
     from fastcomm import _state
 
     if rank == 1:
@@ -333,9 +404,23 @@ def _init_peer_dies_after_create_body(rank, world):
         _state._C = CSpy()
     with pytest.raises(Exception):
         harness.init_child(rank, world, timeout=3.0)
+    assert not fc.is_initialized()
     return True
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "engine bug: a rank killed after creating its segment but before every local rank attached "
+    "(so before it unlinked its name) leaves /dev/shm/fastcomm-<token>-<rank> behind for good: "
+    "only the owner ever unlinks its name, and the survivors' failed init unlinks only their own"))
 def test_rank_killed_during_init_leaves_no_segment():
-    # The autouse fixture checks /dev/shm after the run: the dead rank's segment must be gone.
+    before = set(harness.shm_entries())
+    tokens_before = set(harness.TOKENS_SEEN)
     harness.run(_init_peer_dies_after_create_body, 2, timeout=60, init=False, allow_fail=(1,))
+    tokens = harness.TOKENS_SEEN - tokens_before
+    leaked = sorted(n for n in set(harness.shm_entries()) - before if any(t in n for t in tokens))
+    for n in leaked:  # clean up here, so that only this test reports it
+        try:
+            os.unlink(os.path.join("/dev/shm", n))
+        except FileNotFoundError:
+            pass
+    assert not leaked, f"segments of a rank killed during init survive the job: {leaked}"

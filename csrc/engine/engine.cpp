@@ -47,11 +47,6 @@ std::string ranks_label(const std::vector<int>& ranks) {
   return os.str();
 }
 
-int64_t env_int(const char* name, int64_t dflt) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoll(v) : dflt;
-}
-
 int usable_cpus() {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
@@ -226,19 +221,21 @@ void Engine::check_member(const GroupHandle& g, const char* api) const {
 // Collectives: validate everything locally, before anything is sent.
 
 namespace {
-void check_tensor(const at::Tensor& t, int rank, const std::string& group, const char* api,
+// Messages are built only on failure: TORCH_CHECK evaluates its message arguments lazily, so
+// the group label is formatted there and not on every call.
+void check_tensor(const at::Tensor& t, int rank, const GroupHandle& g, const char* api,
                   const char* arg) {
-  TORCH_CHECK_VALUE(t.defined(), "fastcomm.", api, ": rank ", rank, ", group ", group,
+  TORCH_CHECK_VALUE(t.defined(), "fastcomm.", api, ": rank ", rank, ", group ", g.label(),
                     ": argument '", arg, "' is undefined");
   TORCH_CHECK_VALUE(t.layout() == c10::kStrided, "fastcomm.", api, ": rank ", rank, ", group ",
-                    group, ": argument '", arg, "' must be a dense tensor, got layout ", t.layout());
-  TORCH_CHECK_VALUE(t.device().is_cpu(), "fastcomm.", api, ": rank ", rank, ", group ", group,
+                    g.label(), ": argument '", arg, "' must be a dense tensor, got layout ", t.layout());
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "fastcomm.", api, ": rank ", rank, ", group ", g.label(),
                     ": argument '", arg, "' is on ", t.device(),
                     "; only CPU tensors are supported for now");
-  TORCH_CHECK_VALUE(t.is_contiguous(), "fastcomm.", api, ": rank ", rank, ", group ", group,
+  TORCH_CHECK_VALUE(t.is_contiguous(), "fastcomm.", api, ": rank ", rank, ", group ", g.label(),
                     ": argument '", arg, "' must be contiguous");
   TORCH_CHECK_TYPE(dtype_supported(t.scalar_type()), "fastcomm.", api, ": rank ", rank, ", group ",
-                   group, ": argument '", arg, "' has unsupported dtype ", t.scalar_type());
+                   g.label(), ": argument '", arg, "' has unsupported dtype ", t.scalar_type());
 }
 }  // namespace
 
@@ -261,26 +258,26 @@ int Engine::group_rank_of(const GroupHandle& g, int global, const char* api, con
 
 namespace {
 void check_same(const at::Tensor& a, const at::Tensor& ref, int64_t numel, int rank,
-                const std::string& group, const char* api, const std::string& arg) {
-  check_tensor(a, rank, group, api, arg.c_str());
+                const GroupHandle& g, const char* api, const std::string& arg) {
+  check_tensor(a, rank, g, api, arg.c_str());
   TORCH_CHECK_TYPE(a.scalar_type() == ref.scalar_type(), "fastcomm.", api, ": rank ", rank, ", group ",
-                   group, ": argument '", arg, "' has dtype ", a.scalar_type(), ", expected ",
+                   g.label(), ": argument '", arg, "' has dtype ", a.scalar_type(), ", expected ",
                    ref.scalar_type());
-  TORCH_CHECK_VALUE(a.numel() == numel, "fastcomm.", api, ": rank ", rank, ", group ", group,
+  TORCH_CHECK_VALUE(a.numel() == numel, "fastcomm.", api, ": rank ", rank, ", group ", g.label(),
                     ": argument '", arg, "' has ", a.numel(), " elements, expected ", numel);
 }
 }  // namespace
 
 Engine::Prepared Engine::prepare_all_reduce(const GroupHandle& g, const at::Tensor& t, RedOp op) {
   check_member(g, "all_reduce");
-  check_tensor(t, opts_.rank, g.label(), "all_reduce", "tensor");
+  check_tensor(t, opts_.rank, g, "all_reduce", "tensor");
   check_reduce_op(g, "all_reduce", op, t.scalar_type());
   return {g, make_all_reduce(t, op, g.rank, (int)g.ranks.size()), c10d::OpType::ALLREDUCE};
 }
 
 Engine::Prepared Engine::prepare_broadcast(const GroupHandle& g, const at::Tensor& t, int src) {
   check_member(g, "broadcast");
-  check_tensor(t, opts_.rank, g.label(), "broadcast", "tensor");
+  check_tensor(t, opts_.rank, g, "broadcast", "tensor");
   const int root = group_rank_of(g, src, "broadcast", "src");
   return {g, make_broadcast(t, root, g.rank, (int)g.ranks.size()), c10d::OpType::BROADCAST};
 }
@@ -288,12 +285,12 @@ Engine::Prepared Engine::prepare_broadcast(const GroupHandle& g, const at::Tenso
 Engine::Prepared Engine::prepare_all_gather(const GroupHandle& g, const std::vector<at::Tensor>& outs,
                                             const at::Tensor& in) {
   check_member(g, "all_gather");
-  check_tensor(in, opts_.rank, g.label(), "all_gather", "tensor");
+  check_tensor(in, opts_.rank, g, "all_gather", "tensor");
   TORCH_CHECK_VALUE(outs.size() == g.ranks.size(), "fastcomm.all_gather: rank ", opts_.rank, ", group ",
                     g.label(), ": argument 'tensor_list' has ", outs.size(), " tensors, expected ",
                     g.ranks.size());
   for (size_t i = 0; i < outs.size(); ++i)
-    check_same(outs[i], in, in.numel(), opts_.rank, g.label(), "all_gather",
+    check_same(outs[i], in, in.numel(), opts_.rank, g, "all_gather",
                "tensor_list[" + std::to_string(i) + "]");
   return {g, make_all_gather(outs, in, g.rank, (int)g.ranks.size()), c10d::OpType::ALLGATHER};
 }
@@ -302,9 +299,9 @@ Engine::Prepared Engine::prepare_all_gather_into_tensor(const GroupHandle& g, co
                                                         const at::Tensor& in) {
   const char* api = "all_gather_into_tensor";
   check_member(g, api);
-  check_tensor(in, opts_.rank, g.label(), api, "input_tensor");
+  check_tensor(in, opts_.rank, g, api, "input_tensor");
   const int64_t k = (int64_t)g.ranks.size();
-  check_same(out, in, in.numel() * k, opts_.rank, g.label(), api, "output_tensor");
+  check_same(out, in, in.numel() * k, opts_.rank, g, api, "output_tensor");
   return {g, make_all_gather(out.reshape({-1}).chunk(k), in, g.rank, (int)k), c10d::OpType::_ALLGATHER_BASE};
 }
 
@@ -312,13 +309,13 @@ Engine::Prepared Engine::prepare_reduce_scatter(const GroupHandle& g, const at::
                                                 const std::vector<at::Tensor>& ins, RedOp op) {
   const char* api = "reduce_scatter";
   check_member(g, api);
-  check_tensor(out, opts_.rank, g.label(), api, "output");
+  check_tensor(out, opts_.rank, g, api, "output");
   check_reduce_op(g, api, op, out.scalar_type());
   TORCH_CHECK_VALUE(ins.size() == g.ranks.size(), "fastcomm.reduce_scatter: rank ", opts_.rank,
                     ", group ", g.label(), ": argument 'input_list' has ", ins.size(),
                     " tensors, expected ", g.ranks.size());
   for (size_t i = 0; i < ins.size(); ++i)
-    check_same(ins[i], out, out.numel(), opts_.rank, g.label(), api, "input_list[" + std::to_string(i) + "]");
+    check_same(ins[i], out, out.numel(), opts_.rank, g, api, "input_list[" + std::to_string(i) + "]");
   return {g, make_reduce_scatter(out, ins, op, g.rank, (int)g.ranks.size()), c10d::OpType::REDUCE_SCATTER};
 }
 
@@ -326,10 +323,10 @@ Engine::Prepared Engine::prepare_reduce_scatter_tensor(const GroupHandle& g, con
                                                        const at::Tensor& in, RedOp op) {
   const char* api = "reduce_scatter_tensor";
   check_member(g, api);
-  check_tensor(out, opts_.rank, g.label(), api, "output");
+  check_tensor(out, opts_.rank, g, api, "output");
   check_reduce_op(g, api, op, out.scalar_type());
   const int64_t k = (int64_t)g.ranks.size();
-  check_same(in, out, out.numel() * k, opts_.rank, g.label(), api, "input");
+  check_same(in, out, out.numel() * k, opts_.rank, g, api, "input");
   auto parts = in.reshape({-1}).chunk(k);
   if (out.numel() == 0) parts.assign(k, in.reshape({-1}));  // chunk() of an empty tensor yields one
   return {g, make_reduce_scatter(out, parts, op, g.rank, (int)k), c10d::OpType::_REDUCE_SCATTER_BASE};
@@ -345,7 +342,7 @@ Engine::Prepared Engine::prepare_p2p(const GroupHandle& g, const at::Tensor& t, 
   const char* api = sending ? "send" : "recv";
   const char* arg = sending ? "dst" : "src";
   check_member(g, api);
-  check_tensor(t, opts_.rank, g.label(), api, "tensor");
+  check_tensor(t, opts_.rank, g, api, "tensor");
   group_rank_of(g, peer, api, arg);
   TORCH_CHECK_VALUE(peer != opts_.rank, "fastcomm.", api, ": rank ", opts_.rank, ", group ", g.label(),
                     ": argument '", arg, "' is this rank itself");

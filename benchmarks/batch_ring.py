@@ -1,0 +1,442 @@
+#!/usr/bin/env python
+"""Batched collectives over many small groups: fastcomm batch vs single ops, and a ring of
+overlapping neighbour groups, fastcomm vs torch Gloo.
+
+(a) Batch scaling. Every rank issues k all_reduces of a 10x10 float32 tensor over k distinct
+    groups, per step, either as k blocking ``fc.all_reduce`` calls ("single") or as one batch
+    of k (``fc.all_reduce_many``, i.e. ``with fc.batch()``). World 2: the k groups are all
+    over [0, 1] (made with ``fc.new_groups``). World 4: the k groups are pairs that cycle
+    through the three perfect matchings of 4 ranks ({01,23}, {02,13}, {03,12}), so each rank
+    has k distinct groups and its partner changes from one group to the next.
+(b) Ring of overlapping neighbour groups at world 4: every step each rank i all_reduces a
+    10x10 float32 with its left group (i-1, i) and another with its right group (i, i+1).
+    fastcomm as a batch of 2 and as two async_op=True calls then two waits, against torch
+    Gloo's async version (``dist.new_group`` for every neighbour pair, created by all ranks,
+    two ``dist.all_reduce(..., async_op=True)`` then both waits).
+
+Time per step = the max over ranks of each rank's mean over the timed steps (after warm-up;
+all ranks start each timed loop together after a barrier; each rank keeps the best of 3
+timed loops, since the machine may be shared). Every variant's result is checked
+once after its timed loop (distinct values per rank and element), so a broken op fails its
+cell instead of being timed. Ranks are local processes forked by this script; each launch
+has its own TCPStore on a free port and a hard timeout, and every child is joined or killed.
+
+Usage, from the repository root:
+
+    python benchmarks/batch_ring.py [--quick] [--plot FILE.png] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import shlex
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# fork, not spawn: a spawned child re-imports torch (seconds each on 2 cores). The parent
+# never initializes fastcomm or a process group, and runs torch with one thread.
+_ctx = mp.get_context("fork")
+
+JOB_TIMEOUT_S = 120.0  # hard limit for one launch (all its ranks)
+STORE_TIMEOUT = timedelta(seconds=60)
+SHAPE = (10, 10)
+KS = (1, 2, 8, 64)
+WORLDS = (2, 4)
+
+
+class JobError(RuntimeError):
+    """A launch that failed: a rank raised (a wrong result included), died or hung."""
+
+
+# --------------------------------------------------------------------------------------------
+# Launching local ranks
+# --------------------------------------------------------------------------------------------
+
+def _child(body, rank, world, conn, args):
+    try:
+        torch.set_num_threads(1)
+        port = conn.recv()  # sent once every rank exists (see run_job)
+        store = dist.TCPStore("127.0.0.1", port, world, False, timeout=STORE_TIMEOUT)
+        conn.send(("ok", body(store, rank, world, *args)))
+    except BaseException as e:  # report everything, a failed correctness check included
+        tb = traceback.format_exc().strip().splitlines()[-3:]
+        try:
+            conn.send(("error", f"rank {rank}: {type(e).__name__}: {e} [{' | '.join(tb)}]"))
+        except OSError:
+            pass
+    finally:
+        conn.close()
+        os._exit(0)  # skip atexit handlers and destructors inherited from the parent
+
+
+def run_job(body, world, *args, timeout=JOB_TIMEOUT_S):
+    """Runs ``body(store, rank, world, *args)`` on ``world`` forked ranks; returns their
+    results in rank order, or raises JobError. Nothing outlives the call.
+
+    Every rank is forked *before* the job's TCPStore server starts, and learns its port (a
+    free one, bound as port 0) through its pipe. Forking while the server's thread runs can
+    leave a child with a glibc lock held forever (the server calls getnameinfo() when it
+    accepts a connection; a child forked meanwhile hangs in its own getnameinfo(), inside
+    the TCPStore client constructor)."""
+    procs, conns = [], []
+    deadline = time.monotonic() + timeout
+    errors, results = [], [None] * world
+    server = None
+    try:
+        for rank in range(world):
+            parent_end, child_end = _ctx.Pipe(duplex=True)
+            p = _ctx.Process(target=_child, args=(body, rank, world, child_end, args))
+            p.start()
+            child_end.close()
+            procs.append(p)
+            conns.append(parent_end)
+        server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=STORE_TIMEOUT,
+                               wait_for_workers=False)
+        for conn in conns:
+            conn.send(server.port)
+        for rank, (p, conn) in enumerate(zip(procs, conns)):
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                errors.append(f"rank {rank}: no result within {timeout:.0f} s (hung)")
+                break
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                status, value = "error", f"rank {rank}: died without a result"
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(value)
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()) if not errors else 1.0)
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join()
+        for conn in conns:
+            conn.close()
+        del server
+    if errors:
+        raise JobError("; ".join(errors))
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# Group layouts and result checks
+# --------------------------------------------------------------------------------------------
+
+MATCHINGS_4 = ([[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0, 3], [1, 2]])
+
+
+def scaling_lists(world, k):
+    """The group lists for part (a); every rank is in exactly k of them."""
+    if world == 2:
+        return [[0, 1]] * k
+    assert world == 4
+    return [pair for j in range(k) for pair in MATCHINGS_4[j % 3]]
+
+
+def value(rank, j):
+    """Distinct per rank, group slot and element; exact in float32."""
+    return torch.arange(100, dtype=torch.float32).reshape(SHAPE) + 1000 * j + 100_000 * rank
+
+
+def check(t, members, j, what):
+    expected = sum(value(r, j) for r in members)
+    if not torch.equal(t, expected):
+        bad = (t != expected).nonzero()[0].tolist()
+        raise AssertionError(f"{what}: wrong all_reduce result at {bad}: "
+                             f"{t[tuple(bad)].item()} != {expected[tuple(bad)].item()}")
+
+
+def ring_neighbours(rank, world):
+    left = sorted([(rank - 1) % world, rank])
+    right = sorted([rank, (rank + 1) % world])
+    return left, right
+
+
+# --------------------------------------------------------------------------------------------
+# What each rank runs
+# --------------------------------------------------------------------------------------------
+
+REPS = 3  # timed repetitions per cell; each rank keeps its best (the machine may be shared)
+
+
+def _timed(step, barrier, steps, warmup):
+    """Seconds per step on this rank: the best of REPS timed loops of ``steps`` steps, each
+    started by all ranks together after a barrier."""
+    for _ in range(warmup):
+        step()
+    best = float("inf")
+    for _ in range(REPS):
+        barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        best = min(best, (time.perf_counter() - start) / steps)
+    return best
+
+
+def _scaling_body(store, rank, world, k, steps, warmup):
+    import fastcomm as fc
+
+    fc.init(store=store, rank=rank, world_size=world, timeout=STORE_TIMEOUT)
+    try:
+        lists = scaling_lists(world, k)
+        groups = fc.new_groups(lists)
+        mine = [(j, lists[j], g) for j, g in enumerate(groups) if g.rank() >= 0]
+        assert len(mine) == k
+        gs = [g for _, _, g in mine]
+        ts = [torch.zeros(SHAPE) for _ in mine]  # zeros: sums stay 0 however many steps
+
+        def single():
+            for t, g in zip(ts, gs):
+                fc.all_reduce(t, group=g)
+
+        def batched():
+            fc.all_reduce_many(ts, gs)
+
+        out = {}
+        for name, step in (("single", single), ("batch", batched)):
+            out[name] = _timed(step, fc.barrier, steps, warmup)
+            # one checked step
+            for (j, members, _), t in zip(mine, ts):
+                t.copy_(value(rank, j))
+            step()
+            for (j, members, _), t in zip(mine, ts):
+                check(t, members, j, f"{name}, world {world}, k={k}, group {members}")
+                t.zero_()
+        return out
+    finally:
+        fc.shutdown()
+
+
+def _ring_fastcomm_body(store, rank, world, steps, warmup):
+    import fastcomm as fc
+
+    fc.init(store=store, rank=rank, world_size=world, timeout=STORE_TIMEOUT)
+    try:
+        lm, rm = ring_neighbours(rank, world)
+        left, right = fc.new_group(lm), fc.new_group(rm)
+        tl, tr = torch.zeros(SHAPE), torch.zeros(SHAPE)
+
+        def batch2():
+            with fc.batch() as b:
+                fc.all_reduce(tl, group=left)
+                fc.all_reduce(tr, group=right)
+            b.wait()
+
+        def async2():
+            wl = fc.all_reduce(tl, group=left, async_op=True)
+            wr = fc.all_reduce(tr, group=right, async_op=True)
+            wl.wait()
+            wr.wait()
+
+        out = {}
+        for name, step in (("fastcomm batch of 2", batch2), ("fastcomm async_op pair", async2)):
+            out[name] = _timed(step, fc.barrier, steps, warmup)
+            # Slot j of a group = its lower rank, so both members agree on the values.
+            tl.copy_(value(rank, lm[0]))
+            tr.copy_(value(rank, rm[0]))
+            step()
+            check(tl, lm, lm[0], f"{name}: left group {lm}")
+            check(tr, rm, rm[0], f"{name}: right group {rm}")
+            tl.zero_()
+            tr.zero_()
+        return out
+    finally:
+        fc.shutdown()
+
+
+def _ring_gloo_body(store, rank, world, steps, warmup):
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=STORE_TIMEOUT)
+    try:
+        # torch requires every rank to create every group, in the same order.
+        pairs = [sorted([i, (i + 1) % world]) for i in range(world)]
+        groups = {tuple(p): dist.new_group(p) for p in pairs}
+        lm, rm = ring_neighbours(rank, world)
+        left, right = groups[tuple(lm)], groups[tuple(rm)]
+        tl, tr = torch.zeros(SHAPE), torch.zeros(SHAPE)
+
+        def async2():
+            wl = dist.all_reduce(tl, group=left, async_op=True)
+            wr = dist.all_reduce(tr, group=right, async_op=True)
+            wl.wait()
+            wr.wait()
+
+        per_step = _timed(async2, dist.barrier, steps, warmup)
+        tl.copy_(value(rank, lm[0]))
+        tr.copy_(value(rank, rm[0]))
+        async2()
+        check(tl, lm, lm[0], f"gloo: left group {lm}")
+        check(tr, rm, rm[0], f"gloo: right group {rm}")
+        return {"torch Gloo async_op pair": per_step}
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------
+
+def measure(body, world, *args):
+    """{variant: seconds per step (max over ranks)} or {"error": "..."}."""
+    try:
+        per_rank = run_job(body, world, *args)
+    except JobError as e:
+        print(f"  !! {body.__name__}, world {world}: {e}", file=sys.stderr, flush=True)
+        return {"error": str(e)}
+    return {name: max(r[name] for r in per_rank) for name in per_rank[0]}
+
+
+def fmt_us(s):
+    return "FAILED" if s is None else f"{s * 1e6:,.1f}"
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def write_plot(path, results):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"\nNote: matplotlib is not installed; skipped the plot ({path}).")
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for world in WORLDS:
+        for name, style in (("single", "o-"), ("batch", "s--")):
+            pts = [(k, results["scaling"][f"{world}/{k}"][name] * 1e6) for k in KS
+                   if "error" not in results["scaling"][f"{world}/{k}"]]
+            if pts:
+                ax1.plot(*zip(*pts), style, label=f"world {world}, {name}")
+    ax1.set(xscale="log", yscale="log", xlabel="k (all_reduces per step, one per group)",
+            ylabel="µs per step (max over ranks)", title="(a) k single ops vs one batch of k")
+    ax1.set_xticks(KS, [str(k) for k in KS])
+    ax1.legend()
+    ring = {k: v for k, v in results["ring"].items() if v is not None}
+    ax2.bar(range(len(ring)), [v * 1e6 for v in ring.values()])
+    ax2.set_xticks(range(len(ring)), list(ring), rotation=10, fontsize=8)
+    ax2.set(yscale="log", ylabel="µs per step (max over ranks)",
+            title="(b) ring of neighbour pairs, world 4")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"\nPlot written to {path}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="short run (fewer timed steps)")
+    ap.add_argument("--plot", metavar="FILE.png", help="write a plot (needs matplotlib)")
+    ap.add_argument("--json", metavar="FILE", help="dump the raw numbers as JSON")
+    args = ap.parse_args()
+    # Timed all_reduces per rank per cell of (a); steps = ops // k (at least 20).
+    ops_a = 1024 if args.quick else 16384
+    steps_ring = 200 if args.quick else 5000
+    steps_gloo = 50 if args.quick else 500
+    warmup = 10 if args.quick else 50
+
+    torch.set_num_threads(1)
+    t_start = time.monotonic()
+    print("# fastcomm benchmark: batched collectives over many small groups\n")
+    print(f"- command: `python {shlex.join(sys.argv)}`")
+    print(f"- machine: {os.cpu_count()} cores ({cpu_model()}), {platform.system()} {platform.release()}")
+    print(f"- torch {torch.__version__}, Python {platform.python_version()}; every rank uses 1 torch thread")
+    env = {k: os.environ[k] for k in os.environ if k.startswith("FASTCOMM_")}
+    print(f"- fastcomm environment: {env or 'defaults'}")
+    print(flush=True)
+
+    results = {"command": sys.argv, "cores": os.cpu_count(), "cpu": cpu_model(),
+               "torch": torch.__version__, "scaling": {}, "ring": {}}
+    for world in WORLDS:
+        for k in KS:
+            steps = max(20, ops_a // k)  # per timed loop
+            print(f"  running (a): world {world}, k={k}, {steps} steps ...", file=sys.stderr, flush=True)
+            cell = measure(_scaling_body, world, k, steps, warmup)
+            cell["steps"] = steps
+            results["scaling"][f"{world}/{k}"] = cell
+    print(f"  running (b): fastcomm, {steps_ring} steps ...", file=sys.stderr, flush=True)
+    fcr = measure(_ring_fastcomm_body, 4, steps_ring, warmup)
+    print(f"  running (b): torch Gloo, {steps_gloo} steps ...", file=sys.stderr, flush=True)
+    gl = measure(_ring_gloo_body, 4, steps_gloo, min(warmup, 20))
+    for name in ("torch Gloo async_op pair", "fastcomm batch of 2", "fastcomm async_op pair"):
+        src = gl if name.startswith("torch") else fcr
+        results["ring"][name] = src.get(name)
+    steps_of = {"torch Gloo async_op pair": steps_gloo, "fastcomm batch of 2": steps_ring,
+                "fastcomm async_op pair": steps_ring}
+
+    print("## (a) Batch scaling: k all_reduces of a 10x10 float32 over k distinct groups per step\n")
+    print("single = k blocking `fc.all_reduce` calls; batch = one `fc.all_reduce_many` of k "
+          "(a `with fc.batch()` block). World 2: k groups over [0, 1]; world 4: k pair groups "
+          "cycling through the 3 perfect matchings of 4 ranks.\n")
+    head = ["world", "k", "steps/loop", "single µs/step", "batch µs/step", "single µs/op", "batch µs/op",
+            "batch/single"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join(" ---: " for _ in head) + "|")
+    for world in WORLDS:
+        for k in KS:
+            cell = results["scaling"][f"{world}/{k}"]
+            if "error" in cell:
+                cells = [str(world), str(k), str(cell["steps"])] + ["FAILED"] * 5
+            else:
+                s, b = cell["single"], cell["batch"]
+                cells = [str(world), str(k), str(cell["steps"]), fmt_us(s), fmt_us(b),
+                         f"{s / k * 1e6:,.2f}", f"{b / k * 1e6:,.2f}", f"{b / s:.2f}"]
+            print("| " + " | ".join(cells) + " |")
+    print("\nbatch/single < 1: the batch of k costs less than k single ops.")
+
+    print("\n## (b) Ring of overlapping neighbour groups, world 4: per step every rank "
+          "all_reduces a 10x10 float32 with (i-1, i) and with (i, i+1)\n")
+    head = ["variant", "steps/loop", "µs/step", "speedup vs Gloo"]
+    print("| " + " | ".join(head) + " |")
+    print("| :--- |" + "|".join(" ---: " for _ in head[1:]) + "|")
+    g = results["ring"]["torch Gloo async_op pair"]
+    for name, v in results["ring"].items():
+        speed = "n/a" if v is None or g is None else f"{g / v:,.1f}x"
+        print(f"| {name} | {steps_of[name]} | {fmt_us(v)} | {speed} |")
+    print("\nspeedup = Gloo's µs/step / this variant's µs/step.")
+
+    failed = [f"(a) world/k {key}: {cell['error']}" for key, cell in results["scaling"].items()
+              if "error" in cell]
+    failed += [f"(b) {name}" for name, v in results["ring"].items() if v is None]
+    for part, cell in (("(b) fastcomm", fcr), ("(b) gloo", gl)):
+        if "error" in cell:
+            failed.append(f"{part}: {cell['error']}")
+    results["failures"] = failed
+    results["total_s"] = time.monotonic() - t_start
+    if failed:
+        print("\n## Failures\n")
+        for f in failed:
+            print(f"- {f}")
+    print(f"\nTotal benchmark time: {results['total_s']:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"Raw numbers written to {args.json}")
+    if args.plot:
+        write_plot(args.plot, results)
+    leftover = mp.active_children()
+    assert not leftover, f"child processes left behind: {leftover}"
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+#pragma once
+// fastcomm as a torch.distributed backend: a c10d::Backend over one engine group.
+//
+// Every op is a thin adapter: it maps torch's arguments (group ranks, option structs, tensor
+// lists) onto the engine's prepare_* calls and posts them, returning the engine's own Work (a
+// c10d::Work with futures). There is no second implementation of any collective here.
+//
+// Ranks: at the Backend level torch passes *group* ranks (BroadcastOptions::rootRank, send's
+// dstRank, recv's srcRank); the engine takes global ranks, so they are translated through the
+// group's rank list. torch's group rank i is global_ranks_in_group[i]; the engine orders a
+// group's members by global rank, so the list must be sorted (torch's new_group sorts it).
+//
+// Threading: torch's ProcessGroup bindings call in here with the GIL released, and nothing in
+// this file touches Python, so blocking waits never hold the GIL.
+//
+// Ops the engine does not have (gather, scatter, reduce, alltoall, recvAnysource, ...) are
+// not overridden: c10d::Backend's defaults raise torch's usual
+// "Backend fastcomm does not support <op>" RuntimeError.
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+
+namespace pybind11 {
+class module_;
+}
+
+namespace fastcomm {
+
+class FastcommBackend final : public c10d::Backend {
+ public:
+  // `group` is the engine group over `global_ranks` (sorted; this process is a member).
+  // `owns_engine`: this backend made the engine (the world group of init_process_group), so
+  // its shutdown() / abort() shut the engine down too.
+  FastcommBackend(std::shared_ptr<Engine> engine, GroupHandle group, bool owns_engine);
+
+  const std::string getBackendName() const override { return "fastcomm"; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+
+  void shutdown() override;
+  void abort() override;
+
+  const GroupHandle& group() const { return group_; }
+  bool owns_engine() const { return owns_engine_; }
+
+ private:
+  // Posts the prepared ops as one engine post; a blocking call (asyncOp false) also waits for
+  // them here, so torch's following Work.wait() finds them done (and raises their error).
+  c10::intrusive_ptr<c10d::Work> run(std::vector<Engine::Prepared> ops, bool async_op);
+  c10::intrusive_ptr<c10d::Work> run(Engine::Prepared op, bool async_op);
+  // Global rank of group rank `group_rank` (an argument named `arg` of op `api`).
+  int global_rank(int64_t group_rank, const char* api, const char* arg) const;
+  const at::Tensor& single(const std::vector<at::Tensor>& v, const char* api, const char* arg) const;
+
+  std::shared_ptr<Engine> engine_;
+  GroupHandle group_;
+  const bool owns_engine_;
+};
+
+// Adds the backend class to the `_C` module (as `_C.FastcommBackend`, a subclass of torch's c10d Backend).
+void register_backend_bindings(pybind11::module_& m);
+
+}  // namespace fastcomm
