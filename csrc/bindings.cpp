@@ -18,12 +18,14 @@ py::object to_py_work(c10::intrusive_ptr<Work> w) {
 }
 
 // Accepts torch.distributed.ReduceOp, its RedOpType members, or a plain int.
-c10d::ReduceOp::RedOpType to_redop(const py::handle& op) {
+c10d::ReduceOp::RedOpType to_redop(const py::handle& op, const Engine& e, const GroupHandle& g,
+                                   const char* api) {
   // Checked by type, not by trying casts: a failed pybind cast costs a C++ exception per call.
   if (py::isinstance<c10d::ReduceOp::RedOpType>(op)) return op.cast<c10d::ReduceOp::RedOpType>();
   if (py::isinstance<c10d::ReduceOp>(op)) return op.cast<c10d::ReduceOp>().op_;
   if (py::isinstance<py::int_>(op)) return (c10d::ReduceOp::RedOpType)op.cast<int>();
-  throw py::type_error("fastcomm: argument 'op' must be a torch.distributed.ReduceOp, got " +
+  throw py::type_error(std::string("fastcomm.") + api + ": rank " + std::to_string(e.rank()) +
+                       ", group " + g.label() + ": argument 'op' must be a torch.distributed.ReduceOp, got " +
                        std::string(py::str(py::type::of(op))));
 }
 
@@ -90,6 +92,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("yield_ns") = -1)
       .def("attach_peers", &Engine::attach_peers, py::call_guard<py::gil_scoped_release>())
       .def("unlink_segment", &Engine::unlink_segment, py::call_guard<py::gil_scoped_release>())
+      .def("abandon_init", &Engine::abandon_init, py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world_size", &Engine::world_size)
@@ -101,7 +104,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "all_reduce",
           [](Engine& e, const GroupHandle& g, const at::Tensor& t, const py::handle& op, bool async_op,
              Batch* batch) {
-            const auto rop = to_redop(op);
+            const auto rop = to_redop(op, e, g, "all_reduce");
             return issue(e, async_op, batch, [&] { return e.prepare_all_reduce(g, t, rop); });
           },
           py::arg("group"), py::arg("tensor"), py::arg("op"), py::arg("async_op"), py::arg("batch"))
@@ -130,7 +133,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "reduce_scatter",
           [](Engine& e, const GroupHandle& g, const at::Tensor& out, const std::vector<at::Tensor>& ins,
              const py::handle& op, bool async_op, Batch* batch) {
-            const auto rop = to_redop(op);
+            const auto rop = to_redop(op, e, g, "reduce_scatter");
             return issue(e, async_op, batch, [&] { return e.prepare_reduce_scatter(g, out, ins, rop); });
           },
           py::arg("group"), py::arg("output"), py::arg("input_list"), py::arg("op"), py::arg("async_op"),
@@ -139,7 +142,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "reduce_scatter_tensor",
           [](Engine& e, const GroupHandle& g, const at::Tensor& out, const at::Tensor& in,
              const py::handle& op, bool async_op, Batch* batch) {
-            const auto rop = to_redop(op);
+            const auto rop = to_redop(op, e, g, "reduce_scatter_tensor");
             return issue(e, async_op, batch, [&] { return e.prepare_reduce_scatter_tensor(g, out, in, rop); });
           },
           py::arg("group"), py::arg("output"), py::arg("input"), py::arg("op"), py::arg("async_op"),

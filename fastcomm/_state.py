@@ -97,6 +97,7 @@ def init(timeout=None, store: Optional[dist.Store] = None, rank: Optional[int] =
     store when it is initialized, else env:// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
     global _engine, _world, _generation
     timeout = _to_timedelta(timeout)
+    _live()
     with _lock:
         if _engine is not None:
             raise RuntimeError(f"fastcomm: rank {_engine.rank}: init() called twice without shutdown()")
@@ -145,14 +146,29 @@ def _rendezvous(store: dist.Store, rank: int, world: int, timeout: timedelta) ->
         store.set(f"attached/{rank}", "1")
         store.wait([f"attached/{r}" for r in local], timeout)
     except BaseException:
-        engine.shutdown()  # unlinks our segment: nothing may outlive a failed init
+        # Unlinks every local rank's segment name, ours and those of ranks that died before
+        # they could unlink theirs: nothing may outlive a failed init.
+        engine.abandon_init()
         raise
     engine.unlink_segment()
     return engine
 
 
-def _require(api: str) -> _C.Engine:
+def _live() -> Optional[_C.Engine]:
+    """The engine, unless it was shut down underneath us (by the torch.distributed backend
+    when torch destroyed the process group that started it)."""
+    global _engine, _world
     e = _engine
+    if e is not None and e.is_shut_down:
+        with _lock:
+            if _engine is e:
+                _engine, _world = None, None
+        e = None
+    return e
+
+
+def _require(api: str) -> _C.Engine:
+    e = _live()
     if e is None:
         raise RuntimeError(f"fastcomm.{api}: fastcomm is not initialized (call fastcomm.init() "
                            f"first; after shutdown() call it again)")
@@ -160,7 +176,7 @@ def _require(api: str) -> _C.Engine:
 
 
 def is_initialized() -> bool:
-    return _engine is not None
+    return _live() is not None
 
 
 def get_rank() -> int:

@@ -271,12 +271,6 @@ def _issue_order_body(rank, world, flag_dir):
     return seen
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine bug: completions are published outside the engine lock by whichever thread ran the "
-    "progress pass (Engine::finish), so when two threads drive (the engine's background thread and "
-    "a caller polling is_completed/waiting), a later op of a group can be marked complete before an "
-    "earlier one that sits in the other thread's not-yet-finished completion list; a slow future "
-    "callback makes the window arbitrarily long"))
 def test_async_ops_complete_in_issue_order(tmp_path):
     harness.run(_issue_order_body, 2, str(tmp_path), timeout=60, env=RING_ENV)
 

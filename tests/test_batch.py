@@ -386,13 +386,6 @@ def _large_mismatch_then_large_op_body(rank, world, n):
     return "ok" if torch.equal(t, torch.full((n,), 3.0)) else f"wrong result {t[:3]}"
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "fastcomm bug: after a mismatched op at least as large as the ring fails on both members, "
-    "each ring can be left holding 3 stale full pieces plus an abort record (used = 3*R/4 + 256 "
-    "of R bytes). The next in-place one-shot all_reduce needs a full R/4-byte record before it "
-    "may fold (Exchange::step only folds pieces already sent: folded_ < min_sent), so neither "
-    "side ever peeks -- and so never pops the stale messages -- and both wait for ring space "
-    "until the timeout. Timing-dependent: ~1-3% of fresh launches."))
 def test_group_usable_after_large_mismatch():
     """A mismatched all_reduce larger than the ring, then a matched large all_reduce on the
     same pair: repeated over fresh launches (the race needs both members to detect the

@@ -408,10 +408,6 @@ def _init_peer_dies_after_create_body(rank, world):
     return True
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine bug: a rank killed after creating its segment but before every local rank attached "
-    "(so before it unlinked its name) leaves /dev/shm/fastcomm-<token>-<rank> behind for good: "
-    "only the owner ever unlinks its name, and the survivors' failed init unlinks only their own"))
 def test_rank_killed_during_init_leaves_no_segment():
     before = set(harness.shm_entries())
     tokens_before = set(harness.TOKENS_SEEN)

@@ -20,6 +20,7 @@ struct Engine::Pending {
 };
 
 struct GroupState {
+  uint64_t engine = 0;  // serial of the engine that made it: handles do not outlive shutdown()
   uint64_t id = 0;
   std::vector<int> ranks;
   int rank = -1;
@@ -31,6 +32,10 @@ struct GroupState {
 };
 
 namespace {
+
+// Engines are numbered so that a group handle made before shutdown() is told apart from one
+// of a later init() even when the new engine happens to live at the same address.
+std::atomic<uint64_t> g_engine_serial{0};
 
 uint64_t mix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;
@@ -117,7 +122,7 @@ class OpComm final : public Comm {
 
 // ---------------------------------------------------------------------------------------------
 
-Engine::Engine(EngineOptions opts) : opts_(std::move(opts)) {
+Engine::Engine(EngineOptions opts) : opts_(std::move(opts)), serial_(++g_engine_serial) {
   const int R = opts_.rank, W = opts_.world_size;
   TORCH_CHECK_VALUE(W >= 1 && R >= 0 && R < W, "fastcomm: invalid rank ", R, " for world size ", W);
   TORCH_CHECK_VALUE((int)opts_.host_of.size() == W && (int)opts_.pids.size() == W,
@@ -147,6 +152,14 @@ void Engine::attach_peers() {
 void Engine::unlink_segment() {
   std::lock_guard<std::mutex> lk(mu_);
   if (shm_) shm_->unlink_own();
+}
+
+void Engine::abandon_init() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (shm_) shm_->unlink_local_segments();
+  }
+  shutdown();
 }
 
 Transport* Engine::transport_for(int peer) { return shm_.get(); }
@@ -197,6 +210,7 @@ std::vector<GroupHandle> Engine::new_groups(const std::vector<std::vector<int>>&
     id = mix64(id ^ ((uint64_t)instance << 32));
     TORCH_INTERNAL_ASSERT(groups_.count(id) == 0, "group id collision");
     auto st = std::make_shared<GroupState>();
+    st->engine = serial_;
     st->id = id;
     st->ranks = ranks;
     st->rank = (int)(it - ranks.begin());
@@ -215,6 +229,9 @@ void Engine::check_member(const GroupHandle& g, const char* api) const {
               ": fastcomm was shut down; call fastcomm.init() again first");
   TORCH_CHECK_VALUE(g.state != nullptr, "fastcomm.", api, ": rank ", opts_.rank,
                     " is not a member of group ", g.label(), " (argument 'group')");
+  TORCH_CHECK_VALUE(g.state->engine == serial_, "fastcomm.", api, ": rank ", opts_.rank,
+                    ": argument 'group' ", g.label(),
+                    " was created before fastcomm.shutdown(); create it again with new_group()");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -359,6 +376,7 @@ GroupHandle Engine::p2p_channel(const GroupHandle& g, int src, int dst, int tag)
   auto it = p2p_.find(key);
   if (it != p2p_.end()) return it->second;
   auto st = std::make_shared<GroupState>();
+  st->engine = serial_;
   st->ranks = {std::min(src, dst), std::max(src, dst)};
   st->rank = st->ranks[0] == opts_.rank ? 0 : 1;
   st->label = g.label() + " (" + std::to_string(src) + "->" + std::to_string(dst) + ", tag " +
@@ -382,7 +400,7 @@ c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared> ops, bool async_op) 
   auto work = c10::make_intrusive<Work>(shared_from_this(), opts_.rank, type, std::move(outputs),
                                         (int)ops.size(), async_op);
   if (ops.empty()) {
-    work->complete(nullptr, true);
+    work->settle(nullptr, true);
     return work;
   }
   Done done;
@@ -398,7 +416,7 @@ c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared> ops, bool async_op) 
         if (dead_[r]) dead = r;
       if (dead >= 0) {
         // Known-dead member: fail now instead of after a timeout, and send nothing.
-        done.emplace_back(work, std::make_exception_ptr(c10::DistBackendError(
+        settle_locked(done, work, std::make_exception_ptr(c10::DistBackendError(
             {__func__, __FILE__, (uint32_t)__LINE__},
             "fastcomm: rank " + std::to_string(opts_.rank) + ", group " + g.label + ": " +
                 describe(prep.op->desc()) + " cannot run: rank " + std::to_string(dead) +
@@ -482,18 +500,21 @@ bool Engine::progress_locked(Done& done) {
     Pending& p = g.queue.front();
     bool finished = false;
     std::exception_ptr err;
+    bool stepped = false;
     try {
       OpComm comm(*this, g, p);
-      any |= p.op->step(comm);
+      stepped = p.op->step(comm);
       finished = p.op->done();
     } catch (...) {
       err = std::current_exception();
     }
+    any |= stepped;
+    if (!stepped && !finished && !err) drop_stale_locked(g);
     if (err) {
       fail_front_locked(g, err, done, true);
       any = true;
     } else if (finished) {
-      done.emplace_back(p.work, nullptr);
+      settle_locked(done, p.work, nullptr);
       g.queue.pop_front();
       ++g.head_seq;
       any = true;
@@ -510,6 +531,23 @@ bool Engine::progress_locked(Done& done) {
   }
   shm_->flush();
   return any;
+}
+
+// A failed op leaves pieces in flight: peers may have written chunks of it into our rings
+// before they learnt of the failure. Normally the group's next op drops them when it peeks that
+// peer, but an op that must send first can be stuck behind a full ring whose owner is stuck the
+// same way, each waiting for the other to read. So a group whose front op cannot move also
+// drops whatever stale messages sit at the head of its peers' rings.
+void Engine::drop_stale_locked(GroupState& g) {
+  for (int r : g.ranks) {
+    if (r == opts_.rank) continue;
+    Transport* tr = transport_for(r);
+    while (const Message* m = tr->peek(r)) {
+      auto git = groups_.find(m->hdr.group);
+      if (git == groups_.end() || m->hdr.seq >= git->second->head_seq) break;
+      tr->pop(r);
+    }
+  }
 }
 
 void Engine::fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, bool tell_peers) {
@@ -542,7 +580,7 @@ void Engine::fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, 
       transport_for(r)->try_send(r, h, why.data());
     }
   }
-  done.emplace_back(p.work, e);
+  settle_locked(done, p.work, e);
   g.queue.pop_front();
   ++g.head_seq;
 }
@@ -595,13 +633,41 @@ void Engine::health_locked(Done& done) {
   shm_->flush();  // abort notices
 }
 
+// Under mu_: records that `w`'s op finished. Works become done here, in the order the progress
+// passes finish ops, never later from another thread's list.
+void Engine::settle_locked(Done& done, const c10::intrusive_ptr<Work>& w, std::exception_ptr e) {
+  bool has_future = false;
+  if (!w->settle(e, false, &has_future)) return;
+  if (w->is_async()) pending_async_.fetch_sub(1);
+  done.push_back(w);
+  if (has_future) {
+    publish_q_.push_back(w);
+    publish_pending_.store(true, std::memory_order_relaxed);
+  }
+}
+
+// Outside mu_, after a pass that finished ops: wakes sleepers, then completes Futures. Futures
+// are completed in settle order by one thread at a time (whoever finds none publishing takes
+// the whole queue, again until it is empty), so callbacks of a group's ops run in issue order
+// even when several threads drive; a thread stuck in a callback delays later callbacks but
+// never the Works themselves, whose state was settled under the lock.
 void Engine::finish(Done& done) {
   if (done.empty()) return;
-  for (auto& [w, e] : done)
-    if (w->complete(e, false) && w->is_async()) pending_async_.fetch_sub(1);
+  bell_.ring_if_sleeping();  // another thread of this process may be asleep waiting for these
   done.clear();
-  // Another thread of this process may be asleep waiting for one of these.
-  bell_.ring_if_sleeping();
+  if (!publish_pending_.load(std::memory_order_relaxed)) return;
+  std::unique_lock<std::mutex> lk(mu_);
+  if (publishing_) return;
+  publishing_ = true;
+  while (!publish_q_.empty()) {
+    Done batch;
+    batch.swap(publish_q_);
+    publish_pending_.store(false, std::memory_order_relaxed);
+    lk.unlock();
+    for (auto& w : batch) w->publish();
+    lk.lock();
+  }
+  publishing_ = false;
 }
 
 bool Engine::try_progress() {

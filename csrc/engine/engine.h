@@ -69,6 +69,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Init steps; between them the Python layer synchronises the ranks through the store.
   void attach_peers();
   void unlink_segment();
+  // A failed init: removes the names of every same-host rank's segment (a rank that died
+  // mid-init cannot remove its own) and shuts down.
+  void abandon_init();
 
   GroupHandle new_group(std::vector<int> ranks);
   std::vector<GroupHandle> new_groups(const std::vector<std::vector<int>>& lists);
@@ -119,7 +122,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   size_t max_payload() const { return shm_ ? shm_->max_payload() : 0; }
 
  private:
-  using Done = std::vector<std::pair<c10::intrusive_ptr<Work>, std::exception_ptr>>;
+  // Works that finished in a progress pass; their Futures are completed after the lock drops.
+  using Done = std::vector<c10::intrusive_ptr<Work>>;
 
   void check_member(const GroupHandle& g, const char* api) const;
   void check_reduce_op(const GroupHandle& g, const char* api, RedOp op, c10::ScalarType dt) const;
@@ -128,14 +132,17 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool progress_locked(Done& done);
   bool try_progress();
   void finish(Done& done);
+  void settle_locked(Done& done, const c10::intrusive_ptr<Work>& w, std::exception_ptr e);
   void fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, bool tell_peers);
   void health_locked(Done& done);
+  void drop_stale_locked(GroupState& g);
   void drive(Work* w, Clock::time_point user_deadline, bool has_deadline);
   void bg_main();
   void ensure_bg_thread();
   Transport* transport_for(int peer);
 
   EngineOptions opts_;
+  const uint64_t serial_;
   std::mutex mu_;
   std::unique_ptr<ShmTransport> shm_;
   Doorbell bell_;
@@ -143,6 +150,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::map<std::vector<int>, uint32_t> instances_;  // how many groups over each rank list
   std::vector<GroupState*> busy_;                   // groups with queued ops
   std::vector<char> dead_;                          // peers known to have exited
+  Done publish_q_;                                  // settled Works whose Futures await completion
+  bool publishing_ = false;                         // a thread is completing publish_q_'s Futures
+  std::atomic<bool> publish_pending_{false};
   // send/recv channels: one ordered two-member pseudo-group per (group, src, dst, tag).
   std::map<std::tuple<uint64_t, int, int, int>, GroupHandle> p2p_;
 

@@ -47,6 +47,7 @@ c10::intrusive_ptr<c10::ivalue::Future> Work::getFuture() {
   if (!future_) {
     future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
     if (completed_) {
+      future_published_ = true;
       if (exception_) future_->setError(exception_);
       else future_->markCompleted(c10::IValue(outputs_));
     }
@@ -54,25 +55,30 @@ c10::intrusive_ptr<c10::ivalue::Future> Work::getFuture() {
   return future_;
 }
 
-bool Work::complete(std::exception_ptr error, bool all) {
+bool Work::settle(std::exception_ptr error, bool all, bool* has_future) {
+  std::lock_guard<std::mutex> lk(mutex_);
+  if (completed_) return false;
+  if (error && !exception_) exception_ = error;  // a batch reports its first failed op
+  remaining_ = all ? 0 : remaining_ - 1;
+  if (remaining_ > 0) return false;
+  completed_ = true;
+  done_.store(true, std::memory_order_release);
+  if (has_future) *has_future = future_ != nullptr;
+  return true;
+}
+
+void Work::publish() {
   c10::intrusive_ptr<c10::ivalue::Future> fut;
+  std::exception_ptr error;
   {
     std::lock_guard<std::mutex> lk(mutex_);
-    if (completed_) return false;
-    if (error && !exception_) exception_ = error;  // a batch reports its first failed op
-    remaining_ = all ? 0 : remaining_ - 1;
-    if (remaining_ > 0) return false;
-    completed_ = true;
-    error = exception_;
+    if (!completed_ || future_published_ || !future_) return;
+    future_published_ = true;
     fut = future_;
-    done_.store(true, std::memory_order_release);
+    error = exception_;
   }
-  cv_.notify_all();
-  if (fut) {
-    if (error) fut->setError(error);
-    else fut->markCompleted(c10::IValue(outputs_));
-  }
-  return true;
+  if (error) fut->setError(error);
+  else fut->markCompleted(c10::IValue(outputs_));
 }
 
 }  // namespace fastcomm

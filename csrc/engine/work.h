@@ -27,9 +27,15 @@ class Work final : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
-  // Engine side, outside the engine lock (future callbacks may run inline): one part finished
-  // (or, with `all`, every part). Returns true when this call finished the whole Work.
-  bool complete(std::exception_ptr error, bool all);
+  // Engine side. settle() records that one part finished (or, with `all`, every part) and
+  // returns true when that finished the whole Work; the engine calls it under its lock, in the
+  // order ops finish, so a group's Works become done in issue order whichever thread drove
+  // them. publish() then completes the Future outside the engine lock, because Future
+  // callbacks run inline and may call back into fastcomm; the engine publishes in settle order.
+  // `has_future` reports whether a Future was asked for by then (one asked for later is
+  // completed by getFuture itself).
+  bool settle(std::exception_ptr error, bool all, bool* has_future = nullptr);
+  void publish();
   bool is_async() const { return async_; }
   bool done() const { return done_.load(std::memory_order_acquire); }
   // Raises the op's error, if any. Called after done().
@@ -42,6 +48,7 @@ class Work final : public c10d::Work {
   int remaining_;  // parts not yet finished; guarded by mutex_
   const bool async_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;  // created on first getFuture()
+  bool future_published_ = false;                   // guarded by mutex_
 };
 
 }  // namespace fastcomm

@@ -170,6 +170,15 @@ void ShmTransport::attach_peers() {
   }
 }
 
+// Only for an init that failed: a local rank that died between creating its segment and the
+// point where every rank had attached never unlinked its name, and nobody else would. The
+// names are this job's (they carry its token) and the job's init is over, so any survivor may
+// remove them all; a rank that is still alive and not yet attached then fails its init too.
+void ShmTransport::unlink_local_segments() {
+  for (int r : local_ranks_) shm_unlink(segment_name(r).c_str());
+  unlinked_ = true;
+}
+
 void ShmTransport::unlink_own() {
   if (unlinked_) return;
   unlinked_ = true;

@@ -36,6 +36,7 @@ class ShmTransport final : public Transport {
   void attach_peers();
   // Removes this rank's segment name; safe to call more than once.
   void unlink_own();
+  void unlink_local_segments();
 
   const char* name() const override { return "shm"; }
   size_t max_payload() const override { return max_payload_; }
