@@ -171,17 +171,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("batch"))
       .def(
           "post_batch",
-          [](Engine& e, Batch& b) {
+          // A blocking batch is driven by the caller alone: no background thread is woken.
+          [](Engine& e, Batch& b, bool async_op) -> py::object {
             TORCH_CHECK(!b.posted, "fastcomm: rank ", e.rank(), ": batch posted twice");
             b.posted = true;
             c10::intrusive_ptr<Work> w;
             {
               py::gil_scoped_release nogil;
-              w = e.post(std::move(b.ops), true);
+              w = e.post(std::move(b.ops), async_op);
+              if (!async_op) {
+                e.wait(*w, std::chrono::milliseconds(0));
+                w->rethrow_if_failed();
+              }
             }
-            return to_py_work(std::move(w));
+            return async_op ? to_py_work(std::move(w)) : py::none();
           },
-          py::arg("batch"));
+          py::arg("batch"), py::arg("async_op") = true);
 
   py::class_<Batch>(m, "Batch")
       .def(py::init<>())

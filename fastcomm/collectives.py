@@ -185,10 +185,18 @@ def all_reduce_many(tensors: Sequence[torch.Tensor], groups: Sequence, op=Reduce
     """all_reduce of ``tensors[i]`` over ``groups[i]`` for every i, as one batch."""
     if len(tensors) != len(groups):
         raise ValueError(f"fastcomm.all_reduce_many: {len(tensors)} tensors but {len(groups)} groups")
-    with batch() as b:
+    if async_op:
+        with batch() as b:
+            for t, g in zip(tensors, groups):
+                all_reduce(t, op=op, group=g)
+        return b
+    e = _state._require("all_reduce_many")
+    if _tls.batch is not None:  # inside an enclosing batch: the ops join it
         for t, g in zip(tensors, groups):
             all_reduce(t, op=op, group=g)
-    if async_op:
-        return b
-    b.wait()
+        return None
+    ops = _C.Batch()
+    for t, g in zip(tensors, groups):
+        e.all_reduce(_handle(g, "all_reduce_many")[1], t, op, False, ops)
+    e.post_batch(ops, False)
     return None
