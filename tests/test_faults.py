@@ -157,6 +157,11 @@ def _world4_death_body(rank, world, flag_dir):
         msg = None
     # The world group contains rank 3: it fails on every survivor, naming rank 3.
     expect_backend_error(lambda: fc.all_reduce(torch.ones(10)), f"rank {rank}", "rank 3")
+    # Having seen rank 3 dead, no survivor maps its segment any more (its memory is freed).
+    seg = f"fastcomm-{harness.job_token()}-3"
+    with open("/proc/self/maps") as f:
+        still = [line.strip() for line in f if seg in line]
+    assert not still, f"rank {rank} still maps the dead rank's segment: {still}"
     if rank < 2:  # and [0, 1] still works after that
         t = torch.full((9,), float(rank))
         fc.all_reduce(t, group=g01)

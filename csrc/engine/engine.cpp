@@ -594,7 +594,10 @@ void Engine::health_locked(Done& done) {
     int dead = -1;
     for (int r : g.ranks) {
       if (r == opts_.rank) continue;
-      if (!dead_[r] && !shm_->peer_alive(r)) dead_[r] = 1;
+      if (!dead_[r] && !shm_->peer_alive(r)) {
+        dead_[r] = 1;
+        shm_->release_peer(r);
+      }
       if (dead_[r]) {
         dead = r;
         break;

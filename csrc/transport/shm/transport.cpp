@@ -187,7 +187,7 @@ void ShmTransport::unlink_own() {
 
 bool ShmTransport::try_send(int peer, const Header& hdr, const void* payload) {
   Outbound& o = out_[peer];
-  TORCH_INTERNAL_ASSERT(o.ctl != nullptr, "no shared-memory ring to rank ", peer);
+  if (o.ctl == nullptr) return false;  // released (the peer exited): nothing reaches it
   TORCH_INTERNAL_ASSERT(hdr.len <= max_payload_, "payload larger than max_payload");
   const uint64_t R = ring_bytes_;
   const uint64_t need = kRecordHeader + align64(hdr.len);
@@ -267,6 +267,27 @@ void ShmTransport::pop(int peer) {
       in.ctl->space_waiter.exchange(0, std::memory_order_seq_cst) != 0) {
     in.peer_bell.ring();
   }
+}
+
+// A peer that exited is gone for good: drop our mapping of its segment, so that its memory
+// (whose name was unlinked at init) returns to the system once no survivor maps it any more,
+// instead of staying until this process shuts down. Afterwards peek() sees nothing from it
+// and try_send() refuses, so no path touches the unmapped memory.
+void ShmTransport::release_peer(int peer) {
+  if (!is_local(peer) || peer == rank_) return;
+  const int idx = local_index_[peer];
+  in_[peer] = Inbound{};
+  Outbound& o = out_[peer];
+  o.ctl = nullptr;
+  o.ring = nullptr;
+  o.peer_bell = Doorbell();
+  if (o.dirty) {
+    o.dirty = false;
+    dirty_.erase(std::remove(dirty_.begin(), dirty_.end(), peer), dirty_.end());
+  }
+  Mapping& m = peer_maps_[idx];
+  if (m.base) munmap(m.base, m.size);
+  m = Mapping{};
 }
 
 bool ShmTransport::peer_alive(int peer) {
