@@ -745,7 +745,8 @@ void Engine::wait(Work& w, std::chrono::milliseconds timeout) {
   struct Leave {
     Engine* e;
     ~Leave() {
-      if (e->fg_drivers_.fetch_sub(1) == 1 && e->pending_async_.load() > 0) e->bg_cv_.notify_one();
+      // Async ops left pending: the background thread, ticking, takes over within kBgTick.
+      e->fg_drivers_.fetch_sub(1);
     }
   } leave{this};
   const bool has_deadline = timeout.count() > 0;
@@ -754,21 +755,46 @@ void Engine::wait(Work& w, std::chrono::milliseconds timeout) {
 
 // ---------------------------------------------------------------------------------------------
 // Background progress for async ops
+//
+// The background thread exists so that async ops nobody waits on still finish (overlap with
+// compute, Future callbacks). Waking it on every async post would cost a futex wake and, with
+// more ranks than cores, a context switch per op, which the caller almost always makes moot by
+// waiting at once. So while async ops come and go it does not sleep for good but ticks every
+// kBgTick and drives only when ops are pending and no foreground thread is driving; only after
+// kBgIdle without any async op does it sleep until the next post rings it.
+
+namespace {
+constexpr auto kBgTick = std::chrono::microseconds(500);
+constexpr auto kBgIdle = std::chrono::milliseconds(100);
+}  // namespace
 
 void Engine::ensure_bg_thread() {
+  if (bg_started_.load(std::memory_order_acquire) && !bg_deep_.load(std::memory_order_seq_cst))
+    return;  // ticking: it will look within kBgTick
   std::lock_guard<std::mutex> lk(bg_mu_);
-  if (!bg_.joinable() && !bg_stop_) bg_ = std::thread([this] { bg_main(); });
+  if (!bg_.joinable() && !bg_stop_) {
+    bg_ = std::thread([this] { bg_main(); });
+    bg_started_.store(true, std::memory_order_release);
+  }
   bg_cv_.notify_one();
 }
 
 void Engine::bg_main() {
   std::unique_lock<std::mutex> lk(bg_mu_);
+  auto last_busy = Clock::now();
   while (!bg_stop_) {
-    bg_cv_.wait_for(lk, std::chrono::milliseconds(50), [&] {
-      return bg_stop_ || (pending_async_.load() > 0 && fg_drivers_.load() == 0);
-    });
+    if (Clock::now() - last_busy > kBgIdle) {
+      // A post that saw bg_deep_ false before this store finds pending_async_ raised here.
+      bg_deep_.store(true, std::memory_order_seq_cst);
+      bg_cv_.wait(lk, [&] { return bg_stop_ || pending_async_.load(std::memory_order_seq_cst) > 0; });
+      bg_deep_.store(false, std::memory_order_seq_cst);
+    } else {
+      bg_cv_.wait_for(lk, kBgTick);
+    }
     if (bg_stop_) break;
-    if (pending_async_.load() == 0 || fg_drivers_.load() > 0) continue;
+    if (pending_async_.load() == 0) continue;
+    last_busy = Clock::now();
+    if (fg_drivers_.load() > 0) continue;
     lk.unlock();
     try {
       drive(nullptr, Clock::time_point{}, false);
@@ -776,6 +802,7 @@ void Engine::bg_main() {
       // drive() without a Work has no user deadline; errors are delivered through Works.
     }
     lk.lock();
+    last_busy = Clock::now();
   }
 }
 

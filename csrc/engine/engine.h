@@ -184,6 +184,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::condition_variable bg_cv_;
   std::thread bg_;
   bool bg_stop_ = false;
+  std::atomic<bool> bg_started_{false};
+  std::atomic<bool> bg_deep_{false};  // the background thread sleeps until rung, not ticking
   int64_t spin_ns_;
   int64_t yield_ns_;
 };
