@@ -25,100 +25,20 @@ timing. Usage, from the repository root:
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import platform
-import shlex
-import signal
-import socket
 import statistics
 import sys
 import time
-import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-_ctx = mp.get_context("fork")  # children inherit the imported torch (spawn re-imports it)
+from _launch import STORE_TIMEOUT, JobError, assert_no_children, command, print_table, run_job
 
 JOB_TIMEOUT_S = 180.0  # hard limit for one launch, all its ranks
-STORE_TIMEOUT = timedelta(seconds=60)
 NUMEL = 10 * 10
 MODES = ("dist.all_reduce", "pg.allreduce", "fc.all_reduce")
-
-
-class JobError(RuntimeError):
-    pass
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(body, rank, world, port, conn, args):
-    try:
-        torch.set_num_threads(1)
-        # Rank 0 hosts the job's store: the parent starts no store (no server thread) before it
-        # forks, so no child can inherit a lock held by such a thread.
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=STORE_TIMEOUT,
-                              wait_for_workers=False)
-        result = body(store, rank, world, *args)
-        # Rank 0's exit takes the store down: it leaves only after every rank is done with it.
-        store.add("done", 1)
-        if rank == 0:
-            deadline = time.monotonic() + STORE_TIMEOUT.total_seconds()
-            while store.add("done", 0) < world and time.monotonic() < deadline:
-                time.sleep(0.01)
-        conn.send(("ok", result))
-    except BaseException as e:
-        tb = " | ".join(traceback.format_exc().strip().splitlines()[-3:])
-        conn.send(("error", f"rank {rank}: {type(e).__name__}: {e} [{tb}]"))
-    finally:
-        conn.close()
-        os._exit(0)
-
-
-def run_job(body, world, *args, timeout=JOB_TIMEOUT_S):
-    """``body(store, rank, world, *args)`` on ``world`` forked ranks rendezvousing through a
-    TCPStore that rank 0 hosts on a free port; their results in rank order. Past ``timeout``
-    every rank still alive is killed and the job fails."""
-    port = _free_port()
-    procs, conns, errors, results = [], [], [], [None] * world
-    deadline = time.monotonic() + timeout
-    try:
-        for rank in range(world):
-            parent_end, child_end = _ctx.Pipe(duplex=False)
-            p = _ctx.Process(target=_child, args=(body, rank, world, port, child_end, args))
-            p.start()
-            child_end.close()
-            procs.append(p)
-            conns.append(parent_end)
-        for rank, conn in enumerate(conns):
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
-                errors.append(f"rank {rank}: no result within {timeout:.0f} s (hung)")
-                break
-            try:
-                status, value = conn.recv()
-            except EOFError:
-                status, value = "error", f"rank {rank}: died without a result"
-            if status == "ok":
-                results[rank] = value
-            else:
-                errors.append(value)
-    finally:
-        for p in procs:
-            p.join(timeout=1.0 if errors else max(0.1, deadline - time.monotonic()))
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-                p.join()
-        for conn in conns:
-            conn.close()
-    if errors:
-        raise JobError("; ".join(errors))
-    return results
 
 
 def _loop(op, barrier, iters, warmup, repeats):
@@ -183,7 +103,8 @@ def body(store, rank, world, mode, iters, warmup, repeats):
 
 
 def measure(pairs, mode, iters, warmup, repeats):
-    per_rank = run_job(body, max(1, 2 * pairs), mode, iters, warmup, repeats)
+    per_rank = run_job(body, max(1, 2 * pairs), mode, iters, warmup, repeats,
+                       timeout=JOB_TIMEOUT_S)
     # per repeat: the slowest rank's mean; then the median over repeats
     return statistics.median(max(r[i] for r in per_rank) for i in range(repeats))
 
@@ -200,7 +121,7 @@ def main():
     torch.set_num_threads(1)
 
     print("# The forum MWE through torch.distributed (backend \"fastcomm\") vs fastcomm's API\n")
-    print(f"- command: `python {shlex.join(sys.argv)}`")
+    print(f"- command: {command()}")
     print(f"- machine: {os.cpu_count()} cores, {platform.system()} {platform.release()}; "
           f"torch {torch.__version__}, Python {platform.python_version()}")
     print(f"- 10x10 float32 all_reduce(SUM) per pair; {args.iters} timed ops x {args.repeats} "
@@ -223,8 +144,6 @@ def main():
     head = ["pairs", "ranks", "dist.all_reduce µs/op", "pg.allreduce µs/op", "fc.all_reduce µs/op",
             "torch overhead µs/op (dist - fc)", "of which Python (dist - pg)", "of which C++ (pg - fc)",
             "dist / fc"]
-    print("| " + " | ".join(head) + " |")
-    print("|" + "|".join(" ---: " for _ in head) + "|")
 
     def us(x):
         return "FAILED" if x is None else f"{x * 1e6:,.2f}"
@@ -232,16 +151,17 @@ def main():
     def diff(a, b):
         return "n/a" if a is None or b is None else f"{(a - b) * 1e6:+,.2f}"
 
+    table = []
     for pairs, c in rows:
         d, p, f = c["dist.all_reduce"], c["pg.allreduce"], c["fc.all_reduce"]
         ratio = "n/a" if d is None or f is None else f"{d / f:.2f}x"
-        print("| " + " | ".join([str(pairs) if pairs else "0 (alone)", str(max(1, 2 * pairs)), us(d), us(p), us(f), diff(d, f), diff(d, p),
-                                 diff(p, f), ratio]) + " |")
+        table.append([str(pairs) if pairs else "0 (alone)", str(max(1, 2 * pairs)), us(d), us(p),
+                      us(f), diff(d, f), diff(d, p), diff(p, f), ratio])
+    print_table(head, table)
     if 0 in args.pairs:
         print("\nRow \"0 (alone)\": one rank, a group of one, so no data moves: the columns differ "
               "only by what each API costs per call.")
-    leftover = mp.active_children()
-    assert not leftover, f"child processes left behind: {leftover}"
+    assert_no_children()
     return 1 if failed else 0
 
 

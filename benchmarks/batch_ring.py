@@ -28,105 +28,20 @@ Usage, from the repository root:
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing as mp
 import os
-import platform
-import shlex
-import signal
 import sys
 import time
-import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-# fork, not spawn: a spawned child re-imports torch (seconds each on 2 cores). The parent
-# never initializes fastcomm or a process group, and runs torch with one thread.
-_ctx = mp.get_context("fork")
+from _launch import (STORE_TIMEOUT, JobError, cpu_model, finish, print_header, print_table,
+                     pyplot_or_none, run_job, save_plot)
 
 JOB_TIMEOUT_S = 120.0  # hard limit for one launch (all its ranks)
-STORE_TIMEOUT = timedelta(seconds=60)
 SHAPE = (10, 10)
 KS = (1, 2, 8, 64)
 WORLDS = (2, 4)
-
-
-class JobError(RuntimeError):
-    """A launch that failed: a rank raised (a wrong result included), died or hung."""
-
-
-# --------------------------------------------------------------------------------------------
-# Launching local ranks
-# --------------------------------------------------------------------------------------------
-
-def _child(body, rank, world, conn, args):
-    try:
-        torch.set_num_threads(1)
-        port = conn.recv()  # sent once every rank exists (see run_job)
-        store = dist.TCPStore("127.0.0.1", port, world, False, timeout=STORE_TIMEOUT)
-        conn.send(("ok", body(store, rank, world, *args)))
-    except BaseException as e:  # report everything, a failed correctness check included
-        tb = traceback.format_exc().strip().splitlines()[-3:]
-        try:
-            conn.send(("error", f"rank {rank}: {type(e).__name__}: {e} [{' | '.join(tb)}]"))
-        except OSError:
-            pass
-    finally:
-        conn.close()
-        os._exit(0)  # skip atexit handlers and destructors inherited from the parent
-
-
-def run_job(body, world, *args, timeout=JOB_TIMEOUT_S):
-    """Runs ``body(store, rank, world, *args)`` on ``world`` forked ranks; returns their
-    results in rank order, or raises JobError. Nothing outlives the call.
-
-    Every rank is forked *before* the job's TCPStore server starts, and learns its port (a
-    free one, bound as port 0) through its pipe. Forking while the server's thread runs can
-    leave a child with a glibc lock held forever (the server calls getnameinfo() when it
-    accepts a connection; a child forked meanwhile hangs in its own getnameinfo(), inside
-    the TCPStore client constructor)."""
-    procs, conns = [], []
-    deadline = time.monotonic() + timeout
-    errors, results = [], [None] * world
-    server = None
-    try:
-        for rank in range(world):
-            parent_end, child_end = _ctx.Pipe(duplex=True)
-            p = _ctx.Process(target=_child, args=(body, rank, world, child_end, args))
-            p.start()
-            child_end.close()
-            procs.append(p)
-            conns.append(parent_end)
-        server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=STORE_TIMEOUT,
-                               wait_for_workers=False)
-        for conn in conns:
-            conn.send(server.port)
-        for rank, (p, conn) in enumerate(zip(procs, conns)):
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
-                errors.append(f"rank {rank}: no result within {timeout:.0f} s (hung)")
-                break
-            try:
-                status, value = conn.recv()
-            except EOFError:
-                status, value = "error", f"rank {rank}: died without a result"
-            if status == "ok":
-                results[rank] = value
-            else:
-                errors.append(value)
-    finally:
-        for p in procs:
-            p.join(timeout=max(0.1, deadline - time.monotonic()) if not errors else 1.0)
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-                p.join()
-        for conn in conns:
-            conn.close()
-        del server
-    if errors:
-        raise JobError("; ".join(errors))
-    return results
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,7 +206,7 @@ def _ring_gloo_body(store, rank, world, steps, warmup):
 def measure(body, world, *args):
     """{variant: seconds per step (max over ranks)} or {"error": "..."}."""
     try:
-        per_rank = run_job(body, world, *args)
+        per_rank = run_job(body, world, *args, timeout=JOB_TIMEOUT_S)
     except JobError as e:
         print(f"  !! {body.__name__}, world {world}: {e}", file=sys.stderr, flush=True)
         return {"error": str(e)}
@@ -302,24 +217,9 @@ def fmt_us(s):
     return "FAILED" if s is None else f"{s * 1e6:,.1f}"
 
 
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def write_plot(path, results):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"\nNote: matplotlib is not installed; skipped the plot ({path}).")
+    plt = pyplot_or_none(path)
+    if plt is None:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for world in WORLDS:
@@ -337,9 +237,7 @@ def write_plot(path, results):
     ax2.set_xticks(range(len(ring)), list(ring), rotation=10, fontsize=8)
     ax2.set(yscale="log", ylabel="µs per step (max over ranks)",
             title="(b) ring of neighbour pairs, world 4")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"\nPlot written to {path}")
+    save_plot(fig, path)
 
 
 def main():
@@ -356,12 +254,7 @@ def main():
 
     torch.set_num_threads(1)
     t_start = time.monotonic()
-    print("# fastcomm benchmark: batched collectives over many small groups\n")
-    print(f"- command: `python {shlex.join(sys.argv)}`")
-    print(f"- machine: {os.cpu_count()} cores ({cpu_model()}), {platform.system()} {platform.release()}")
-    print(f"- torch {torch.__version__}, Python {platform.python_version()}; every rank uses 1 torch thread")
-    env = {k: os.environ[k] for k in os.environ if k.startswith("FASTCOMM_")}
-    print(f"- fastcomm environment: {env or 'defaults'}")
+    print_header("fastcomm benchmark: batched collectives over many small groups")
     print(flush=True)
 
     results = {"command": sys.argv, "cores": os.cpu_count(), "cpu": cpu_model(),
@@ -389,8 +282,7 @@ def main():
           "cycling through the 3 perfect matchings of 4 ranks.\n")
     head = ["world", "k", "steps/loop", "single µs/step", "batch µs/step", "single µs/op", "batch µs/op",
             "batch/single"]
-    print("| " + " | ".join(head) + " |")
-    print("|" + "|".join(" ---: " for _ in head) + "|")
+    rows = []
     for world in WORLDS:
         for k in KS:
             cell = results["scaling"][f"{world}/{k}"]
@@ -400,18 +292,19 @@ def main():
                 s, b = cell["single"], cell["batch"]
                 cells = [str(world), str(k), str(cell["steps"]), fmt_us(s), fmt_us(b),
                          f"{s / k * 1e6:,.2f}", f"{b / k * 1e6:,.2f}", f"{b / s:.2f}"]
-            print("| " + " | ".join(cells) + " |")
+            rows.append(cells)
+    print_table(head, rows)
     print("\nbatch/single < 1: the batch of k costs less than k single ops.")
 
     print("\n## (b) Ring of overlapping neighbour groups, world 4: per step every rank "
           "all_reduces a 10x10 float32 with (i-1, i) and with (i, i+1)\n")
     head = ["variant", "steps/loop", "µs/step", "speedup vs Gloo"]
-    print("| " + " | ".join(head) + " |")
-    print("| :--- |" + "|".join(" ---: " for _ in head[1:]) + "|")
     g = results["ring"]["torch Gloo async_op pair"]
+    rows = []
     for name, v in results["ring"].items():
         speed = "n/a" if v is None or g is None else f"{g / v:,.1f}x"
-        print(f"| {name} | {steps_of[name]} | {fmt_us(v)} | {speed} |")
+        rows.append([name, str(steps_of[name]), fmt_us(v), speed])
+    print_table(head, rows, left=1)
     print("\nspeedup = Gloo's µs/step / this variant's µs/step.")
 
     failed = [f"(a) world/k {key}: {cell['error']}" for key, cell in results["scaling"].items()
@@ -420,22 +313,8 @@ def main():
     for part, cell in (("(b) fastcomm", fcr), ("(b) gloo", gl)):
         if "error" in cell:
             failed.append(f"{part}: {cell['error']}")
-    results["failures"] = failed
-    results["total_s"] = time.monotonic() - t_start
-    if failed:
-        print("\n## Failures\n")
-        for f in failed:
-            print(f"- {f}")
-    print(f"\nTotal benchmark time: {results['total_s']:.1f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"Raw numbers written to {args.json}")
-    if args.plot:
-        write_plot(args.plot, results)
-    leftover = mp.active_children()
-    assert not leftover, f"child processes left behind: {leftover}"
-    return 1 if failed else 0
+    return finish(results, failed, t_start, "Total benchmark time", args.json, args.plot,
+                  lambda path: write_plot(path, results))
 
 
 if __name__ == "__main__":

@@ -25,115 +25,25 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import multiprocessing as mp
 import os
 import platform
-import shlex
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import time
-import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-# fork, not spawn: a spawned child re-imports torch (seconds each, times 16 ranks on 2 cores).
-# Forking is safe because the parent never runs a parallel torch op (one thread, see main()).
-_ctx = mp.get_context("fork")
+from _launch import (STORE_TIMEOUT, JobError, command, cpu_model, finish, machine, print_table,
+                     pyplot_or_none, run_job, save_plot)
 
 JOB_TIMEOUT_S = 150.0  # hard limit for one launch (all its ranks); a hang fails that cell only
-STORE_TIMEOUT = timedelta(seconds=60)
 MWE_NUMEL = 10 * 10
 LARGE_SIZES_MB = (1, 16)
 MPI_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mpi_pairs.py")
-
-
-class JobError(RuntimeError):
-    """A launch that failed: a rank raised (a wrong result included), died or hung."""
-
-
-# --------------------------------------------------------------------------------------------
-# Launching local ranks
-# --------------------------------------------------------------------------------------------
-
-def _child(body, rank, world, conn, args):
-    try:
-        torch.set_num_threads(1)
-        if not conn.poll(STORE_TIMEOUT.total_seconds()):
-            raise TimeoutError("the parent sent no store port")
-        store = dist.TCPStore("127.0.0.1", conn.recv(), world, False, timeout=STORE_TIMEOUT)
-        conn.send(("ok", body(store, rank, world, *args)))
-    except BaseException as e:  # report everything, a failed correctness check included
-        where = traceback.extract_tb(e.__traceback__)[-1]
-        conn.send(("error", f"{type(e).__name__}: {e} (at {os.path.basename(where.filename)}:"
-                            f"{where.lineno})"))
-    finally:
-        conn.close()
-        # Skip atexit handlers and destructors inherited from the parent.
-        os._exit(0)
-
-
-def _summarize(errors):
-    """One line per distinct error, naming the ranks that reported it."""
-    by_msg = {}
-    for rank, msg in errors:
-        by_msg.setdefault(msg[:300] + ("..." if len(msg) > 300 else ""), []).append(rank)
-    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}: {m}"
-                     for m, r in by_msg.items())
-
-
-def run_job(body, world, *args, timeout=JOB_TIMEOUT_S):
-    """Runs ``body(store, rank, world, *args)`` on ``world`` forked ranks; returns their
-    results in rank order. Each launch rendezvouses through its own TCPStore on a fresh port
-    (bound as port 0). On error or timeout every rank still alive is killed, and nothing
-    outlives the call."""
-    procs, conns, server = [], [], None
-    deadline = time.monotonic() + timeout
-    errors, results = [], [None] * world
-    try:
-        for rank in range(world):
-            parent_end, child_end = _ctx.Pipe()
-            p = _ctx.Process(target=_child, args=(body, rank, world, child_end, args))
-            p.start()
-            child_end.close()
-            procs.append(p)
-            conns.append(parent_end)
-        # The store server starts only once every rank is forked: its thread looks up the
-        # names of connecting peers through glibc's resolver, and a fork while it holds the
-        # resolver's lock leaves the child deadlocked on that lock (seen here: ranks hung in
-        # gethostbyaddr).
-        server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=STORE_TIMEOUT,
-                               wait_for_workers=False)
-        for conn in conns:
-            conn.send(server.port)
-        for rank, (p, conn) in enumerate(zip(procs, conns)):
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
-                errors.append((rank, f"no result within {timeout:.0f} s (hung)"))
-                continue  # the deadline has passed: poll(0) still collects finished ranks
-            try:
-                status, value = conn.recv()
-            except EOFError:
-                status, value = "error", "died without a result"
-            if status == "ok":
-                results[rank] = value
-            else:
-                errors.append((rank, value))
-    finally:
-        for p in procs:
-            p.join(timeout=max(0.1, deadline - time.monotonic()) if not errors else 1.0)
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-                p.join()
-        for conn in conns:
-            conn.close()
-        del server
-    if errors:
-        raise JobError(_summarize(errors))
-    return results
 
 
 # --------------------------------------------------------------------------------------------
@@ -276,7 +186,8 @@ def measure_row(backends, world, numel, iters, warmup, mpirun, repeat, what):
                 if backend == "mpi":
                     cell["runs"].append(run_mpi(mpirun, world, numel, iters, warmup))
                 else:
-                    cell["runs"].append(run_job(BACKENDS[backend], world, numel, iters, warmup))
+                    cell["runs"].append(run_job(BACKENDS[backend], world, numel, iters, warmup,
+                                                   timeout=JOB_TIMEOUT_S))
             except JobError as e:
                 print(f"  !! {what}, {backend}: {e}", file=sys.stderr, flush=True)
                 cell["error"] = str(e)
@@ -305,24 +216,9 @@ def fmt_gbs(cell, nbytes):
     return f"{nbytes / cell['per_op_s'] / 1e9:.2f}"
 
 
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def write_plot(path, results, args, backends):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"\nNote: matplotlib is not installed; skipped the plot ({path}).")
+    plt = pyplot_or_none(path)
+    if plt is None:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for backend in backends:
@@ -348,9 +244,7 @@ def write_plot(path, results, args, backends):
                    [f"{mb} MB" for mb in LARGE_SIZES_MB])
     ax2.set(ylabel="algorithm bandwidth (GB/s)", title="One pair, large all_reduce")
     ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"\nPlot written to {path}")
+    save_plot(fig, path)
 
 
 def main():
@@ -376,15 +270,15 @@ def main():
     warmup = 20 if args.quick else 50
     large_iters, large_warmup = (5, 2) if args.quick else (20, 5)
 
-    torch.set_num_threads(1)  # see _ctx: no parallel region in the parent before any fork
+    torch.set_num_threads(1)  # see _launch._ctx: no parallel region in the parent before any fork
     t_start = time.monotonic()
     cores = os.cpu_count()
     mpirun, mpi_note = find_mpi()
     backends = ["gloo", "fastcomm"] + (["mpi"] if mpirun else [])
 
     print("# fastcomm benchmark: forum MWE and large messages, fastcomm vs torch Gloo\n")
-    print(f"- command: `python {shlex.join(sys.argv)}`")
-    print(f"- machine: {cores} cores ({cpu_model()}), {platform.system()} {platform.release()}")
+    print(f"- command: {command()}")
+    print(f"- machine: {machine()}")
     print(f"- torch {torch.__version__}, Python {platform.python_version()}, "
           f"MPI: {mpi_note if mpirun else 'not found (' + mpi_note + ')'}")
     env = {k: os.environ[k] for k in ("FASTCOMM_SPIN_NS", "FASTCOMM_YIELD_NS") if k in os.environ}
@@ -415,15 +309,15 @@ def main():
     head = ["pairs", "ranks", "torch Gloo µs/op", "fastcomm µs/op"]
     head += ["MPI µs/op"] if mpi_cols else []
     head += ["fastcomm vs Gloo"] + (["fastcomm vs MPI"] if mpi_cols else [])
-    print("| " + " | ".join(head) + " |")
-    print("|" + "|".join(" ---: " for _ in head) + "|")
+    rows = []
     for pairs in args.pairs:
         row = results["mwe"][str(pairs)]
         cells = [str(pairs), str(2 * pairs), fmt_us(row["gloo"]), fmt_us(row["fastcomm"])]
         cells += [fmt_us(row["mpi"])] if mpi_cols else []
         cells += [fmt_ratio(row["gloo"], row["fastcomm"])]
         cells += [fmt_ratio(row["mpi"], row["fastcomm"])] if mpi_cols else []
-        print("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    print_table(head, rows)
     print("\n\"fastcomm vs X\" = X's time / fastcomm's time (how many times faster fastcomm is).")
 
     print(f"\n## 2. Large messages: one pair, all_reduce of float32 "
@@ -431,15 +325,15 @@ def main():
     head = ["size", "torch Gloo µs/op", "Gloo GB/s", "fastcomm µs/op", "fastcomm GB/s"]
     head += ["MPI µs/op", "MPI GB/s"] if mpi_cols else []
     head += ["fastcomm vs Gloo"]
-    print("| " + " | ".join(head) + " |")
-    print("|" + "|".join(" ---: " for _ in head) + "|")
+    rows = []
     for mb in LARGE_SIZES_MB:
         row, nbytes = results["large"][str(mb)], mb * 2**20
         cells = [f"{mb} MB", fmt_us(row["gloo"]), fmt_gbs(row["gloo"], nbytes),
                  fmt_us(row["fastcomm"]), fmt_gbs(row["fastcomm"], nbytes)]
         cells += [fmt_us(row["mpi"]), fmt_gbs(row["mpi"], nbytes)] if mpi_cols else []
         cells += [fmt_ratio(row["gloo"], row["fastcomm"])]
-        print("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    print_table(head, rows)
     print(f"\nGB/s = algorithm bandwidth: tensor bytes / time per op (1 GB = 1e9 B). "
           f"Reference: single-core memcpy of 16 MB here: {results['memcpy_GBps']:.2f} GB/s "
           f"(bytes copied / time, best of 20).")
@@ -449,23 +343,8 @@ def main():
     failed = [f"{part} {key} {backend}: {cell['error']}"
               for part in ("mwe", "large") for key, row in results[part].items()
               for backend, cell in row.items() if "error" in cell]
-    results["failures"] = failed
-    results["total_s"] = time.monotonic() - t_start
-    if failed:
-        print("\n## Failures\n")
-        for f in failed:
-            print(f"- {f}")
-    print(f"\nTotal benchmark time (after imports): {results['total_s']:.1f} s")
-
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"Raw numbers written to {args.json}")
-    if args.plot:
-        write_plot(args.plot, results, args, backends)
-    leftover = mp.active_children()
-    assert not leftover, f"child processes left behind: {leftover}"
-    return 1 if failed else 0
+    return finish(results, failed, t_start, "Total benchmark time (after imports)", args.json,
+                  args.plot, lambda path: write_plot(path, results, args, backends))
 
 
 if __name__ == "__main__":

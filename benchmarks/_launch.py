@@ -1,0 +1,212 @@
+"""What the benchmarks share: the local-rank launcher and the report helpers.
+
+``run_job(body, world, *args, timeout=...)`` runs ``body(store, rank, world, *args)`` on
+``world`` local ranks, forked from the calling script, and returns their results in rank
+order or raises ``JobError``. Each launch rendezvouses through its own TCPStore on a free port,
+has a hard timeout, and every child is joined or killed before it returns.
+
+The rest formats the reports: machine description, Markdown tables, the JSON dump, the plot's
+matplotlib import, and the end-of-run check that no child process was left behind."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import platform
+import shlex
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# fork, not spawn: a spawned child re-imports torch (seconds each, times 16 ranks on 2 cores).
+# Forking is safe because the parent never initializes fastcomm or a process group, and never
+# runs a parallel torch op (the scripts set one torch thread before the first launch).
+_ctx = mp.get_context("fork")
+
+STORE_TIMEOUT = timedelta(seconds=60)
+
+
+class JobError(RuntimeError):
+    """A launch that failed: a rank raised (a wrong result included), died or hung."""
+
+
+# --------------------------------------------------------------------------------------------
+# Launching local ranks
+# --------------------------------------------------------------------------------------------
+
+def _child(body, rank, world, conn, args):
+    try:
+        torch.set_num_threads(1)
+        # The port comes once every rank exists (see run_job).
+        if not conn.poll(STORE_TIMEOUT.total_seconds()):
+            raise TimeoutError("the parent sent no store port")
+        store = dist.TCPStore("127.0.0.1", conn.recv(), world, False, timeout=STORE_TIMEOUT)
+        conn.send(("ok", body(store, rank, world, *args)))
+    except BaseException as e:  # report everything, a failed correctness check included
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e} (at {os.path.basename(where.filename)}:"
+                                f"{where.lineno})"))
+        except OSError:
+            pass
+    finally:
+        conn.close()
+        # Skip atexit handlers and destructors inherited from the parent.
+        os._exit(0)
+
+
+def _summarize(errors):
+    """One line per distinct error, naming the ranks that reported it."""
+    by_msg = {}
+    for rank, msg in errors:
+        by_msg.setdefault(msg[:300] + ("..." if len(msg) > 300 else ""), []).append(rank)
+    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}: {m}"
+                     for m, r in by_msg.items())
+
+
+def run_job(body, world, *args, timeout):
+    """Runs ``body(store, rank, world, *args)`` on ``world`` forked ranks; returns their
+    results in rank order, or raises JobError. Past ``timeout`` seconds every rank still alive
+    is killed and the job fails; nothing outlives the call."""
+    procs, conns, server = [], [], None
+    deadline = time.monotonic() + timeout
+    errors, results = [], [None] * world
+    try:
+        for rank in range(world):
+            parent_end, child_end = _ctx.Pipe()
+            p = _ctx.Process(target=_child, args=(body, rank, world, child_end, args))
+            p.start()
+            child_end.close()
+            procs.append(p)
+            conns.append(parent_end)
+        # The store server (on a free port, bound as port 0) starts only once every rank is
+        # forked, and the ranks learn its port through their pipes. Its thread looks up the
+        # names of connecting peers through glibc's resolver (getnameinfo when it accepts a
+        # connection), and a fork while it holds the resolver's lock leaves the child
+        # deadlocked on that lock forever (seen here: ranks hung in gethostbyaddr, inside the
+        # TCPStore client constructor).
+        server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=STORE_TIMEOUT,
+                               wait_for_workers=False)
+        for conn in conns:
+            conn.send(server.port)
+        for rank, (p, conn) in enumerate(zip(procs, conns)):
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                errors.append((rank, f"no result within {timeout:.0f} s (hung)"))
+                continue  # the deadline has passed: poll(0) still collects finished ranks
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                status, value = "error", "died without a result"
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append((rank, value))
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()) if not errors else 1.0)
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join()
+        for conn in conns:
+            conn.close()
+        del server
+    if errors:
+        raise JobError(_summarize(errors))
+    return results
+
+
+def assert_no_children():
+    """Fails the script if any launched rank outlived its job."""
+    leftover = mp.active_children()
+    assert not leftover, f"child processes left behind: {leftover}"
+
+
+# --------------------------------------------------------------------------------------------
+# Reports
+# --------------------------------------------------------------------------------------------
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def command():
+    """This run's command line, as the reports quote it."""
+    return f"`python {shlex.join(sys.argv)}`"
+
+
+def machine():
+    return f"{os.cpu_count()} cores ({cpu_model()}), {platform.system()} {platform.release()}"
+
+
+def print_header(title):
+    """The report's title, then what ran where: command, machine, versions, and the FASTCOMM_*
+    variables set."""
+    print(f"# {title}\n")
+    print(f"- command: {command()}")
+    print(f"- machine: {machine()}")
+    print(f"- torch {torch.__version__}, Python {platform.python_version()}; every rank uses 1 torch thread")
+    env = {k: os.environ[k] for k in os.environ if k.startswith("FASTCOMM_")}
+    print(f"- fastcomm environment: {env or 'defaults'}")
+
+
+def print_table(head, rows, left=0):
+    """A Markdown table; the first ``left`` columns are left-aligned, the others right."""
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join(" :--- " if i < left else " ---: " for i in range(len(head))) + "|")
+    for cells in rows:
+        print("| " + " | ".join(cells) + " |")
+
+
+def finish(results, failures, t_start, total_label, json_path, plot_path, plot):
+    """The end of a report: the failures (if any), the total time, the JSON dump and the plot
+    (``plot(plot_path)``) when asked for, and the check that no rank outlived its job.
+    Returns the exit status: 1 if anything failed."""
+    results["failures"] = failures
+    results["total_s"] = time.monotonic() - t_start
+    if failures:
+        print("\n## Failures\n")
+        for f in failures:
+            print(f"- {f}")
+    print(f"\n{total_label}: {results['total_s']:.1f} s")
+    if json_path:
+        write_json(json_path, results)
+    if plot_path:
+        plot(plot_path)
+    assert_no_children()
+    return 1 if failures else 0
+
+
+def write_json(path, results):
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"Raw numbers written to {path}")
+
+
+def pyplot_or_none(path):
+    """matplotlib.pyplot on the Agg backend, or None (with a note) when it is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"\nNote: matplotlib is not installed; skipped the plot ({path}).")
+        return None
+    return plt
+
+
+def save_plot(fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"\nPlot written to {path}")
