@@ -8,7 +8,6 @@ also return a digest of their result bytes, and the parent checks that every mem
 got bit-identical results."""
 from __future__ import annotations
 
-import hashlib
 import threading
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 from torch.distributed import ReduceOp
 
 import harness
+from _helpers import digest, fold, gen
 
 import fastcomm as fc
 
@@ -42,39 +42,6 @@ def sweep_cases():
                 if DTYPES[dt].is_floating_point and n in (7, 1000, LARGE):
                     cases.append((op, dt, n, "randn"))
     return cases
-
-
-def make_input(rank, case, op, dt, n, kind):
-    """Deterministic input of global ``rank`` for case number ``case``."""
-    g = torch.Generator().manual_seed(1_000_003 * case + 7919 * rank + 12345)
-    dtype = DTYPES[dt]
-    if kind == "randn":
-        return torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
-    if op == "PRODUCT":  # values in {-2, -1, 1, 2}: products of <= 4 of them are exact everywhere
-        v = torch.tensor([-2, -1, 1, 2])[torch.randint(0, 4, (n,), generator=g)]
-        return v.to(dtype)
-    return torch.randint(-8, 9, (n,), generator=g).to(dtype)
-
-
-def reference(inputs, op):
-    """Left fold over the members' inputs in group-rank order, in the inputs' dtype."""
-    acc = inputs[0].clone()
-    for x in inputs[1:]:
-        if op in ("SUM", "AVG"):
-            acc = acc + x
-        elif op == "PRODUCT":
-            acc = acc * x
-        elif op == "MIN":
-            acc = torch.minimum(acc, x)
-        else:
-            acc = torch.maximum(acc, x)
-    if op == "AVG":
-        acc = acc / len(inputs)
-    return acc
-
-
-def digest(t):
-    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:24]
 
 
 def check_result(out, ref, op, kind, what):
@@ -115,9 +82,9 @@ def sweep_body(rank, world, shape):
         raise AssertionError(shape)
     digests, failures = {}, []
     for i, (op, dt, n, kind) in enumerate(sweep_cases()):
-        t = make_input(rank, i, op, dt, n, kind)
+        t = gen(rank, i, dt, n, op, kind)
         fc.all_reduce(t, op=OPS[op], group=g)
-        ref = reference([make_input(r, i, op, dt, n, kind) for r in ranks], op)
+        ref = fold([gen(r, i, dt, n, op, kind) for r in ranks], op)
         what = f"rank {rank}, group {ranks}, case #{i} {op} {dt} numel={n} {kind}"
         err = check_result(t, ref, op, kind, what)
         if err:
@@ -429,7 +396,7 @@ def _shapes_body(rank, world):
         whole = t._base if t._base is not None else None
         whole_before = whole.clone() if whole is not None else None
         fc.all_reduce(t, group=g)
-        ref = reference([make(r) for r in range(3)], "SUM")
+        ref = fold([make(r) for r in range(3)], "SUM")
         assert t.shape == ref.shape, name
         torch.testing.assert_close(t, ref, rtol=0, atol=0, msg=name)
         if whole is not None:  # nothing outside the view was touched
@@ -446,7 +413,7 @@ def _shapes_body(rank, world):
                 return torch.randint(lo, hi, (257,), generator=gen).to(dt)
             t = make(rank)
             fc.all_reduce(t, op=OPS[op], group=g)
-            ref = reference([make(r) for r in range(3)], op)
+            ref = fold([make(r) for r in range(3)], op)
             torch.testing.assert_close(t, ref, rtol=0, atol=0, msg=f"{dt} {op}")
             out.append(digest(t))
     return out
@@ -470,7 +437,7 @@ def _nonfinite_body(rank, world):
         for op in ("SUM", "MIN", "MAX", "PRODUCT", "AVG"):
             t = make(rank)
             fc.all_reduce(t, op=OPS[op], group=g)
-            ref = reference([make(r) for r in range(3)], op)
+            ref = fold([make(r) for r in range(3)], op)
             torch.testing.assert_close(t, ref, equal_nan=True, msg=f"{dt} {op}")
             out.append(digest(t))
     return out

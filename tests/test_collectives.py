@@ -12,7 +12,6 @@ odd, larger than the shared-memory ring; every dtype and reduce op; pairs, a tri
 of 4, overlapping groups; blocking and async_op=True forms."""
 from __future__ import annotations
 
-import hashlib
 import os
 
 import pytest
@@ -20,6 +19,7 @@ import torch
 from torch.distributed import ReduceOp
 
 import harness
+from _helpers import digest, fold, gen  # noqa: F401  (test_batch imports them from here)
 
 import fastcomm as fc
 
@@ -43,42 +43,6 @@ SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_tensor_2d
 
 # ---------------------------------------------------------------------------------------------
 # Deterministic inputs and references
-
-
-def gen(rank, seed, dt, n, op=None, kind="int"):
-    """Global rank ``rank``'s input for case ``seed``: n elements of dtype ``dt``.
-
-    kind "int": small integers, exact in every dtype for every op (PRODUCT draws from
-    {-2, -1, 1, 2} so a product over 4 members stays exact even in bfloat16); kind "randn":
-    normal floats, where the fold order shows in the rounding."""
-    g = torch.Generator().manual_seed(1_000_003 * seed + 7919 * rank + 12345)
-    dtype = DTYPES[dt]
-    if kind == "randn":
-        return torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
-    if op == "PRODUCT":
-        return torch.tensor([-2, -1, 1, 2])[torch.randint(0, 4, (n,), generator=g)].to(dtype)
-    return torch.randint(-8, 9, (n,), generator=g).to(dtype)
-
-
-def fold(inputs, op):
-    """Left fold in group-rank order, in the inputs' dtype (the engine's promised order)."""
-    acc = inputs[0].clone()
-    for x in inputs[1:]:
-        if op in ("SUM", "AVG"):
-            acc = acc + x
-        elif op == "PRODUCT":
-            acc = acc * x
-        elif op == "MIN":
-            acc = torch.minimum(acc, x)
-        else:
-            acc = torch.maximum(acc, x)
-    if op == "AVG":
-        acc = acc / len(inputs)
-    return acc
-
-
-def digest(t):
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:24]
 
 
 def same(out, ref, what, exact=True):

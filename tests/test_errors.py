@@ -14,25 +14,11 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 import harness
+from _helpers import expect
 
 import fastcomm as fc
 
 SHORT = dict(init_timeout=10.0)  # op timeout too: a wrongly-sent message fails within 10 s
-
-
-def expect(exc_type, fn, *must_contain):
-    """Calls fn, requires exc_type (exactly that class or a subclass) and every string of
-    must_contain in the message; returns the message."""
-    try:
-        fn()
-    except exc_type as e:
-        msg = str(e)
-        missing = [s for s in must_contain if s not in msg]
-        assert not missing, f"message lacks {missing}: {msg!r}"
-        return msg
-    except BaseException as e:  # noqa: BLE001
-        raise AssertionError(f"expected {exc_type.__name__}, got {type(e).__name__}: {e}") from e
-    raise AssertionError(f"expected {exc_type.__name__}, nothing was raised")
 
 
 def _nonmember_group():

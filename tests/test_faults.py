@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import harness
+from _helpers import expect
 
 import fastcomm as fc
 
@@ -26,16 +27,7 @@ OP_TIMEOUT = 10.0
 
 
 def expect_backend_error(fn, *needles):
-    try:
-        fn()
-    except dist.DistBackendError as e:
-        msg = str(e)
-        missing = [s for s in needles if s not in msg]
-        assert not missing, f"message lacks {missing}: {msg!r}"
-        return msg
-    except BaseException as e:  # noqa: BLE001
-        raise AssertionError(f"expected DistBackendError, got {type(e).__name__}: {e}") from e
-    raise AssertionError("expected DistBackendError, the op succeeded")
+    return expect(dist.DistBackendError, fn, *needles, nothing="the op succeeded")
 
 
 def die(how):

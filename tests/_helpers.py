@@ -1,0 +1,69 @@
+"""What several test files share: deterministic per-rank inputs, the local reference of a
+reduction, result digests, and a check that a call raises the right exception.
+
+The suites check every result against a reference computed locally: each rank regenerates the
+inputs of every member of its group from (global rank, case seed) with ``gen`` and folds them
+with ``fold``, left to right in group-rank order (the order the engine promises), in the
+tensor's own dtype."""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+           "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
+
+
+def gen(rank, seed, dt, n, op=None, kind="int"):
+    """Global rank ``rank``'s input for case ``seed``: n elements of the dtype named ``dt``.
+
+    kind "int": small integers, exact in every dtype for every op (PRODUCT draws from
+    {-2, -1, 1, 2} so a product over 4 members stays exact even in bfloat16); kind "randn":
+    normal floats, where the fold order shows in the rounding."""
+    g = torch.Generator().manual_seed(1_000_003 * seed + 7919 * rank + 12345)
+    dtype = _DTYPES[dt]
+    if kind == "randn":
+        return torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+    if op == "PRODUCT":
+        return torch.tensor([-2, -1, 1, 2])[torch.randint(0, 4, (n,), generator=g)].to(dtype)
+    return torch.randint(-8, 9, (n,), generator=g).to(dtype)
+
+
+def fold(inputs, op):
+    """Left fold over the members' inputs in group-rank order, in the inputs' dtype (the
+    engine's promised order); ``op`` is a ReduceOp's name ("SUM", "AVG", ...)."""
+    acc = inputs[0].clone()
+    for x in inputs[1:]:
+        if op in ("SUM", "AVG"):
+            acc = acc + x
+        elif op == "PRODUCT":
+            acc = acc * x
+        elif op == "MIN":
+            acc = torch.minimum(acc, x)
+        else:
+            acc = torch.maximum(acc, x)
+    if op == "AVG":
+        acc = acc / len(inputs)
+    return acc
+
+
+def digest(t):
+    """A short hash of the tensor's bytes (0-d tensors included), to compare members' results."""
+    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:24]
+
+
+def expect(exc_type, fn, *must_contain, nothing="nothing was raised"):
+    """Calls fn, requires exc_type (exactly that class or a subclass) and every string of
+    must_contain in the message; returns the message. ``nothing`` ends the failure message
+    when fn raised nothing."""
+    try:
+        fn()
+    except exc_type as e:
+        msg = str(e)
+        missing = [s for s in must_contain if s not in msg]
+        assert not missing, f"message lacks {missing}: {msg!r}"
+        return msg
+    except BaseException as e:  # noqa: BLE001
+        raise AssertionError(f"expected {exc_type.__name__}, got {type(e).__name__}: {e}") from e
+    raise AssertionError(f"expected {exc_type.__name__}, {nothing}")
