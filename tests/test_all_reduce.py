@@ -223,13 +223,16 @@ def _issue_order_body(rank, world, flag_dir):
         seen["op1_done"] = futs[1].done()
         seen["op1_is_completed"] = ws[1].is_completed()
 
-    futs[0].then(on_op0)
+    # The callback may run on the engine's background thread, so it can still be running
+    # after every Work is done (Works settle before their Futures complete): wait for it.
+    cb = futs[0].then(on_op0)
     open(os.path.join(flag_dir, "go"), "w").close()
     for _ in range(100_000_000):  # drive by polling, so that the engine's thread drives too
         if ws[-1].is_completed():
             break
     for w in ws:
         w.wait()
+    cb.wait()
     for t in ts:
         assert torch.equal(t, torch.full_like(t, 3.0))
     assert seen, "op 0's callback never ran"
