@@ -90,6 +90,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("yield_ns") = -1)
       .def("attach_peers", &Engine::attach_peers, py::call_guard<py::gil_scoped_release>())
       .def("unlink_segment", &Engine::unlink_segment, py::call_guard<py::gil_scoped_release>())
+      .def("set_gloo", &Engine::set_gloo, py::arg("process_group"),
+           py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world_size", &Engine::world_size)

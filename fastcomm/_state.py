@@ -148,7 +148,30 @@ def _rendezvous(store: dist.Store, rank: int, world: int, timeout: timedelta) ->
         engine.shutdown()  # unlinks our segment: nothing may outlive a failed init
         raise
     engine.unlink_segment()
+    if len(set(host_of)) > 1:
+        try:
+            engine.set_gloo(_world_gloo(store, rank, world, timeout))
+        except BaseException:
+            engine.shutdown()
+            raise
     return engine
+
+
+def _world_gloo(store: dist.Store, rank: int, world: int, timeout: timedelta):
+    """The one Gloo process group over the whole world that carries every cross-host message
+    (of every group). Made only when the job spans hosts, here at init because every rank takes
+    part in making it; with FASTCOMM_GLOO_LAZY=1 (the default) Gloo connects a pair of ranks
+    only when they first talk, so ranks that never share a group never open a connection."""
+    lazy = os.environ.get("FASTCOMM_GLOO_LAZY", "1") != "0"
+    saved = os.environ.get("TORCH_GLOO_LAZY_INIT")
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1" if lazy else "0"
+    try:
+        return dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world, timeout)
+    finally:
+        if saved is None:
+            del os.environ["TORCH_GLOO_LAZY_INIT"]
+        else:
+            os.environ["TORCH_GLOO_LAZY_INIT"] = saved
 
 
 def _require(api: str) -> _C.Engine:

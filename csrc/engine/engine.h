@@ -32,6 +32,7 @@
 #include "algorithms/op.h"
 #include "common/doorbell.h"
 #include "engine/work.h"
+#include "transport/gloo/transport.h"
 #include "transport/shm/transport.h"
 
 namespace fastcomm {
@@ -69,6 +70,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Init steps; between them the Python layer synchronises the ranks through the store.
   void attach_peers();
   void unlink_segment();
+  // Hands over the world-level Gloo process group that reaches ranks on other hosts (made by
+  // the Python layer when the job spans hosts); without it, cross-host groups are refused.
+  void set_gloo(c10::intrusive_ptr<c10d::Backend> pg);
 
   GroupHandle new_group(std::vector<int> ranks);
   std::vector<GroupHandle> new_groups(const std::vector<std::vector<int>>& lists);
@@ -115,7 +119,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   const Message* peek_for(GroupState& g, Pending& p, int peer);
   void pop_for(GroupState& g, Pending& p, int peer);
   bool send_for(GroupState& g, Pending& p, int peer, const Header& h, const void* data);
-  void flush_sends() { shm_->flush(); }
+  void flush_sends() {
+    shm_->flush();
+    if (gloo_) gloo_->flush();
+  }
   size_t max_payload() const { return shm_ ? shm_->max_payload() : 0; }
 
  private:
@@ -138,6 +145,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   EngineOptions opts_;
   std::mutex mu_;
   std::unique_ptr<ShmTransport> shm_;
+  std::unique_ptr<GlooTransport> gloo_;  // peers on other hosts; null on a one-host job
   Doorbell bell_;
   std::unordered_map<uint64_t, std::shared_ptr<GroupState>> groups_;
   std::map<std::vector<int>, uint32_t> instances_;  // how many groups over each rank list

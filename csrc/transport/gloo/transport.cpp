@@ -1,0 +1,280 @@
+#include "transport/gloo/transport.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "common/errors.h"
+
+namespace fastcomm {
+
+namespace {
+// Every frame starts with a head of this size, so a receive can always be posted ahead of
+// time; small batches (a dozen small ops) fit in it and cost one Gloo message.
+constexpr size_t kHeadBytes = 8192;
+constexpr size_t kLenWord = 8;
+// Head receives kept posted per peer: the next frame's head is matched while the current one
+// is handed over, instead of after a fresh ready-to-receive round trip.
+constexpr int kHeadWindow = 2;
+constexpr int kHeadTag = 0x6663;
+constexpr int kBodyTag = 0x6664;
+// Once stopping, sends still in flight get this long, so a dead peer cannot hold up shutdown.
+constexpr auto kStopSendWait = std::chrono::milliseconds(2000);
+
+size_t align8(size_t n) { return (n + 7) & ~size_t(7); }
+
+std::string what_of(const std::exception& e) {
+  if (auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
+  return e.what();
+}
+}  // namespace
+
+// Outgoing frame under construction: malloc'd so growing it never zero-fills payload bytes;
+// shared with the tensors Gloo sends from until the reaper drops them.
+struct GlooOutBuf {
+  uint8_t* data = nullptr;
+  size_t size = 0, cap = 0;
+  GlooOutBuf(const GlooOutBuf&) = delete;
+  GlooOutBuf() = default;
+  ~GlooOutBuf() { std::free(data); }
+  void reserve(size_t n) {
+    if (n <= cap) return;
+    const size_t c = std::max(n, cap * 2);
+    auto* d = static_cast<uint8_t*>(std::realloc(data, c));
+    TORCH_CHECK(d != nullptr, "fastcomm: out of memory for a Gloo frame of ", c, " bytes");
+    data = d;
+    cap = c;
+  }
+};
+
+GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> pg, int rank, int world_size,
+                             std::vector<char> remote, size_t max_payload, Doorbell bell)
+    : pg_(std::move(pg)),
+      rank_(rank),
+      world_size_(world_size),
+      remote_(std::move(remote)),
+      max_payload_(max_payload),
+      bell_(bell) {
+  TORCH_CHECK_VALUE(pg_, "fastcomm: no Gloo process group for the Gloo transport");
+  TORCH_CHECK_VALUE((int)remote_.size() == world_size_, "fastcomm: Gloo transport: bad peer list");
+  peers_.reserve(world_size_);
+  for (int r = 0; r < world_size_; ++r) peers_.push_back(std::make_unique<Peer>());
+}
+
+GlooTransport::~GlooTransport() { stop(); }
+
+void GlooTransport::connect(int peer) {
+  Peer& p = *peers_[peer];
+  if (p.started || !remote_[peer] || stop_) return;
+  p.started = true;
+  if (!reaper_.joinable()) reaper_ = std::thread([this] { reap_main(); });
+  p.thread = std::thread([this, peer] { recv_main(peer); });
+}
+
+bool GlooTransport::try_send(int peer, const Header& hdr, const void* payload) {
+  Peer& p = *peers_[peer];
+  if (!p.started) connect(peer);
+  if (!p.out) {
+    p.out = std::make_shared<GlooOutBuf>();
+    p.out->reserve(kHeadBytes);
+    p.out->size = kLenWord;
+  }
+  GlooOutBuf& b = *p.out;
+  const size_t at = b.size;
+  b.reserve(at + sizeof(Header) + align8(hdr.len));
+  std::memcpy(b.data + at, &hdr, sizeof(Header));
+  if (hdr.len) std::memcpy(b.data + at + sizeof(Header), payload, hdr.len);
+  b.size = at + sizeof(Header) + align8(hdr.len);
+  if (!p.dirty) {
+    p.dirty = true;
+    dirty_.push_back(peer);
+  }
+  return true;  // unbounded: the receiver's thread drains Gloo into its inbox
+}
+
+void GlooTransport::flush() {
+  for (int peer : dirty_) {
+    Peer& p = *peers_[peer];
+    p.dirty = false;
+    std::shared_ptr<GlooOutBuf> b = std::move(p.out);
+    if (stop_ || p.dead) continue;  // the engine fails the ops; nothing can be delivered
+    const uint64_t total = b->size;
+    std::memcpy(b->data, &total, kLenWord);
+    if (total < kHeadBytes) std::memset(b->data + total, 0, kHeadBytes - total);
+    auto opts = at::TensorOptions().dtype(at::kByte);
+    auto keep = [b](void*) {};
+    std::vector<at::Tensor> head{at::from_blob(b->data, {(int64_t)kHeadBytes}, keep, opts)};
+    try {
+      auto w = pg_->send(head, peer, kHeadTag);
+      c10::intrusive_ptr<c10d::Work> wb;
+      if (total > kHeadBytes) {
+        std::vector<at::Tensor> body{
+            at::from_blob(b->data + kHeadBytes, {(int64_t)(total - kHeadBytes)}, keep, opts)};
+        wb = pg_->send(body, peer, kBodyTag);
+      }
+      std::lock_guard<std::mutex> lk(send_mu_);
+      sends_.push_back({peer, std::move(w)});
+      if (wb) sends_.push_back({peer, std::move(wb)});
+    } catch (const std::exception& e) {
+      mark_dead(peer, "Gloo send failed: " + what_of(e));
+    }
+  }
+  if (!dirty_.empty()) send_cv_.notify_one();
+  dirty_.clear();
+}
+
+const Message* GlooTransport::peek(int peer) {
+  Peer& p = *peers_[peer];
+  if (p.have) return &p.msg;
+  if (!p.started) connect(peer);
+  if (!p.cur.buf.defined()) {
+    if (p.ready.load(std::memory_order_acquire) == 0) return nullptr;
+    std::lock_guard<std::mutex> lk(p.mu);
+    p.cur = std::move(p.inbox.front());
+    p.inbox.pop_front();
+    p.ready.fetch_sub(1, std::memory_order_relaxed);
+    p.pos = kLenWord;
+  }
+  const uint8_t* base = p.cur.buf.data_ptr<uint8_t>();
+  TORCH_INTERNAL_ASSERT(p.pos + sizeof(Header) <= p.cur.len, "corrupt Gloo frame from rank ", peer);
+  std::memcpy(&p.msg.hdr, base + p.pos, sizeof(Header));
+  p.cur_bytes = sizeof(Header) + align8(p.msg.hdr.len);
+  TORCH_INTERNAL_ASSERT(p.pos + p.cur_bytes <= p.cur.len, "corrupt Gloo frame from rank ", peer);
+  p.msg.data = base + p.pos + sizeof(Header);
+  p.have = true;
+  return &p.msg;
+}
+
+void GlooTransport::pop(int peer) {
+  Peer& p = *peers_[peer];
+  TORCH_INTERNAL_ASSERT(p.have, "pop without peek");
+  p.have = false;
+  p.pos += p.cur_bytes;
+  if (p.pos >= p.cur.len) p.cur = Frame{};
+}
+
+bool GlooTransport::peer_alive(int peer) { return !peers_[peer]->dead.load(); }
+
+std::string GlooTransport::death_reason(int peer) {
+  Peer& p = *peers_[peer];
+  std::lock_guard<std::mutex> lk(p.mu);
+  return p.why;
+}
+
+void GlooTransport::mark_dead(int peer, const std::string& why) {
+  Peer& p = *peers_[peer];
+  {
+    std::lock_guard<std::mutex> lk(p.mu);
+    if (p.why.empty()) p.why = why;
+  }
+  p.dead = true;
+  bell_.ring();  // the engine's next health pass fails this peer's groups
+}
+
+c10::intrusive_ptr<c10d::Work> GlooTransport::post_recv(int peer, at::Tensor& t, int tag) {
+  Peer& p = *peers_[peer];
+  std::lock_guard<std::mutex> lk(p.mu);
+  if (stop_) return {};
+  std::vector<at::Tensor> v{t};
+  auto w = pg_->recv(v, peer, tag);
+  p.posted.push_back(w);
+  return w;
+}
+
+void GlooTransport::recv_main(int peer) {
+  Peer& p = *peers_[peer];
+  auto opts = at::TensorOptions().dtype(at::kByte);
+  std::deque<std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>>> heads;
+  auto forget = [&](const c10::intrusive_ptr<c10d::Work>& w) {
+    std::lock_guard<std::mutex> lk(p.mu);
+    p.posted.erase(std::remove(p.posted.begin(), p.posted.end(), w), p.posted.end());
+  };
+  auto post_head = [&] {
+    at::Tensor t = at::empty({(int64_t)kHeadBytes}, opts);
+    auto w = post_recv(peer, t, kHeadTag);
+    if (!w) return false;
+    heads.emplace_back(std::move(t), std::move(w));
+    return true;
+  };
+  try {
+    for (int i = 0; i < kHeadWindow; ++i)
+      if (!post_head()) return;
+    while (!stop_) {
+      auto [t, w] = std::move(heads.front());
+      heads.pop_front();
+      const bool ok = w->wait();
+      forget(w);
+      if (stop_ || !ok) break;
+      uint64_t total = 0;
+      std::memcpy(&total, t.data_ptr<uint8_t>(), kLenWord);
+      TORCH_CHECK(total >= kLenWord, "corrupt Gloo frame (length ", total, ")");
+      Frame f;
+      if (total <= kHeadBytes) {
+        if (!post_head()) break;
+        f.buf = std::move(t);
+      } else {
+        at::Tensor whole = at::empty({(int64_t)total}, opts);
+        std::memcpy(whole.data_ptr<uint8_t>(), t.data_ptr<uint8_t>(), kHeadBytes);
+        at::Tensor body = whole.narrow(0, kHeadBytes, (int64_t)(total - kHeadBytes));
+        auto wb = post_recv(peer, body, kBodyTag);
+        if (!wb || !post_head()) break;
+        const bool bok = wb->wait();
+        forget(wb);
+        if (stop_ || !bok) break;
+        f.buf = std::move(whole);
+      }
+      f.len = total;
+      {
+        std::lock_guard<std::mutex> lk(p.mu);
+        p.inbox.push_back(std::move(f));
+      }
+      p.ready.fetch_add(1, std::memory_order_release);
+      bell_.ring();
+    }
+  } catch (const std::exception& e) {
+    if (!stop_) mark_dead(peer, "Gloo receive from rank " + std::to_string(peer) + " failed: " + what_of(e));
+  }
+}
+
+void GlooTransport::reap_main() {
+  std::unique_lock<std::mutex> lk(send_mu_);
+  for (;;) {
+    send_cv_.wait(lk, [&] { return stop_ || !sends_.empty(); });
+    if (sends_.empty()) return;  // stopping, nothing left
+    InFlight f = std::move(sends_.front());
+    sends_.pop_front();
+    lk.unlock();
+    try {
+      if (stop_) f.work->wait(kStopSendWait);
+      else f.work->wait();
+    } catch (const std::exception& e) {
+      if (!stop_) mark_dead(f.peer, "Gloo send to rank " + std::to_string(f.peer) + " failed: " + what_of(e));
+    }
+    f.work.reset();  // drops the frame's buffer
+    lk.lock();
+  }
+}
+
+void GlooTransport::stop() {
+  if (stop_.exchange(true)) return;
+  send_cv_.notify_all();
+  // Sends first: a frame already handed to Gloo should still reach its peer (the peer may be
+  // waiting for this rank's last message) before the connections go.
+  if (reaper_.joinable()) reaper_.join();
+  for (auto& pp : peers_) {
+    Peer& p = *pp;
+    std::lock_guard<std::mutex> lk(p.mu);
+    for (auto& w : p.posted) {
+      try {
+        w->abort();
+      } catch (...) {
+      }
+    }
+  }
+  for (auto& pp : peers_)
+    if (pp->thread.joinable()) pp->thread.join();
+}
+
+}  // namespace fastcomm
