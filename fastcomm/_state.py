@@ -22,6 +22,7 @@ from . import _C
 _lock = threading.Lock()
 _engine: Optional[_C.Engine] = None
 _world: Optional["Group"] = None
+_gloo = None  # the world Gloo process group of this session, when the job spans hosts
 _generation = 0  # how many times this process called init(); keys each rendezvous apart
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
@@ -148,9 +149,12 @@ def _rendezvous(store: dist.Store, rank: int, world: int, timeout: timedelta) ->
         engine.shutdown()  # unlinks our segment: nothing may outlive a failed init
         raise
     engine.unlink_segment()
+    global _gloo
+    _gloo = None
     if len(set(host_of)) > 1:
         try:
-            engine.set_gloo(_world_gloo(store, rank, world, timeout))
+            _gloo = _world_gloo(store, rank, world, timeout)
+            engine.set_gloo(_gloo)
         except BaseException:
             engine.shutdown()
             raise
@@ -224,6 +228,8 @@ def shutdown() -> None:
     with _lock:
         e, _engine, _world = _engine, None, None
     if e is not None:
+        global _gloo
+        _gloo = None  # the engine holds its own reference until it is gone
         e.shutdown()
 
 
