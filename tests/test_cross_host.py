@@ -163,8 +163,10 @@ def test_argument_errors_across_hosts(name):
 # Peer death and stalls across hosts
 
 
-@pytest.mark.parametrize("how,when", [("sigkill", "between_ops"), ("exit", "survivor_mid_op"),
-                                      ("sigkill", "in_flight")])
+# ("sigkill", "in_flight") is left out: Gloo buffers without bound, so the dying rank's whole
+# op may legitimately reach the survivor before the rank dies (on one host the ring stops it).
+@pytest.mark.parametrize("how,when", [("sigkill", "between_ops"), ("exit", "between_ops"),
+                                      ("sigkill", "survivor_mid_op"), ("exit", "survivor_mid_op")])
 def test_dead_peer_on_other_host(tmp_path, how, when):
     res = run(test_faults._pair_death_body, 2, how, when, str(tmp_path), op_timeout=test_faults.OP_TIMEOUT,
               allow_fail=(1,), timeout=60)

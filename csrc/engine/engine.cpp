@@ -153,9 +153,6 @@ void Engine::set_gloo(c10::intrusive_ptr<c10d::Backend> pg) {
   std::lock_guard<std::mutex> lk(mu_);
   TORCH_CHECK(!shut_down_, "fastcomm: rank ", opts_.rank, ": set_gloo after shutdown()");
   TORCH_CHECK(!gloo_, "fastcomm: rank ", opts_.rank, ": the Gloo transport is already set");
-  // Idle receives stay posted for as long as a peer sends nothing, so Gloo's own timeout must
-  // not fire on them; ops are timed by the engine (opts_.timeout_ms) instead.
-  pg->setTimeout(std::chrono::hours(24 * 7));
   std::vector<char> remote(opts_.world_size, 0);
   for (int r = 0; r < opts_.world_size; ++r) remote[r] = !shm_->is_local(r);
   gloo_ = std::make_unique<GlooTransport>(std::move(pg), opts_.rank, opts_.world_size,
