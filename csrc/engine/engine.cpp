@@ -153,6 +153,12 @@ void Engine::set_gloo(c10::intrusive_ptr<c10d::Backend> pg) {
   std::lock_guard<std::mutex> lk(mu_);
   TORCH_CHECK(!shut_down_, "fastcomm: rank ", opts_.rank, ": set_gloo after shutdown()");
   TORCH_CHECK(!gloo_, "fastcomm: rank ", opts_.rank, ": the Gloo transport is already set");
+  // Waits on a peer behind Gloo last tens of microseconds at best, and the message is
+  // delivered by Gloo's and the transport's threads, which a spinning or yielding waiter
+  // starves of CPU. So once the job spans hosts, a waiter goes to sleep on the doorbell almost
+  // at once (the receiver thread rings it), unless the user chose the policy.
+  if (opts_.spin_ns < 0) spin_ns_ = 0;
+  if (opts_.yield_ns < 0) yield_ns_ = 0;
   std::vector<char> remote(opts_.world_size, 0);
   for (int r = 0; r < opts_.world_size; ++r) remote[r] = !shm_->is_local(r);
   gloo_ = std::make_unique<GlooTransport>(std::move(pg), opts_.rank, opts_.world_size,
