@@ -11,9 +11,12 @@
 namespace fastcomm {
 
 namespace {
-// Every frame starts with a head of this size, so a receive can always be posted ahead of
-// time; small batches (a dozen small ops) fit in it and cost one Gloo message.
-constexpr size_t kHeadBytes = 8192;
+// Receives for frame heads of up to this size are always posted ahead of time (Gloo accepts a
+// message shorter than the receive buffer), so a frame that fits costs one Gloo message and
+// no ready-to-receive round trip. Larger frames send the rest as one body, whose receive is
+// posted once the head has told its length. Below malloc's mmap threshold, so posting a head
+// receive costs no system call.
+constexpr size_t kHeadBytes = 64 * 1024;
 constexpr size_t kLenWord = 8;
 // Head receives kept posted per peer: the next frame's head is matched while the current one
 // is handed over, instead of after a fresh ready-to-receive round trip.
@@ -78,7 +81,7 @@ bool GlooTransport::try_send(int peer, const Header& hdr, const void* payload) {
   if (!p.started) connect(peer);
   if (!p.out) {
     p.out = std::make_shared<GlooOutBuf>();
-    p.out->reserve(kHeadBytes);
+    p.out->reserve(4096);
     p.out->size = kLenWord;
   }
   GlooOutBuf& b = *p.out;
@@ -102,10 +105,10 @@ void GlooTransport::flush() {
     if (stop_ || p.dead) continue;  // the engine fails the ops; nothing can be delivered
     const uint64_t total = b->size;
     std::memcpy(b->data, &total, kLenWord);
-    if (total < kHeadBytes) std::memset(b->data + total, 0, kHeadBytes - total);
     auto opts = at::TensorOptions().dtype(at::kByte);
     auto keep = [b](void*) {};
-    std::vector<at::Tensor> head{at::from_blob(b->data, {(int64_t)kHeadBytes}, keep, opts)};
+    const int64_t head_len = (int64_t)std::min<uint64_t>(total, kHeadBytes);
+    std::vector<at::Tensor> head{at::from_blob(b->data, {head_len}, keep, opts)};
     try {
       auto w = pg_->send(head, peer, kHeadTag);
       c10::intrusive_ptr<c10d::Work> wb;

@@ -3,9 +3,9 @@
 //
 // One world-level c10d ProcessGroupGloo (made by the Python layer, handed over as a Backend)
 // carries the messages of every group. Gloo's send/recv needs the receiver to know the size,
-// so everything appended for one peer between two flushes travels as one frame: a fixed-size
-// head (a length word followed by records) and, only when the records do not fit in the head,
-// one body of exactly the remaining length. That is how messages of many groups to one peer
+// so everything appended for one peer between two flushes travels as one frame: a head of at
+// most a fixed size (a length word followed by records), always received into a buffer posted
+// ahead of time, and, only when the frame is larger, one body of exactly the remaining length. That is how messages of many groups to one peer
 // in one batch travel together: one Gloo send (two for large frames) per peer and flush.
 //
 // Receiving: Gloo has no way to poll a receive without blocking, so each remote peer in use
