@@ -17,7 +17,8 @@ namespace {
 // posted once the head has told its length. Below malloc's mmap threshold, so posting a head
 // receive costs no system call.
 constexpr size_t kHeadBytes = 64 * 1024;
-constexpr size_t kLenWord = 8;
+constexpr size_t kLenWords = 16;  // head bytes used, body bytes
+constexpr size_t kBodyMin = 4 << 20;
 // Head receives kept posted per peer: the next frame's head is matched while the current one
 // is handed over, instead of after a fresh ready-to-receive round trip.
 constexpr int kHeadWindow = 2;
@@ -59,6 +60,7 @@ GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> pg, int rank, int
       world_size_(world_size),
       remote_(std::move(remote)),
       max_payload_(max_payload),
+      body_max_(std::max(kBodyMin, 2 * (max_payload + 64))),
       bell_(bell) {
   TORCH_CHECK_VALUE(pg_, "fastcomm: no Gloo process group for the Gloo transport");
   TORCH_CHECK_VALUE((int)remote_.size() == world_size_, "fastcomm: Gloo transport: bad peer list");
@@ -82,14 +84,23 @@ bool GlooTransport::try_send(int peer, const Header& hdr, const void* payload) {
   if (!p.out) {
     p.out = std::make_shared<GlooOutBuf>();
     p.out->reserve(4096);
-    p.out->size = kLenWord;
+    p.out->size = kLenWords;
+  }
+  const size_t rec = sizeof(Header) + align8(hdr.len);
+  if (p.out->size > kLenWords && p.out->size + rec > body_max_) {
+    // Sent before flush(): harmless (order is kept), and keeps every body within the
+    // receiver's posted buffer.
+    flush_peer(peer);
+    p.out = std::make_shared<GlooOutBuf>();
+    p.out->reserve(4096);
+    p.out->size = kLenWords;
   }
   GlooOutBuf& b = *p.out;
   const size_t at = b.size;
-  b.reserve(at + sizeof(Header) + align8(hdr.len));
+  b.reserve(at + rec);
   std::memcpy(b.data + at, &hdr, sizeof(Header));
   if (hdr.len) std::memcpy(b.data + at + sizeof(Header), payload, hdr.len);
-  b.size = at + sizeof(Header) + align8(hdr.len);
+  b.size = at + rec;
   if (!p.dirty) {
     p.dirty = true;
     dirty_.push_back(peer);
@@ -101,31 +112,48 @@ void GlooTransport::flush() {
   for (int peer : dirty_) {
     Peer& p = *peers_[peer];
     p.dirty = false;
-    std::shared_ptr<GlooOutBuf> b = std::move(p.out);
-    if (stop_ || p.dead) continue;  // the engine fails the ops; nothing can be delivered
-    const uint64_t total = b->size;
-    std::memcpy(b->data, &total, kLenWord);
-    auto opts = at::TensorOptions().dtype(at::kByte);
-    auto keep = [b](void*) {};
-    const int64_t head_len = (int64_t)std::min<uint64_t>(total, kHeadBytes);
-    std::vector<at::Tensor> head{at::from_blob(b->data, {head_len}, keep, opts)};
-    try {
-      auto w = pg_->send(head, peer, kHeadTag);
-      c10::intrusive_ptr<c10d::Work> wb;
-      if (total > kHeadBytes) {
-        std::vector<at::Tensor> body{
-            at::from_blob(b->data + kHeadBytes, {(int64_t)(total - kHeadBytes)}, keep, opts)};
-        wb = pg_->send(body, peer, kBodyTag);
-      }
-      std::lock_guard<std::mutex> lk(send_mu_);
-      sends_.push_back({peer, std::move(w)});
-      if (wb) sends_.push_back({peer, std::move(wb)});
-    } catch (const std::exception& e) {
-      mark_dead(peer, "Gloo send failed: " + what_of(e));
-    }
+    flush_peer(peer);
+    p.out.reset();
   }
   if (!dirty_.empty()) send_cv_.notify_one();
   dirty_.clear();
+}
+
+void GlooTransport::flush_peer(int peer) {
+  Peer& p = *peers_[peer];
+  std::shared_ptr<GlooOutBuf> b = p.out;
+  if (!b || b->size <= kLenWords || stop_ || p.dead) return;  // dead: the engine fails the ops
+  const uint64_t total = b->size;
+  // The head takes the records that fit in it whole, so head and body parse on their own.
+  uint64_t head = total;
+  if (total > kHeadBytes) {
+    head = kLenWords;
+    while (head < total) {
+      Header h;
+      std::memcpy(&h, b->data + head, sizeof(Header));
+      const uint64_t rec = sizeof(Header) + align8(h.len);
+      if (head + rec > kHeadBytes) break;
+      head += rec;
+    }
+  }
+  const uint64_t words[2] = {head, total - head};
+  std::memcpy(b->data, words, kLenWords);
+  auto opts = at::TensorOptions().dtype(at::kByte);
+  auto keep = [b](void*) {};
+  std::vector<at::Tensor> ht{at::from_blob(b->data, {(int64_t)head}, keep, opts)};
+  try {
+    auto w = pg_->send(ht, peer, kHeadTag);
+    c10::intrusive_ptr<c10d::Work> wb;
+    if (total > head) {
+      std::vector<at::Tensor> bt{at::from_blob(b->data + head, {(int64_t)(total - head)}, keep, opts)};
+      wb = pg_->send(bt, peer, kBodyTag);
+    }
+    std::lock_guard<std::mutex> lk(send_mu_);
+    sends_.push_back({peer, std::move(w)});
+    if (wb) sends_.push_back({peer, std::move(wb)});
+  } catch (const std::exception& e) {
+    mark_dead(peer, "Gloo send failed: " + what_of(e));
+  }
 }
 
 const Message* GlooTransport::peek(int peer) {
@@ -138,7 +166,7 @@ const Message* GlooTransport::peek(int peer) {
     p.cur = std::move(p.inbox.front());
     p.inbox.pop_front();
     p.ready.fetch_sub(1, std::memory_order_relaxed);
-    p.pos = kLenWord;
+    p.pos = p.cur.start;
   }
   const uint8_t* base = p.cur.buf.data_ptr<uint8_t>();
   TORCH_INTERNAL_ASSERT(p.pos + sizeof(Header) <= p.cur.len, "corrupt Gloo frame from rank ", peer);
@@ -190,6 +218,8 @@ void GlooTransport::recv_main(int peer) {
   Peer& p = *peers_[peer];
   auto opts = at::TensorOptions().dtype(at::kByte);
   std::deque<std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>>> heads;
+  at::Tensor body;  // posted once the peer first sent one, then always
+  c10::intrusive_ptr<c10d::Work> body_work;
   auto forget = [&](const c10::intrusive_ptr<c10d::Work>& w) {
     std::lock_guard<std::mutex> lk(p.mu);
     p.posted.erase(std::remove(p.posted.begin(), p.posted.end(), w), p.posted.end());
@@ -201,6 +231,18 @@ void GlooTransport::recv_main(int peer) {
     heads.emplace_back(std::move(t), std::move(w));
     return true;
   };
+  auto post_body = [&] {
+    body = at::empty({(int64_t)body_max_}, opts);
+    body_work = post_recv(peer, body, kBodyTag);
+    return (bool)body_work;
+  };
+  auto deliver = [&](Frame f) {
+    {
+      std::lock_guard<std::mutex> lk(p.mu);
+      p.inbox.push_back(std::move(f));
+    }
+    p.ready.fetch_add(1, std::memory_order_release);
+  };
   try {
     for (int i = 0; i < kHeadWindow; ++i)
       if (!post_head()) return;
@@ -209,31 +251,22 @@ void GlooTransport::recv_main(int peer) {
       heads.pop_front();
       const bool ok = w->wait();
       forget(w);
-      if (stop_ || !ok) break;
-      uint64_t total = 0;
-      std::memcpy(&total, t.data_ptr<uint8_t>(), kLenWord);
-      TORCH_CHECK(total >= kLenWord, "corrupt Gloo frame (length ", total, ")");
-      Frame f;
-      if (total <= kHeadBytes) {
-        if (!post_head()) break;
-        f.buf = std::move(t);
-      } else {
-        at::Tensor whole = at::empty({(int64_t)total}, opts);
-        std::memcpy(whole.data_ptr<uint8_t>(), t.data_ptr<uint8_t>(), kHeadBytes);
-        at::Tensor body = whole.narrow(0, kHeadBytes, (int64_t)(total - kHeadBytes));
-        auto wb = post_recv(peer, body, kBodyTag);
-        if (!wb || !post_head()) break;
-        const bool bok = wb->wait();
-        forget(wb);
+      if (stop_ || !ok || !post_head()) break;
+      uint64_t words[2];
+      std::memcpy(words, t.data_ptr<uint8_t>(), kLenWords);
+      TORCH_CHECK(words[0] >= kLenWords && words[0] <= kHeadBytes && words[1] <= body_max_,
+                  "corrupt Gloo frame from rank ", peer, " (head ", words[0], ", body ", words[1], ")");
+      if (words[0] > kLenWords) deliver(Frame{std::move(t), kLenWords, words[0]});
+      if (words[1] > 0) {
+        if (!body_work && !post_body()) break;
+        const bool bok = body_work->wait();
+        forget(body_work);
         if (stop_ || !bok) break;
-        f.buf = std::move(whole);
+        at::Tensor got = std::move(body);
+        body_work.reset();
+        if (!post_body()) break;
+        deliver(Frame{std::move(got), 0, words[1]});
       }
-      f.len = total;
-      {
-        std::lock_guard<std::mutex> lk(p.mu);
-        p.inbox.push_back(std::move(f));
-      }
-      p.ready.fetch_add(1, std::memory_order_release);
       bell_.ring();
     }
   } catch (const std::exception& e) {

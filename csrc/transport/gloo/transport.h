@@ -4,8 +4,11 @@
 // One world-level c10d ProcessGroupGloo (made by the Python layer, handed over as a Backend)
 // carries the messages of every group. Gloo's send/recv needs the receiver to know the size,
 // so everything appended for one peer between two flushes travels as one frame: a head of at
-// most a fixed size (a length word followed by records), always received into a buffer posted
-// ahead of time, and, only when the frame is larger, one body of exactly the remaining length. That is how messages of many groups to one peer
+// most a fixed size (two length words, then the records that fit whole) and, only when the
+// frame is larger, a body with the remaining records. The receiver keeps buffers posted ahead
+// of time for both (Gloo accepts a message shorter than the receive buffer), so no frame waits
+// for a ready-to-receive round trip; a body never exceeds the posted size because the sender
+// starts a new frame before it would. That is how messages of many groups to one peer
 // in one batch travel together: one Gloo send (two for large frames) per peer and flush.
 //
 // Receiving: Gloo has no way to poll a receive without blocking, so each remote peer in use
@@ -59,8 +62,9 @@ class GlooTransport final : public Transport {
 
  private:
   struct Frame {
-    at::Tensor buf;  // whole frame: length word, then records
-    size_t len = 0;  // bytes used
+    at::Tensor buf;    // a head (length words, then records) or a body (records only)
+    size_t start = 0;  // offset of the first record
+    size_t len = 0;    // bytes used
   };
   struct Peer {
     // Sending side (engine lock).
@@ -83,6 +87,7 @@ class GlooTransport final : public Transport {
     std::string why;  // guarded by mu
   };
 
+  void flush_peer(int peer);
   void recv_main(int peer);
   void reap_main();
   void mark_dead(int peer, const std::string& why);
@@ -93,6 +98,7 @@ class GlooTransport final : public Transport {
   int world_size_;
   std::vector<char> remote_;
   size_t max_payload_;
+  size_t body_max_;  // largest body; equal on every rank since max_payload is
   Doorbell bell_;
   std::vector<std::unique_ptr<Peer>> peers_;
   std::vector<int> dirty_;
