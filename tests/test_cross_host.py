@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import harness
+import test_backend
 import test_batch
 import test_collectives as tc
 import test_errors
@@ -135,6 +136,18 @@ def test_mismatched_batches_across_hosts():
     res = run(test_batch._mismatch_body, 2)
     for rank, errs in enumerate(res):
         assert all(e is not None and "mismatch" in e for e in errs), (rank, errs)
+
+
+def _hosts_only(rank, world, hosts, body):
+    os.environ["FASTCOMM_HOST_ID"] = f"host-{hosts[rank]}"
+    return body(rank, world)
+
+
+@pytest.mark.parametrize("body", ["collectives_body", "p2p_body"])
+def test_torch_distributed_backend_across_hosts(body):
+    # dist.init_process_group("fastcomm") and dist.new_group(backend="fastcomm") over ranks
+    # on two hosts: the backend runs on the same engine, so the same transports.
+    harness.run(_hosts_only, 4, ALTERNATE, getattr(test_backend, body), init=False, timeout=240)
 
 
 # ---------------------------------------------------------------------------------------------
