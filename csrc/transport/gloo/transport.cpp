@@ -183,7 +183,15 @@ void GlooTransport::pop(int peer) {
   TORCH_INTERNAL_ASSERT(p.have, "pop without peek");
   p.have = false;
   p.pos += p.cur_bytes;
-  if (p.pos >= p.cur.len) p.cur = Frame{};
+  if (p.pos >= p.cur.len) {
+    // Body buffers are megabytes: handing one back spares the receiver a fresh allocation
+    // and its page faults on every large frame.
+    if (p.cur.start == 0 && p.cur.buf.use_count() == 1) {
+      std::lock_guard<std::mutex> lk(p.mu);
+      if (!p.spare.defined()) p.spare = std::move(p.cur.buf);
+    }
+    p.cur = Frame{};
+  }
 }
 
 bool GlooTransport::peer_alive(int peer) { return !peers_[peer]->dead.load(); }
@@ -232,7 +240,12 @@ void GlooTransport::recv_main(int peer) {
     return true;
   };
   auto post_body = [&] {
-    body = at::empty({(int64_t)body_max_}, opts);
+    {
+      std::lock_guard<std::mutex> lk(p.mu);
+      body = std::move(p.spare);
+      p.spare = at::Tensor();
+    }
+    if (!body.defined()) body = at::empty({(int64_t)body_max_}, opts);
     body_work = post_recv(peer, body, kBodyTag);
     return (bool)body_work;
   };

@@ -79,6 +79,7 @@ class GlooTransport final : public Transport {
     // ... and the inbox filled by the receiver thread (mu).
     std::mutex mu;
     std::deque<Frame> inbox;
+    at::Tensor spare;  // a consumed body buffer, posted again instead of a fresh one
     std::atomic<size_t> ready{0};
     std::vector<c10::intrusive_ptr<c10d::Work>> posted;  // receives in flight (for abort)
     std::thread thread;
