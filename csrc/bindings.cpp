@@ -97,6 +97,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("world_size", &Engine::world_size)
       .def_property_readonly("timeout_ms", &Engine::timeout_ms)
       .def_property_readonly("is_shut_down", &Engine::is_shut_down)
+      .def_property_readonly("gloo_frames_sent", [](Engine& e) {
+        py::gil_scoped_release nogil;  // takes the engine lock
+        return e.gloo_frames_sent();
+      })
       .def("new_group", &Engine::new_group, py::arg("ranks"))
       .def("new_groups", &Engine::new_groups, py::arg("lists"))
       .def(

@@ -128,6 +128,37 @@ def test_batch_mixed_collectives_across_hosts():
     assert not failures, f"{len(failures)} wrong results:\n" + "\n".join(failures[:15])
 
 
+def _frames_body(rank, world, k):
+    from fastcomm import _state
+
+    e = _state._engine
+    groups = fc.new_groups([[0, 1]] * k)
+    fc.barrier(group=groups[0])
+    ts = [torch.full((10, 10), float(rank + i)) for i in range(k)]
+    before = e.gloo_frames_sent
+    with fc.batch() as b:
+        for t, g in zip(ts, groups):
+            fc.all_reduce(t, group=g)
+    b.wait()
+    batched = e.gloo_frames_sent - before
+    for i, t in enumerate(ts):
+        assert torch.equal(t, torch.full((10, 10), float(1 + 2 * i))), (i, t[0, :3])
+    before = e.gloo_frames_sent
+    for t, g in zip(ts, groups):
+        fc.all_reduce(t, group=g)
+    return batched, e.gloo_frames_sent - before
+
+
+def test_batch_to_one_peer_travels_as_one_frame():
+    # k groups over the same cross-host pair in one batch: every message of the step leaves
+    # in one Gloo send per peer, where k single ops take k.
+    k = 16
+    res = run(_frames_body, 2, k, hosts=["A", "B"])
+    for rank, (batched, single) in enumerate(res):
+        assert batched == 1, f"rank {rank}: a batch of {k} ops took {batched} Gloo frames"
+        assert single == k, f"rank {rank}: {k} single ops took {single} Gloo frames"
+
+
 def test_big_batch_to_one_peer_across_hosts():
     run(test_batch._big_batch_body, 2, 64, 4)
 

@@ -165,6 +165,11 @@ void Engine::set_gloo(c10::intrusive_ptr<c10d::Backend> pg) {
                                           std::move(remote), shm_->max_payload(), bell_);
 }
 
+uint64_t Engine::gloo_frames_sent() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return gloo_ ? gloo_->frames_sent() : 0;
+}
+
 Transport* Engine::transport_for(int peer) {
   if (gloo_ && !shm_->is_local(peer)) return gloo_.get();
   return shm_.get();

@@ -109,6 +109,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Fails every pending op, stops the background thread and unmaps the transport.
   void shutdown();
   bool is_shut_down() const { return shut_down_.load(); }
+  // Frames sent through the Gloo transport so far (0 on a one-host job).
+  uint64_t gloo_frames_sent();
 
   int rank() const { return opts_.rank; }
   int world_size() const { return opts_.world_size; }

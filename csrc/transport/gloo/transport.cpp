@@ -24,7 +24,8 @@ constexpr size_t kBodyMin = 4 << 20;
 constexpr int kHeadWindow = 2;
 constexpr int kHeadTag = 0x6663;
 constexpr int kBodyTag = 0x6664;
-// Once stopping, sends still in flight get this long, so a dead peer cannot hold up shutdown.
+// Once stopping, sends still in flight get this long in all, so a dead or stalled peer cannot
+// hold up shutdown.
 constexpr auto kStopSendWait = std::chrono::milliseconds(2000);
 
 size_t align8(size_t n) { return (n + 7) & ~size_t(7); }
@@ -143,6 +144,7 @@ void GlooTransport::flush_peer(int peer) {
   std::vector<at::Tensor> ht{at::from_blob(b->data, {(int64_t)head}, keep, opts)};
   try {
     auto w = pg_->send(ht, peer, kHeadTag);
+    ++frames_sent_;
     c10::intrusive_ptr<c10d::Work> wb;
     if (total > head) {
       std::vector<at::Tensor> bt{at::from_blob(b->data + head, {(int64_t)(total - head)}, keep, opts)};
@@ -296,8 +298,13 @@ void GlooTransport::reap_main() {
     sends_.pop_front();
     lk.unlock();
     try {
-      if (stop_) f.work->wait(kStopSendWait);
-      else f.work->wait();
+      if (stop_) {
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            stop_deadline_ - std::chrono::steady_clock::now());
+        f.work->wait(std::max(left, std::chrono::milliseconds(1)));
+      } else {
+        f.work->wait();
+      }
     } catch (const std::exception& e) {
       if (!stop_) mark_dead(f.peer, "Gloo send to rank " + std::to_string(f.peer) + " failed: " + what_of(e));
     }
@@ -307,7 +314,12 @@ void GlooTransport::reap_main() {
 }
 
 void GlooTransport::stop() {
-  if (stop_.exchange(true)) return;
+  {
+    std::lock_guard<std::mutex> lk(send_mu_);
+    if (stop_) return;
+    stop_deadline_ = std::chrono::steady_clock::now() + kStopSendWait;
+    stop_ = true;
+  }
   send_cv_.notify_all();
   // Sends first: a frame already handed to Gloo should still reach its peer (the peer may be
   // waiting for this rank's last message) before the connections go.

@@ -59,6 +59,8 @@ class GlooTransport final : public Transport {
   void stop();
   // Why the peer was declared dead (empty if it was not).
   std::string death_reason(int peer);
+  // Frames handed to Gloo so far (one per peer and flush): what tests check batching by.
+  uint64_t frames_sent() const { return frames_sent_; }
 
  private:
   struct Frame {
@@ -104,6 +106,8 @@ class GlooTransport final : public Transport {
   std::vector<std::unique_ptr<Peer>> peers_;
   std::vector<int> dirty_;
   std::atomic<bool> stop_{false};
+  std::chrono::steady_clock::time_point stop_deadline_;  // for sends still in flight
+  uint64_t frames_sent_ = 0;
 
   // Sends in flight, reaped in order by reaper_.
   std::mutex send_mu_;
