@@ -18,7 +18,11 @@ namespace {
 // receive costs no system call.
 constexpr size_t kHeadBytes = 64 * 1024;
 constexpr size_t kLenWords = 16;  // head bytes used, body bytes
-constexpr size_t kBodyMin = 4 << 20;
+// Frames are cut at about this size, so a large op streams as several frames and the receiver
+// folds one while the next is on the wire (a single multi-megabyte frame would serialise the
+// transfer and the reduction).
+constexpr size_t kFrameTarget = 256 * 1024;
+constexpr int kBodyWindow = 2;
 // Head receives kept posted per peer: the next frame's head is matched while the current one
 // is handed over, instead of after a fresh ready-to-receive round trip.
 constexpr int kHeadWindow = 2;
@@ -46,7 +50,9 @@ struct GlooOutBuf {
   ~GlooOutBuf() { std::free(data); }
   void reserve(size_t n) {
     if (n <= cap) return;
-    const size_t c = std::max(n, cap * 2);
+    // Large ops append their pieces back to back; growing fourfold re-copies a frame at most
+    // once or twice on its way to megabytes.
+    const size_t c = std::max(n, cap * 4);
     auto* d = static_cast<uint8_t*>(std::realloc(data, c));
     TORCH_CHECK(d != nullptr, "fastcomm: out of memory for a Gloo frame of ", c, " bytes");
     data = d;
@@ -61,7 +67,7 @@ GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> pg, int rank, int
       world_size_(world_size),
       remote_(std::move(remote)),
       max_payload_(max_payload),
-      body_max_(std::max(kBodyMin, 2 * (max_payload + 64))),
+      body_max_(std::max(kFrameTarget, max_payload + 128)),
       bell_(bell) {
   TORCH_CHECK_VALUE(pg_, "fastcomm: no Gloo process group for the Gloo transport");
   TORCH_CHECK_VALUE((int)remote_.size() == world_size_, "fastcomm: Gloo transport: bad peer list");
@@ -228,8 +234,8 @@ void GlooTransport::recv_main(int peer) {
   Peer& p = *peers_[peer];
   auto opts = at::TensorOptions().dtype(at::kByte);
   std::deque<std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>>> heads;
-  at::Tensor body;  // posted once the peer first sent one, then always
-  c10::intrusive_ptr<c10d::Work> body_work;
+  // Posted once the peer first sent a body, then always kept kBodyWindow deep.
+  std::deque<std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>>> bodies;
   auto forget = [&](const c10::intrusive_ptr<c10d::Work>& w) {
     std::lock_guard<std::mutex> lk(p.mu);
     p.posted.erase(std::remove(p.posted.begin(), p.posted.end(), w), p.posted.end());
@@ -242,14 +248,17 @@ void GlooTransport::recv_main(int peer) {
     return true;
   };
   auto post_body = [&] {
+    at::Tensor b;
     {
       std::lock_guard<std::mutex> lk(p.mu);
-      body = std::move(p.spare);
+      b = std::move(p.spare);
       p.spare = at::Tensor();
     }
-    if (!body.defined()) body = at::empty({(int64_t)body_max_}, opts);
-    body_work = post_recv(peer, body, kBodyTag);
-    return (bool)body_work;
+    if (!b.defined()) b = at::empty({(int64_t)body_max_}, opts);
+    auto w = post_recv(peer, b, kBodyTag);
+    if (!w) return false;
+    bodies.emplace_back(std::move(b), std::move(w));
+    return true;
   };
   auto deliver = [&](Frame f) {
     {
@@ -273,14 +282,14 @@ void GlooTransport::recv_main(int peer) {
                   "corrupt Gloo frame from rank ", peer, " (head ", words[0], ", body ", words[1], ")");
       if (words[0] > kLenWords) deliver(Frame{std::move(t), kLenWords, words[0]});
       if (words[1] > 0) {
-        if (!body_work && !post_body()) break;
-        const bool bok = body_work->wait();
-        forget(body_work);
-        if (stop_ || !bok) break;
-        at::Tensor got = std::move(body);
-        body_work.reset();
-        if (!post_body()) break;
-        deliver(Frame{std::move(got), 0, words[1]});
+        while ((int)bodies.size() < kBodyWindow)
+          if (!post_body()) return;
+        auto [bt, bw] = std::move(bodies.front());
+        bodies.pop_front();
+        const bool bok = bw->wait();
+        forget(bw);
+        if (stop_ || !bok || !post_body()) break;
+        deliver(Frame{std::move(bt), 0, words[1]});
       }
       bell_.ring();
     }
