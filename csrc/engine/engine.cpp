@@ -162,7 +162,8 @@ void Engine::set_gloo(c10::intrusive_ptr<c10d::Backend> pg) {
   std::vector<char> remote(opts_.world_size, 0);
   for (int r = 0; r < opts_.world_size; ++r) remote[r] = !shm_->is_local(r);
   gloo_ = std::make_unique<GlooTransport>(std::move(pg), opts_.rank, opts_.world_size,
-                                          std::move(remote), shm_->max_payload(), bell_);
+                                          std::move(remote), shm_->max_payload(), bell_,
+                                          std::chrono::milliseconds(opts_.timeout_ms));
 }
 
 uint64_t Engine::gloo_frames_sent() {

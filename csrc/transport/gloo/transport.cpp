@@ -28,9 +28,6 @@ constexpr int kBodyWindow = 2;
 constexpr int kHeadWindow = 2;
 constexpr int kHeadTag = 0x6663;
 constexpr int kBodyTag = 0x6664;
-// Once stopping, sends still in flight get this long in all, so a dead or stalled peer cannot
-// hold up shutdown.
-constexpr auto kStopSendWait = std::chrono::milliseconds(2000);
 
 size_t align8(size_t n) { return (n + 7) & ~size_t(7); }
 
@@ -61,13 +58,15 @@ struct GlooOutBuf {
 };
 
 GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> pg, int rank, int world_size,
-                             std::vector<char> remote, size_t max_payload, Doorbell bell)
+                             std::vector<char> remote, size_t max_payload, Doorbell bell,
+                             std::chrono::milliseconds linger)
     : pg_(std::move(pg)),
       rank_(rank),
       world_size_(world_size),
       remote_(std::move(remote)),
       max_payload_(max_payload),
       body_max_(std::max(kFrameTarget, max_payload + 128)),
+      linger_(linger),
       bell_(bell) {
   TORCH_CHECK_VALUE(pg_, "fastcomm: no Gloo process group for the Gloo transport");
   TORCH_CHECK_VALUE((int)remote_.size() == world_size_, "fastcomm: Gloo transport: bad peer list");
@@ -326,7 +325,8 @@ void GlooTransport::stop() {
   {
     std::lock_guard<std::mutex> lk(send_mu_);
     if (stop_) return;
-    stop_deadline_ = std::chrono::steady_clock::now() + kStopSendWait;
+    // In all, not per send: a dead peer fails its sends at once, a stalled one costs this once.
+    stop_deadline_ = std::chrono::steady_clock::now() + linger_;
     stop_ = true;
   }
   send_cv_.notify_all();

@@ -41,8 +41,11 @@ class GlooTransport final : public Transport {
  public:
   // `remote[r]` is true for ranks reached through this transport. `max_payload` is the
   // engine-wide piece size (Gloo itself has no limit; keeping the shm one makes pieces agree).
+  // `linger`: how long stop() lets sends in flight finish (a peer may still be reading this
+  // rank's last messages; unlike a shared-memory ring, they die with the process).
   GlooTransport(c10::intrusive_ptr<c10d::Backend> pg, int rank, int world_size,
-                std::vector<char> remote, size_t max_payload, Doorbell bell);
+                std::vector<char> remote, size_t max_payload, Doorbell bell,
+                std::chrono::milliseconds linger);
   ~GlooTransport() override;
 
   const char* name() const override { return "gloo"; }
@@ -102,6 +105,7 @@ class GlooTransport final : public Transport {
   std::vector<char> remote_;
   size_t max_payload_;
   size_t body_max_;  // largest body; equal on every rank since max_payload is
+  std::chrono::milliseconds linger_;
   Doorbell bell_;
   std::vector<std::unique_ptr<Peer>> peers_;
   std::vector<int> dirty_;
