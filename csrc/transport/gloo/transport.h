@@ -8,8 +8,10 @@
 // frame is larger, a body with the remaining records. The receiver keeps buffers posted ahead
 // of time for both (Gloo accepts a message shorter than the receive buffer), so no frame waits
 // for a ready-to-receive round trip; a body never exceeds the posted size because the sender
-// starts a new frame before it would. That is how messages of many groups to one peer
-// in one batch travel together: one Gloo send (two for large frames) per peer and flush.
+// starts a new frame before it would (at about 256 KiB, so a large op streams as several
+// frames and the receiver folds one while the next is in flight). That is how messages of many
+// groups to one peer in one batch travel together: one Gloo send per peer and flush (two when
+// the frame exceeds the head).
 //
 // Receiving: Gloo has no way to poll a receive without blocking, so each remote peer in use
 // gets one thread that keeps head receives posted, completes frames into an inbox and rings
