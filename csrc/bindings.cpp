@@ -93,11 +93,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("attach_peers", &Engine::attach_peers, py::call_guard<py::gil_scoped_release>())
       .def("unlink_segment", &Engine::unlink_segment, py::call_guard<py::gil_scoped_release>())
       .def("abandon_init", &Engine::abandon_init, py::call_guard<py::gil_scoped_release>())
+      .def("set_gloo", &Engine::set_gloo, py::arg("process_group"),
+           py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world_size", &Engine::world_size)
       .def_property_readonly("timeout_ms", &Engine::timeout_ms)
       .def_property_readonly("is_shut_down", &Engine::is_shut_down)
+      .def_property_readonly("gloo_frames_sent", [](Engine& e) {
+        py::gil_scoped_release nogil;  // takes the engine lock
+        return e.gloo_frames_sent();
+      })
       .def("new_group", &Engine::new_group, py::arg("ranks"))
       .def("new_groups", &Engine::new_groups, py::arg("lists"))
       .def(

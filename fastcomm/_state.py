@@ -22,9 +22,11 @@ from . import _C
 _lock = threading.Lock()
 _engine: Optional[_C.Engine] = None
 _world: Optional["Group"] = None
+_gloo = None  # the world Gloo process group of this session, when the job spans hosts
 _generation = 0  # how many times this process called init(); keys each rendezvous apart
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
+_GLOO_IDLE_TIMEOUT = timedelta(days=7)
 
 
 class Group:
@@ -151,7 +153,40 @@ def _rendezvous(store: dist.Store, rank: int, world: int, timeout: timedelta) ->
         engine.abandon_init()
         raise
     engine.unlink_segment()
+    global _gloo
+    _gloo = None
+    if len(set(host_of)) > 1:
+        try:
+            _gloo = _world_gloo(store, rank, world, timeout)
+            engine.set_gloo(_gloo)
+        except BaseException:
+            engine.shutdown()
+            raise
     return engine
+
+
+def _world_gloo(store: dist.Store, rank: int, world: int, timeout: timedelta):
+    """The one Gloo process group over the whole world that carries every cross-host message
+    (of every group). Made only when the job spans hosts, here at init because every rank takes
+    part in making it (groups are made by their members alone, so no later point has them all).
+
+    Connections are made eagerly (full mesh), not with Gloo's lazy init: a lazy connection is
+    opened inside the first send, which the engine issues under its progress lock, and to a
+    peer that died meanwhile it retries until Gloo's timeout instead of failing."""
+    saved = os.environ.get("TORCH_GLOO_LAZY_INIT")
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "0"
+    try:
+        # Gloo's timeout also bounds how long a posted receive may wait, and a receive for
+        # the next message from a peer stays posted while that peer is idle, so it must not
+        # fire; ops are timed by the engine (the init timeout) instead. Every rank has already
+        # passed the rendezvous, so connecting cannot wait on a rank that never came.
+        return dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world,
+                                     _GLOO_IDLE_TIMEOUT)
+    finally:
+        if saved is None:
+            del os.environ["TORCH_GLOO_LAZY_INIT"]
+        else:
+            os.environ["TORCH_GLOO_LAZY_INIT"] = saved
 
 
 def _live() -> Optional[_C.Engine]:
@@ -217,6 +252,8 @@ def shutdown() -> None:
     with _lock:
         e, _engine, _world = _engine, None, None
     if e is not None:
+        global _gloo
+        _gloo = None  # the engine holds its own reference until it is gone
         e.shutdown()
 
 

@@ -162,7 +162,32 @@ void Engine::abandon_init() {
   shutdown();
 }
 
-Transport* Engine::transport_for(int peer) { return shm_.get(); }
+void Engine::set_gloo(c10::intrusive_ptr<c10d::Backend> pg) {
+  std::lock_guard<std::mutex> lk(mu_);
+  TORCH_CHECK(!shut_down_, "fastcomm: rank ", opts_.rank, ": set_gloo after shutdown()");
+  TORCH_CHECK(!gloo_, "fastcomm: rank ", opts_.rank, ": the Gloo transport is already set");
+  // Waits on a peer behind Gloo last tens of microseconds at best, and the message is
+  // delivered by Gloo's and the transport's threads, which a spinning or yielding waiter
+  // starves of CPU. So once the job spans hosts, a waiter goes to sleep on the doorbell almost
+  // at once (the receiver thread rings it), unless the user chose the policy.
+  if (opts_.spin_ns < 0) spin_ns_ = 0;
+  if (opts_.yield_ns < 0) yield_ns_ = 0;
+  std::vector<char> remote(opts_.world_size, 0);
+  for (int r = 0; r < opts_.world_size; ++r) remote[r] = !shm_->is_local(r);
+  gloo_ = std::make_unique<GlooTransport>(std::move(pg), opts_.rank, opts_.world_size,
+                                          std::move(remote), shm_->max_payload(), bell_,
+                                          std::chrono::milliseconds(opts_.timeout_ms));
+}
+
+uint64_t Engine::gloo_frames_sent() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return gloo_ ? gloo_->frames_sent() : 0;
+}
+
+Transport* Engine::transport_for(int peer) {
+  if (gloo_ && !shm_->is_local(peer)) return gloo_.get();
+  return shm_.get();
+}
 
 // ---------------------------------------------------------------------------------------------
 // Groups
@@ -197,9 +222,9 @@ std::vector<GroupHandle> Engine::new_groups(const std::vector<std::vector<int>>&
       continue;
     }
     for (int r : ranks) {
-      TORCH_CHECK(shm_->is_local(r), "fastcomm.new_group: rank ", me, ": group ", ranks_label(ranks),
-                  " spans hosts (rank ", r,
-                  " is on another host); cross-host groups need the Gloo transport, not available yet");
+      TORCH_CHECK(gloo_ || shm_->is_local(r), "fastcomm.new_group: rank ", me, ": group ",
+                  ranks_label(ranks), " spans hosts (rank ", r,
+                  " is on another host) but this engine has no Gloo transport");
     }
     // Members agree on the id without talking: it is a function of the rank list and of how
     // many groups over that same list this process made before (members make them in the
@@ -529,7 +554,7 @@ bool Engine::progress_locked(Done& done) {
     }
     // else: the group's next op is now at the front; step it at the same index.
   }
-  shm_->flush();
+  flush_sends();
   return any;
 }
 
@@ -594,7 +619,7 @@ void Engine::health_locked(Done& done) {
     int dead = -1;
     for (int r : g.ranks) {
       if (r == opts_.rank) continue;
-      if (!dead_[r] && !shm_->peer_alive(r)) {
+      if (!dead_[r] && !transport_for(r)->peer_alive(r)) {
         dead_[r] = 1;
         shm_->release_peer(r);
       }
@@ -609,6 +634,7 @@ void Engine::health_locked(Done& done) {
       msg = "fastcomm: rank " + std::to_string(opts_.rank) + ", group " + g.label + ": " +
             describe(p.op->desc()) + " (op #" + std::to_string(p.seq) + ") failed: rank " +
             std::to_string(dead) + " (pid " + std::to_string(opts_.pids[dead]) + ") has exited";
+      if (gloo_ && !shm_->is_local(dead)) msg += " (" + gloo_->death_reason(dead) + ")";
     } else if (now >= p.deadline) {
       msg = "fastcomm: rank " + std::to_string(opts_.rank) + ", group " + g.label + ": " +
             describe(p.op->desc()) + " (op #" + std::to_string(p.seq) + ") timed out after " +
@@ -633,7 +659,7 @@ void Engine::health_locked(Done& done) {
       ++i;
     }
   }
-  shm_->flush();  // abort notices
+  flush_sends();  // abort notices
 }
 
 // Under mu_: records that `w`'s op finished. Works become done here, in the order the progress
@@ -831,6 +857,9 @@ void Engine::shutdown() {
     if (bg_.get_id() == std::this_thread::get_id()) bg_.detach();
     else bg_.join();
   }
+  // No progress pass touches the transports once shut_down_ is set, so the Gloo threads can be
+  // stopped without the lock (stopping may wait a little for sends in flight).
+  if (gloo_) gloo_->stop();
   std::lock_guard<std::mutex> lk(mu_);
   stash_.clear();
   stash_msgs_ = 0;

@@ -32,6 +32,7 @@
 #include "algorithms/op.h"
 #include "common/doorbell.h"
 #include "engine/work.h"
+#include "transport/gloo/transport.h"
 #include "transport/shm/transport.h"
 
 namespace fastcomm {
@@ -72,6 +73,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // A failed init: removes the names of every same-host rank's segment (a rank that died
   // mid-init cannot remove its own) and shuts down.
   void abandon_init();
+  // Hands over the world-level Gloo process group that reaches ranks on other hosts (made by
+  // the Python layer when the job spans hosts); without it, cross-host groups are refused.
+  void set_gloo(c10::intrusive_ptr<c10d::Backend> pg);
 
   GroupHandle new_group(std::vector<int> ranks);
   std::vector<GroupHandle> new_groups(const std::vector<std::vector<int>>& lists);
@@ -108,6 +112,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Fails every pending op, stops the background thread and unmaps the transport.
   void shutdown();
   bool is_shut_down() const { return shut_down_.load(); }
+  // Frames sent through the Gloo transport so far (0 on a one-host job).
+  uint64_t gloo_frames_sent();
 
   int rank() const { return opts_.rank; }
   int world_size() const { return opts_.world_size; }
@@ -118,7 +124,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   const Message* peek_for(GroupState& g, Pending& p, int peer);
   void pop_for(GroupState& g, Pending& p, int peer);
   bool send_for(GroupState& g, Pending& p, int peer, const Header& h, const void* data);
-  void flush_sends() { shm_->flush(); }
+  void flush_sends() {
+    shm_->flush();
+    if (gloo_) gloo_->flush();
+  }
   size_t max_payload() const { return shm_ ? shm_->max_payload() : 0; }
 
  private:
@@ -145,6 +154,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   const uint64_t serial_;
   std::mutex mu_;
   std::unique_ptr<ShmTransport> shm_;
+  std::unique_ptr<GlooTransport> gloo_;  // peers on other hosts; null on a one-host job
   Doorbell bell_;
   std::unordered_map<uint64_t, std::shared_ptr<GroupState>> groups_;
   std::map<std::vector<int>, uint32_t> instances_;  // how many groups over each rank list

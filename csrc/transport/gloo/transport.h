@@ -1,0 +1,129 @@
+#pragma once
+// Gloo transport for peers on other hosts, over the Gloo that ships inside torch.
+//
+// One world-level c10d ProcessGroupGloo (made by the Python layer, handed over as a Backend)
+// carries the messages of every group. Gloo's send/recv needs the receiver to know the size,
+// so everything appended for one peer between two flushes travels as one frame: a head of at
+// most a fixed size (two length words, then the records that fit whole) and, only when the
+// frame is larger, a body with the remaining records. The receiver keeps buffers posted ahead
+// of time for both (Gloo accepts a message shorter than the receive buffer), so no frame waits
+// for a ready-to-receive round trip; a body never exceeds the posted size because the sender
+// starts a new frame before it would (at about 256 KiB, so a large op streams as several
+// frames and the receiver folds one while the next is in flight). That is how messages of many
+// groups to one peer in one batch travel together: one Gloo send per peer and flush (two when
+// the frame exceeds the head).
+//
+// Receiving: Gloo has no way to poll a receive without blocking, so each remote peer in use
+// gets one thread that keeps head receives posted, completes frames into an inbox and rings
+// the engine's doorbell. Completed sends are reaped by one thread that keeps their buffers
+// alive until Gloo has written them. Peer death shows up as a failed receive or send; the
+// engine learns it through peer_alive().
+//
+// Thread-safety: the Transport calls are serialised by the engine's progress lock; the inbox
+// and the dead flags are shared with the helper threads.
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/doorbell.h"
+#include "transport/transport.h"
+
+namespace fastcomm {
+
+struct GlooOutBuf;
+
+class GlooTransport final : public Transport {
+ public:
+  // `remote[r]` is true for ranks reached through this transport. `max_payload` is the
+  // engine-wide piece size (Gloo itself has no limit; keeping the shm one makes pieces agree).
+  // `linger`: how long stop() lets sends in flight finish (a peer may still be reading this
+  // rank's last messages; unlike a shared-memory ring, they die with the process).
+  GlooTransport(c10::intrusive_ptr<c10d::Backend> pg, int rank, int world_size,
+                std::vector<char> remote, size_t max_payload, Doorbell bell,
+                std::chrono::milliseconds linger);
+  ~GlooTransport() override;
+
+  const char* name() const override { return "gloo"; }
+  size_t max_payload() const override { return max_payload_; }
+  bool try_send(int peer, const Header& hdr, const void* payload) override;
+  void flush() override;
+  const Message* peek(int peer) override;
+  void pop(int peer) override;
+  bool peer_alive(int peer) override;
+
+  // Starts the receiver for `peer` if it has none yet (called when a group with it is made).
+  void connect(int peer);
+  // Aborts posted receives, waits (bounded) for sends in flight, joins the helper threads.
+  void stop();
+  // Why the peer was declared dead (empty if it was not).
+  std::string death_reason(int peer);
+  // Frames handed to Gloo so far (one per peer and flush): what tests check batching by.
+  uint64_t frames_sent() const { return frames_sent_; }
+
+ private:
+  struct Frame {
+    at::Tensor buf;    // a head (length words, then records) or a body (records only)
+    size_t start = 0;  // offset of the first record
+    size_t len = 0;    // bytes used
+  };
+  struct Peer {
+    // Sending side (engine lock).
+    std::shared_ptr<GlooOutBuf> out;  // records appended since the last flush
+    bool dirty = false;
+    // Receiving side: current frame and cursor (engine lock) ...
+    Frame cur;
+    size_t pos = 0;
+    bool have = false;
+    size_t cur_bytes = 0;
+    Message msg;
+    // ... and the inbox filled by the receiver thread (mu).
+    std::mutex mu;
+    std::deque<Frame> inbox;
+    at::Tensor spare;  // a consumed body buffer, posted again instead of a fresh one
+    std::atomic<size_t> ready{0};
+    std::vector<c10::intrusive_ptr<c10d::Work>> posted;  // receives in flight (for abort)
+    std::thread thread;
+    bool started = false;
+    std::atomic<bool> dead{false};
+    std::string why;  // guarded by mu
+  };
+
+  void flush_peer(int peer);
+  void recv_main(int peer);
+  void reap_main();
+  void mark_dead(int peer, const std::string& why);
+  c10::intrusive_ptr<c10d::Work> post_recv(int peer, at::Tensor& t, int tag);
+
+  c10::intrusive_ptr<c10d::Backend> pg_;
+  int rank_;
+  int world_size_;
+  std::vector<char> remote_;
+  size_t max_payload_;
+  size_t body_max_;  // largest body; equal on every rank since max_payload is
+  std::chrono::milliseconds linger_;
+  Doorbell bell_;
+  std::vector<std::unique_ptr<Peer>> peers_;
+  std::vector<int> dirty_;
+  std::atomic<bool> stop_{false};
+  std::chrono::steady_clock::time_point stop_deadline_;  // for sends still in flight
+  uint64_t frames_sent_ = 0;
+
+  // Sends in flight, reaped in order by reaper_.
+  std::mutex send_mu_;
+  std::condition_variable send_cv_;
+  struct InFlight {
+    int peer;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  std::deque<InFlight> sends_;
+  std::thread reaper_;
+};
+
+}  // namespace fastcomm

@@ -1,0 +1,326 @@
+"""Groups that span hosts: the Gloo transport, and mixed groups (shared memory inside a host,
+Gloo between hosts).
+
+Hosts are simulated on one machine with FASTCOMM_HOST_ID, set per rank before fc.init: ranks
+with different ids never use each other's shared memory, only the world-level Gloo process
+group. The bodies are those of the same-host suites (test_collectives, test_batch,
+test_errors, test_faults), run with the ranks spread over hosts, so "works across hosts" means
+the same references, the same errors and the same fault behaviour as on one host.
+
+Layouts: ALTERNATE puts even ranks on host A and odd ranks on host B, so every pair [0, 1],
+[2, 3], every ring neighbour pair and the reduce-scatter partners cross hosts, while triples
+and the world are mixed. SPLIT puts [0, 1] on A and [2, 3] on B; EVERY gives each rank a host
+of its own (everything through Gloo).
+
+A last test runs two ranks in real network namespaces joined by a veth pair; it skips, with
+the reason, where namespaces cannot be made (not root, no `ip`, no CAP_NET_ADMIN)."""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import harness
+import test_backend
+import test_batch
+import test_collectives as tc
+import test_errors
+import test_faults
+
+import fastcomm as fc
+
+RING_ENV = {"FASTCOMM_SHM_RING_BYTES": "65536"}  # max_payload ~16 KiB: multi-piece ops are cheap
+ALTERNATE = ["A", "B", "A", "B"]
+SPLIT = ["A", "A", "B", "B"]
+EVERY = ["A", "B", "C", "D"]
+
+
+def _on_hosts(rank, world, hosts, timeout, body, *args):
+    os.environ["FASTCOMM_HOST_ID"] = f"host-{hosts[rank]}"
+    harness.init_child(rank, world, timeout=timeout)
+    try:
+        return body(rank, world, *args)
+    finally:
+        fc.shutdown()
+
+
+def run(body, world, *args, hosts=ALTERNATE, op_timeout=30.0, **kw):
+    kw.setdefault("timeout", 120)
+    kw.setdefault("env", RING_ENV)
+    return harness.run(_on_hosts, world, hosts, op_timeout, body, *args, init=False, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which transport is used
+
+
+def _layout_body(rank, world):
+    from fastcomm import _state
+
+    g = fc.new_group([0, 1])
+    t = torch.full((3,), float(rank + 1))
+    fc.all_reduce(t, group=g)
+    return t.tolist(), _state._gloo is not None
+
+
+def test_host_id_override_selects_gloo_only_across_hosts():
+    same = run(_layout_body, 2, hosts=["A", "A"])
+    cross = run(_layout_body, 2, hosts=["A", "B"])
+    assert [r[0] for r in same + cross] == [[3.0] * 3] * 4
+    assert [r[1] for r in same] == [False, False], "one host must not make a Gloo process group"
+    assert [r[1] for r in cross] == [True, True]
+
+
+# ---------------------------------------------------------------------------------------------
+# Every collective x dtype x size, across hosts and in mixed groups
+
+
+@pytest.mark.parametrize("shape,hosts", [("pair", ALTERNATE), ("triple", ALTERNATE),
+                                         ("world", SPLIT), ("world", EVERY)])
+def test_collectives_sweep_across_hosts(shape, hosts):
+    sizes = tc.SIZES + [tc.BIG]  # 0, 1, odd, and several pieces of max_payload / Gloo heads
+    results = run(tc._sweep_body, 4, shape, sizes, 8, hosts=hosts)
+    tc.check_members_identical(results)
+
+
+@pytest.mark.parametrize("hosts", [ALTERNATE, SPLIT])
+def test_all_reduce_every_op_and_dtype_across_hosts(hosts):
+    # Pairs ([0, 1], [2, 3]) and the world, one-shot and reduce-scatter + all-gather paths.
+    for shape in ("pair", "world"):
+        results = run(tc._rsag_body, 4, shape, [0, 1, 7, 1001, 30_001], list(tc.OPS),
+                      list(tc.DTYPES), hosts=hosts,
+                      env={**RING_ENV, "FASTCOMM_RSAG_THRESHOLD": "1024"})
+        tc.check_members_identical(results)
+
+
+def test_overlapping_groups_async_across_hosts():
+    results = run(tc._overlap_body, 4)
+    failures = [f for res in results for f in res[2]]
+    assert not failures, f"{len(failures)} wrong results:\n" + "\n".join(failures[:15])
+
+
+def test_send_recv_ring_across_hosts():
+    run(tc._p2p_body, 4)
+
+
+@pytest.mark.parametrize("n", [5, 50_001])
+def test_send_recv_tags_across_hosts(n):
+    run(tc._tags_body, 2, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches: many groups to one peer in one step
+
+
+def test_batch_mixed_collectives_across_hosts():
+    rounds = [("float32", 1), ("int64", 7), ("bfloat16", 1001), ("float64", 0),
+              ("float32", tc.BIG), ("float16", 33)]
+    res = run(test_batch._mix_body, 4, rounds)
+    failures = [f for r in res for f in r]
+    assert not failures, f"{len(failures)} wrong results:\n" + "\n".join(failures[:15])
+
+
+def _frames_body(rank, world, k):
+    from fastcomm import _state
+
+    e = _state._engine
+    groups = fc.new_groups([[0, 1]] * k)
+    fc.barrier(group=groups[0])
+    ts = [torch.full((10, 10), float(rank + i)) for i in range(k)]
+    before = e.gloo_frames_sent
+    with fc.batch() as b:
+        for t, g in zip(ts, groups):
+            fc.all_reduce(t, group=g)
+    b.wait()
+    batched = e.gloo_frames_sent - before
+    for i, t in enumerate(ts):
+        assert torch.equal(t, torch.full((10, 10), float(1 + 2 * i))), (i, t[0, :3])
+    before = e.gloo_frames_sent
+    for t, g in zip(ts, groups):
+        fc.all_reduce(t, group=g)
+    return batched, e.gloo_frames_sent - before
+
+
+def test_batch_to_one_peer_travels_as_one_frame():
+    # k groups over the same cross-host pair in one batch: every message of the step leaves
+    # in one Gloo send per peer, where k single ops take k.
+    k = 16
+    res = run(_frames_body, 2, k, hosts=["A", "B"])
+    for rank, (batched, single) in enumerate(res):
+        assert batched == 1, f"rank {rank}: a batch of {k} ops took {batched} Gloo frames"
+        assert single == k, f"rank {rank}: {k} single ops took {single} Gloo frames"
+
+
+def test_big_batch_to_one_peer_across_hosts():
+    run(test_batch._big_batch_body, 2, 64, 4)
+
+
+def test_mismatched_batches_across_hosts():
+    res = run(test_batch._mismatch_body, 2)
+    for rank, errs in enumerate(res):
+        assert all(e is not None and "mismatch" in e for e in errs), (rank, errs)
+
+
+def _hosts_only(rank, world, hosts, body):
+    os.environ["FASTCOMM_HOST_ID"] = f"host-{hosts[rank]}"
+    return body(rank, world)
+
+
+@pytest.mark.parametrize("body", ["collectives_body", "p2p_body"])
+def test_torch_distributed_backend_across_hosts(body):
+    # dist.init_process_group("fastcomm") and dist.new_group(backend="fastcomm") over ranks
+    # on two hosts: the backend runs on the same engine, so the same transports.
+    harness.run(_hosts_only, 4, ALTERNATE, getattr(test_backend, body), init=False, timeout=240)
+
+
+# ---------------------------------------------------------------------------------------------
+# Same errors as on one host
+
+
+@pytest.mark.parametrize("name", ["numel", "numel-large", "dtype", "op-avg"])
+def test_mismatch_across_hosts(name):
+    res = run(test_errors._mismatch_body, 2, name)
+    for r in (0, 1):
+        assert "timed out" not in res[r][0], res[r][0]
+
+
+def test_mismatch_in_async_queue_across_hosts():
+    run(test_errors._mismatch_async_body, 2)
+
+
+@pytest.mark.parametrize("name", ["non-member-group", "non-contiguous-transpose", "dtype-complex64",
+                                  "op-AVG-int32-async"])
+def test_argument_errors_across_hosts(name):
+    res = run(test_errors._argument_error_body, 2, name)
+    assert res[0] and res[1] is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Peer death and stalls across hosts
+
+
+# ("sigkill", "in_flight") is left out: Gloo buffers without bound, so the dying rank's whole
+# op may legitimately reach the survivor before the rank dies (on one host the ring stops it).
+@pytest.mark.parametrize("how,when", [("sigkill", "between_ops"), ("exit", "between_ops"),
+                                      ("sigkill", "survivor_mid_op"), ("exit", "survivor_mid_op")])
+def test_dead_peer_on_other_host(tmp_path, how, when):
+    res = run(test_faults._pair_death_body, 2, how, when, str(tmp_path), op_timeout=test_faults.OP_TIMEOUT,
+              allow_fail=(1,), timeout=60)
+    assert res[0] is not None and res[1] is None
+
+
+def test_dead_rank_on_other_host_only_breaks_its_groups(tmp_path):
+    res = run(test_faults._world4_death_body, 4, str(tmp_path), op_timeout=test_faults.OP_TIMEOUT,
+              allow_fail=(3,), timeout=60)
+    assert res[3] is None and res[2] is not None
+
+
+def test_dead_peer_fails_every_queued_async_op_across_hosts(tmp_path):
+    res = run(test_faults._queued_death_body, 2, str(tmp_path), op_timeout=test_faults.OP_TIMEOUT,
+              allow_fail=(1,), timeout=60)
+    assert res[0] is not None
+
+
+@pytest.mark.parametrize("members,staller,numel", [([0, 1], 1, 200_000), ([0, 1, 2], 2, 10)])
+def test_stalled_peer_on_other_host_times_out(tmp_path, members, staller, numel):
+    res = run(test_faults._stall_body, len(members), str(tmp_path), members, staller, numel,
+              op_timeout=2.0, timeout=60)
+    for r in members:
+        assert res[r][0] == ("stalled" if r == staller else "waiter"), res[r]
+
+
+# ---------------------------------------------------------------------------------------------
+# Real network namespaces
+
+
+CLONE_NEWNET = 0x40000000
+
+
+def _netns_body(rank, world, ns_names, addrs, port):
+    # Enter this rank's namespace before anything opens a socket: from here on the rank sees
+    # only its veth end and its own loopback, as a process on another machine would.
+    fd = os.open(f"/run/netns/{ns_names[rank]}", os.O_RDONLY)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, CLONE_NEWNET) != 0:
+        raise OSError(ctypes.get_errno(), "setns")
+    os.close(fd)
+    os.environ["GLOO_SOCKET_IFNAME"] = f"fcv{rank}"
+    # The namespaces still share this machine's hostname and /dev/shm, so the host id is
+    # given explicitly, as a launcher would for containers that must not share memory.
+    os.environ["FASTCOMM_HOST_ID"] = ns_names[rank]
+    from datetime import timedelta
+
+    store = dist.TCPStore(addrs[0], port, world, rank == 0, timeout=timedelta(seconds=30))
+    fc.init(store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    from fastcomm import _state
+
+    try:
+        out = []
+        g = fc.new_group([0, 1])
+        for n in (0, 7, 100_003):
+            t = torch.arange(n, dtype=torch.float32) * (rank + 1)
+            fc.all_reduce(t, group=g)
+            assert torch.equal(t, torch.arange(n, dtype=torch.float32) * 3), n
+            out.append(n)
+        gs = fc.new_groups([[0, 1]] * 4)
+        ts = [torch.full((10, 10), float(rank + i)) for i in range(4)]
+        with fc.batch() as b:
+            for t, gg in zip(ts, gs):
+                fc.all_reduce(t, group=gg)
+        b.wait()
+        assert all(torch.equal(t, torch.full((10, 10), float(1 + 2 * i))) for i, t in enumerate(ts))
+        return out, _state._gloo is not None
+    finally:
+        fc.shutdown()
+        del store
+
+
+def _netns_setup():
+    """Creates two namespaces joined by a veth pair; returns (names, addresses) or a reason."""
+    if os.geteuid() != 0:
+        return None, "needs root (CAP_NET_ADMIN) to create network namespaces"
+    ip = shutil.which("ip")
+    if ip is None:
+        return None, "the `ip` tool (iproute2) is not installed"
+    tag = uuid.uuid4().hex[:6]
+    names = [f"fc{tag}a", f"fc{tag}b"]
+    addrs = ["10.213.7.1", "10.213.7.2"]  # only on the veth pair, invisible outside the netns
+    cmds = [[ip, "netns", "add", names[0]], [ip, "netns", "add", names[1]],
+            [ip, "link", "add", "fcv0", "netns", names[0], "type", "veth", "peer", "name", "fcv1",
+             "netns", names[1]]]
+    for i in range(2):
+        cmds += [[ip, "-n", names[i], "addr", "add", f"{addrs[i]}/30", "dev", f"fcv{i}"],
+                 [ip, "-n", names[i], "link", "set", f"fcv{i}", "up"],
+                 [ip, "-n", names[i], "link", "set", "lo", "up"]]
+    for c in cmds:
+        r = subprocess.run(c, capture_output=True, text=True, timeout=20)
+        if r.returncode != 0:
+            _netns_teardown(names)
+            return None, f"cannot create network namespaces: `{' '.join(c[1:])}`: {r.stderr.strip()}"
+    return (names, addrs), None
+
+
+def _netns_teardown(names):
+    for n in names:
+        subprocess.run(["ip", "netns", "del", n], capture_output=True, timeout=20)
+
+
+def test_two_network_namespaces_over_veth():
+    got, why = _netns_setup()
+    if got is None:
+        pytest.skip(why)
+    names, addrs = got
+    try:
+        res = harness.run(_netns_body, 2, names, addrs, 29511, init=False, timeout=90)
+        assert [r[0] for r in res] == [[0, 7, 100_003]] * 2
+        assert [r[1] for r in res] == [True, True], "namespaces were taken for one host"
+    finally:
+        _netns_teardown(names)
