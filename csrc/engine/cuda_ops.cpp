@@ -16,14 +16,6 @@ using RedOpType = c10d::ReduceOp::RedOpType;
 
 namespace {
 
-std::string label_of(const std::vector<int>& ranks) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
-  os << "]";
-  return os.str();
-}
-
 bool dtype_of(c10::ScalarType t, cuda::DType& out) {
   switch (t) {
     case c10::kHalf: out = cuda::DType::F16; return true;
