@@ -169,7 +169,7 @@ def main():
         try:
             r = run(p, args)
         except Exception as e:
-            print(f"{p:>5} | FAILED: {str(e).splitlines()[0]}")
+            print(f"{p:>5} | FAILED: {(str(e) or repr(e)).splitlines()[0]}")
             print(str(e), file=sys.stderr)
             continue
         print(f"{p:>5} | {r['torch_setup']:>13.3f} | {r['fc_setup']:>10.3f} | {r['torch'] * 1e6:>11.1f} | "
