@@ -20,7 +20,11 @@ class CMakeBuild(build_ext):
         import torch  # the installed torch is the one we build against (--no-build-isolation)
 
         src = os.path.abspath(os.path.dirname(__file__))
-        build_dir = os.path.join(src, "build", f"py{sys.version_info.major}{sys.version_info.minor}")
+        # One build dir per Python and torch variant: a CPU and a CUDA venv on the same Python
+        # must not share CMake caches.
+        variant = "cu" if torch.version.cuda else "cpu"
+        build_dir = os.environ.get("FASTCOMM_BUILD_DIR") or os.path.join(
+            src, "build", f"py{sys.version_info.major}{sys.version_info.minor}-{variant}")
         os.makedirs(build_dir, exist_ok=True)
         gen = ["-G", "Ninja"] if shutil.which("ninja") else []
         cfg = os.environ.get("FASTCOMM_BUILD_TYPE", "Release")

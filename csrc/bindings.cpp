@@ -7,13 +7,17 @@
 
 #include "backend/backend.h"
 #include "engine/engine.h"
+#ifdef FASTCOMM_WITH_NCCL
+#include "engine/cuda_ops.h"
+#endif
 
 namespace py = pybind11;
 using namespace fastcomm;
 
 namespace {
 
-py::object to_py_work(c10::intrusive_ptr<Work> w) {
+template <typename W>
+py::object to_py_work(c10::intrusive_ptr<W> w) {
   return py::cast(c10::intrusive_ptr<c10d::Work>(std::move(w)));
 }
 
@@ -33,6 +37,10 @@ c10d::ReduceOp::RedOpType to_redop(const py::handle& op, const Engine& e, const 
 // together when the block ends.
 struct Batch {
   std::vector<Engine::Prepared> ops;
+#ifdef FASTCOMM_WITH_NCCL
+  std::vector<CudaOp> cuda_ops;  // a batch holds CPU ops or CUDA ops, not both
+  int cuda_device = -1;
+#endif
   bool posted = false;
 };
 
@@ -42,6 +50,10 @@ template <typename Prepare>
 py::object issue(Engine& e, bool async_op, Batch* batch, Prepare&& prepare) {
   if (batch != nullptr) {
     TORCH_CHECK(!batch->posted, "fastcomm: rank ", e.rank(), ": op issued into a batch that was already posted");
+#ifdef FASTCOMM_WITH_NCCL
+    TORCH_CHECK_VALUE(batch->cuda_ops.empty(), "fastcomm.batch: rank ", e.rank(),
+                      ": a batch holds CPU ops or CUDA ops, not both (this op's tensor is on the CPU)");
+#endif
     batch->ops.push_back(prepare());
     return py::none();
   }
@@ -59,10 +71,46 @@ py::object issue(Engine& e, bool async_op, Batch* batch, Prepare&& prepare) {
   return async_op ? to_py_work(std::move(w)) : py::none();
 }
 
+#ifdef FASTCOMM_WITH_NCCL
+// The CUDA path (engine/cuda_ops.h): the world NCCL communicator is made at the first CUDA op,
+// which can wait on other ranks, so everything here runs without the GIL.
+template <typename Prepare>
+py::object issue_cuda(Engine& e, const at::Tensor& t, bool async_op, Batch* batch, Prepare&& prepare) {
+  c10::intrusive_ptr<CudaWork> w;
+  {
+    py::gil_scoped_release nogil;
+    auto c = CudaOps::get(e, t.device().index());
+    if (batch != nullptr) {
+      TORCH_CHECK(!batch->posted, "fastcomm: rank ", e.rank(), ": op issued into a batch that was already posted");
+      TORCH_CHECK_VALUE(batch->ops.empty(), "fastcomm.batch: rank ", e.rank(),
+                        ": a batch holds CPU ops or CUDA ops, not both (this op's tensor is on ", t.device(), ")");
+      batch->cuda_ops.push_back(prepare(*c));
+      batch->cuda_device = c->device();
+      return py::none();
+    }
+    std::vector<CudaOp> ops;
+    ops.push_back(prepare(*c));
+    w = c->post(std::move(ops), async_op);
+  }
+  return async_op ? to_py_work(std::move(w)) : py::none();
+}
+// One branch on the CPU path: the tensor's device bit, read inline.
+#define FASTCOMM_CUDA_DISPATCH(tensor, call)                                                   \
+  if ((tensor).is_cuda())                                                                       \
+    return issue_cuda(e, (tensor), async_op, batch, [&](CudaOps& c) { return c.call; });
+#else
+#define FASTCOMM_CUDA_DISPATCH(tensor, call)
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastcomm native engine";
+#ifdef FASTCOMM_WITH_NCCL
+  m.attr("has_nccl") = true;
+#else
+  m.attr("has_nccl") = false;
+#endif
 
   py::class_<GroupHandle>(m, "GroupHandle")
       .def_readonly("ranks", &GroupHandle::ranks)
@@ -96,6 +144,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_gloo", &Engine::set_gloo, py::arg("process_group"),
            py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
+      .def("set_store", &Engine::set_store, py::arg("store"))
+      .def(
+          "init_cuda",
+          [](Engine& e, int device) {
+#ifdef FASTCOMM_WITH_NCCL
+            CudaOps::get(e, device);
+#else
+            TORCH_CHECK(false, "fastcomm: rank ", e.rank(), ": this build of fastcomm has no NCCL path (torch ",
+                        "was not a CUDA build, or NCCL was not found, when it was compiled)");
+#endif
+          },
+          py::arg("device"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world_size", &Engine::world_size)
       .def_property_readonly("timeout_ms", &Engine::timeout_ms)
@@ -111,12 +171,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](Engine& e, const GroupHandle& g, const at::Tensor& t, const py::handle& op, bool async_op,
              Batch* batch) {
             const auto rop = to_redop(op, e, g, "all_reduce");
+            FASTCOMM_CUDA_DISPATCH(t, prepare_all_reduce(g, t, rop));
             return issue(e, async_op, batch, [&] { return e.prepare_all_reduce(g, t, rop); });
           },
           py::arg("group"), py::arg("tensor"), py::arg("op"), py::arg("async_op"), py::arg("batch"))
       .def(
           "broadcast",
           [](Engine& e, const GroupHandle& g, const at::Tensor& t, int src, bool async_op, Batch* batch) {
+            FASTCOMM_CUDA_DISPATCH(t, prepare_broadcast(g, t, src));
             return issue(e, async_op, batch, [&] { return e.prepare_broadcast(g, t, src); });
           },
           py::arg("group"), py::arg("tensor"), py::arg("src"), py::arg("async_op"), py::arg("batch"))
@@ -124,6 +186,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "all_gather",
           [](Engine& e, const GroupHandle& g, const std::vector<at::Tensor>& outs, const at::Tensor& in,
              bool async_op, Batch* batch) {
+            FASTCOMM_CUDA_DISPATCH(in, prepare_all_gather(g, outs, in));
             return issue(e, async_op, batch, [&] { return e.prepare_all_gather(g, outs, in); });
           },
           py::arg("group"), py::arg("tensor_list"), py::arg("tensor"), py::arg("async_op"), py::arg("batch"))
@@ -131,6 +194,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "all_gather_into_tensor",
           [](Engine& e, const GroupHandle& g, const at::Tensor& out, const at::Tensor& in, bool async_op,
              Batch* batch) {
+            FASTCOMM_CUDA_DISPATCH(in, prepare_all_gather_into_tensor(g, out, in));
             return issue(e, async_op, batch, [&] { return e.prepare_all_gather_into_tensor(g, out, in); });
           },
           py::arg("group"), py::arg("output_tensor"), py::arg("input_tensor"), py::arg("async_op"),
@@ -140,6 +204,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](Engine& e, const GroupHandle& g, const at::Tensor& out, const std::vector<at::Tensor>& ins,
              const py::handle& op, bool async_op, Batch* batch) {
             const auto rop = to_redop(op, e, g, "reduce_scatter");
+            FASTCOMM_CUDA_DISPATCH(out, prepare_reduce_scatter(g, out, ins, rop));
             return issue(e, async_op, batch, [&] { return e.prepare_reduce_scatter(g, out, ins, rop); });
           },
           py::arg("group"), py::arg("output"), py::arg("input_list"), py::arg("op"), py::arg("async_op"),
@@ -149,6 +214,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](Engine& e, const GroupHandle& g, const at::Tensor& out, const at::Tensor& in,
              const py::handle& op, bool async_op, Batch* batch) {
             const auto rop = to_redop(op, e, g, "reduce_scatter_tensor");
+            FASTCOMM_CUDA_DISPATCH(out, prepare_reduce_scatter_tensor(g, out, in, rop));
             return issue(e, async_op, batch, [&] { return e.prepare_reduce_scatter_tensor(g, out, in, rop); });
           },
           py::arg("group"), py::arg("output"), py::arg("input"), py::arg("op"), py::arg("async_op"),
@@ -163,6 +229,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "send",
           [](Engine& e, const GroupHandle& g, const at::Tensor& t, int dst, int tag, bool async_op,
              Batch* batch) {
+            FASTCOMM_CUDA_DISPATCH(t, prepare_p2p(g, t, dst, true));
             return issue(e, async_op, batch, [&] { return e.prepare_p2p(g, t, dst, tag, true); });
           },
           py::arg("group"), py::arg("tensor"), py::arg("dst"), py::arg("tag"), py::arg("async_op"),
@@ -171,6 +238,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "recv",
           [](Engine& e, const GroupHandle& g, const at::Tensor& t, int src, int tag, bool async_op,
              Batch* batch) {
+            FASTCOMM_CUDA_DISPATCH(t, prepare_p2p(g, t, src, false));
             return issue(e, async_op, batch, [&] { return e.prepare_p2p(g, t, src, tag, false); });
           },
           py::arg("group"), py::arg("tensor"), py::arg("src"), py::arg("tag"), py::arg("async_op"),
@@ -181,6 +249,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](Engine& e, Batch& b, bool async_op) -> py::object {
             TORCH_CHECK(!b.posted, "fastcomm: rank ", e.rank(), ": batch posted twice");
             b.posted = true;
+#ifdef FASTCOMM_WITH_NCCL
+            if (!b.cuda_ops.empty()) {
+              c10::intrusive_ptr<CudaWork> cw;
+              {
+                py::gil_scoped_release nogil;
+                cw = CudaOps::get(e, b.cuda_device)->post(std::move(b.cuda_ops), async_op);
+              }
+              return async_op ? to_py_work(std::move(cw)) : py::none();
+            }
+#endif
             c10::intrusive_ptr<Work> w;
             {
               py::gil_scoped_release nogil;

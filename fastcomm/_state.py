@@ -114,6 +114,8 @@ def init(timeout=None, store: Optional[dist.Store] = None, rank: Optional[int] =
         _generation += 1
         store = dist.PrefixStore(f"fastcomm/{_generation}/", store)
         engine = _rendezvous(store, rank, world_size, timeout)
+        # Kept for the NCCL path, whose world communicator is made at the first CUDA op.
+        engine.set_store(store)
         try:
             world = engine.new_group(list(range(world_size)))
         except Exception:
@@ -244,6 +246,23 @@ def new_groups(lists: Sequence[Iterable[int]]) -> List[Group]:
     in come back as non-member groups (``rank() == -1``) that refuse collectives."""
     e = _require("new_groups")
     return [Group(h) for h in e.new_groups([[int(r) for r in ranks] for ranks in lists])]
+
+
+def init_cuda(device=None) -> None:
+    """Creates the world NCCL communicator now instead of at the first CUDA op (collective:
+    every rank calls it, or issues a CUDA op). ``device``: an index or torch.device; default
+    the current CUDA device."""
+    import torch
+
+    e = _require("init_cuda")
+    if device is None:
+        device = torch.cuda.current_device()
+    e.init_cuda(torch.device("cuda", device).index if isinstance(device, int) else torch.device(device).index)
+
+
+def has_nccl() -> bool:
+    """Whether this build has the NCCL path for CUDA tensors."""
+    return bool(_C.has_nccl)
 
 
 def shutdown() -> None:

@@ -24,6 +24,11 @@ class Work:
         # torch reads a zero timeout as "no timeout"; a zero wait here means "do not block".
         return self._w.wait(max(timeout, timedelta(milliseconds=1)))
 
+    def synchronize(self) -> None:
+        """CUDA ops: blocks the host until the op has finished on the device (wait() only makes
+        the current stream wait). CPU ops: nothing to do."""
+        self._w.synchronize()
+
     def is_completed(self) -> bool:
         return self._w.is_completed()
 

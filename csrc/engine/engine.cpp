@@ -833,6 +833,12 @@ void Engine::bg_main() {
 }
 
 void Engine::shutdown() {
+  std::shared_ptr<EngineExtension> ext;
+  {
+    std::lock_guard<std::mutex> lk(ext_mu_);
+    ext = cuda_ext_;
+  }
+  if (ext) ext->shutdown();
   Done done;
   {
     std::lock_guard<std::mutex> lk(mu_);

@@ -13,6 +13,7 @@
 // thread, started on the first async op, that steps in only while async ops are pending and no
 // foreground thread is driving. Blocking bindings release the GIL before they get here.
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -60,6 +61,15 @@ struct EngineOptions {
   int64_t timeout_ms = 300000;  // an op not finished by then fails
   int64_t spin_ns = -1;         // waiting policy; -1 picks by oversubscription
   int64_t yield_ns = -1;
+};
+
+// A subsystem made on first use and shut down with the engine (the CUDA/NCCL path,
+// engine/cuda_ops.h). Type-erased so that the engine builds the same with and without CUDA,
+// and so the CPU path never looks at it.
+class EngineExtension {
+ public:
+  virtual ~EngineExtension() = default;
+  virtual void shutdown() = 0;
 };
 
 class Engine : public std::enable_shared_from_this<Engine> {
@@ -115,6 +125,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Frames sent through the Gloo transport so far (0 on a one-host job).
   uint64_t gloo_frames_sent();
 
+  // The job's store (set by the Python layer after the rendezvous) and the CUDA path made
+  // lazily at the first CUDA op: both only matter off the CPU hot path.
+  void set_store(c10::intrusive_ptr<c10d::Store> s) { store_ = std::move(s); }
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+  std::mutex& extension_mutex() { return ext_mu_; }
+  std::shared_ptr<EngineExtension>& cuda_extension() { return cuda_ext_; }  // under extension_mutex()
+  const EngineOptions& options() const { return opts_; }
+
   int rank() const { return opts_.rank; }
   int world_size() const { return opts_.world_size; }
   int64_t timeout_ms() const { return opts_.timeout_ms; }
@@ -152,6 +170,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   EngineOptions opts_;
   const uint64_t serial_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::mutex ext_mu_;
+  std::shared_ptr<EngineExtension> cuda_ext_;
   std::mutex mu_;
   std::unique_ptr<ShmTransport> shm_;
   std::unique_ptr<GlooTransport> gloo_;  // peers on other hosts; null on a one-host job

@@ -1,0 +1,102 @@
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "algorithms/cuda_reduce.h"
+
+namespace fastcomm {
+namespace cuda {
+namespace {
+
+struct JobBatch {
+  int count;
+  ReduceJob jobs[kMaxJobsPerLaunch];
+};
+static_assert(sizeof(JobBatch) <= 4096, "kernel parameters must fit the portable 4 KiB limit");
+
+// Half types fold in float, like torch's CUDA reductions.
+template <typename T> struct Acc { using type = T; };
+template <> struct Acc<__half> { using type = float; };
+template <> struct Acc<__nv_bfloat16> { using type = float; };
+
+template <typename T> __device__ __forceinline__ typename Acc<T>::type load(const T* p, int64_t i) {
+  return static_cast<typename Acc<T>::type>(p[i]);
+}
+template <> __device__ __forceinline__ float load<__half>(const __half* p, int64_t i) { return __half2float(p[i]); }
+template <> __device__ __forceinline__ float load<__nv_bfloat16>(const __nv_bfloat16* p, int64_t i) {
+  return __bfloat162float(p[i]);
+}
+template <typename T> __device__ __forceinline__ void store(T* p, int64_t i, typename Acc<T>::type v) {
+  p[i] = static_cast<T>(v);
+}
+template <> __device__ __forceinline__ void store<__half>(__half* p, int64_t i, float v) { p[i] = __float2half(v); }
+template <> __device__ __forceinline__ void store<__nv_bfloat16>(__nv_bfloat16* p, int64_t i, float v) {
+  p[i] = __float2bfloat16(v);
+}
+
+template <typename A> __device__ __forceinline__ A combine(RedOp op, A a, A b) {
+  switch (op) {
+    case RedOp::Product: return a * b;
+    case RedOp::Min: return b < a ? b : a;
+    case RedOp::Max: return a < b ? b : a;
+    default: return a + b;  // Sum, Avg
+  }
+}
+
+template <typename T>
+__device__ void fold(const ReduceJob& j) {
+  using A = typename Acc<T>::type;
+  const T* own = static_cast<const T*>(j.own);
+  const T* scratch = static_cast<const T*>(j.scratch);
+  T* dst = static_cast<T*>(j.dst);
+  const int64_t stride = (int64_t)blockDim.x * gridDim.x;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < j.numel; i += stride) {
+    A acc = j.me == 0 ? load(own, i) : load(scratch, i);
+    for (int k = 1; k < j.n; ++k) {
+      const A v = k == j.me ? load(own, i) : load(scratch, (int64_t)(k < j.me ? k : k - 1) * j.numel + i);
+      acc = combine(j.op, acc, v);
+    }
+    if (j.op == RedOp::Avg) acc = acc / static_cast<A>(j.n);
+    store(dst, i, acc);
+  }
+}
+
+__global__ void fused_reduce(JobBatch b) {
+  const ReduceJob& j = b.jobs[blockIdx.y];
+  if ((int64_t)blockIdx.x * blockDim.x >= j.numel) return;
+  switch (j.dtype) {
+    case DType::F16: fold<__half>(j); break;
+    case DType::BF16: fold<__nv_bfloat16>(j); break;
+    case DType::F32: fold<float>(j); break;
+    case DType::F64: fold<double>(j); break;
+    case DType::I8: fold<int8_t>(j); break;
+    case DType::U8: fold<uint8_t>(j); break;
+    case DType::I16: fold<int16_t>(j); break;
+    case DType::I32: fold<int32_t>(j); break;
+    case DType::I64: fold<int64_t>(j); break;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_fused_reduce(const ReduceJob* jobs, int count, cudaStream_t stream) {
+  constexpr int kThreads = 256;
+  for (int base = 0; base < count; base += kMaxJobsPerLaunch) {
+    JobBatch b;
+    b.count = count - base < kMaxJobsPerLaunch ? count - base : kMaxJobsPerLaunch;
+    int64_t most = 1;
+    for (int i = 0; i < b.count; ++i) {
+      b.jobs[i] = jobs[base + i];
+      if (b.jobs[i].numel > most) most = b.jobs[i].numel;
+    }
+    // Enough blocks to cover the largest job once, capped: the loop strides over the rest.
+    const int64_t want = (most + kThreads - 1) / kThreads;
+    dim3 grid((unsigned)(want < 1024 ? want : 1024), (unsigned)b.count);
+    fused_reduce<<<grid, kThreads, 0, stream>>>(b);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace cuda
+}  // namespace fastcomm

@@ -1,0 +1,38 @@
+#pragma once
+// The device half of the reductions of the NCCL path: after a batch's grouped send/recv has
+// delivered every member's contribution into scratch, ONE launch folds all of the batch's
+// reductions (any groups, dtypes, ops). Like the CPU path (algorithms/reduce.cpp), values are
+// folded in group-rank order, so every member of a group gets bit-identical results.
+//
+// Plain CUDA runtime types only: this header is shared by nvcc and the host compiler, and
+// keeping torch out of the .cu keeps its compile (CI builds it on every run) short.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace fastcomm {
+namespace cuda {
+
+enum class DType : int8_t { F16, BF16, F32, F64, I8, U8, I16, I32, I64 };
+enum class RedOp : int8_t { Sum, Avg, Product, Min, Max };
+
+struct ReduceJob {
+  void* dst;            // numel results
+  const void* own;      // this member's contribution (may equal dst)
+  const void* scratch;  // (n - 1) * numel: the other members' contributions, in group-rank order
+  int64_t numel;
+  int32_t n;   // group size
+  int32_t me;  // this member's group rank: own sits at position `me` in the fold
+  DType dtype;
+  RedOp op;
+};
+
+// Jobs passed by value as the kernel's parameter (no host->device copy, so the launch is legal
+// inside CUDA graph capture); larger batches take ceil(count / kMaxJobsPerLaunch) launches.
+constexpr int kMaxJobsPerLaunch = 64;
+
+// Enqueues the fold of `count` jobs on `stream`; returns the launch's error.
+cudaError_t launch_fused_reduce(const ReduceJob* jobs, int count, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace fastcomm
