@@ -11,9 +11,13 @@ shared-memory segments). The parent records every token its runs used in ``TOKEN
 the leak check can tell this suite's segments from those of unrelated jobs on the machine."""
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
+import shutil
 import signal
+import subprocess
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -68,8 +72,12 @@ def _session_store(store, generation):
     return dist.PrefixStore(f"fastcomm/{generation}/", store)
 
 
-def _child(fn, rank, world, port, conn, go, args, env, init_kwargs):
+def _child(fn, rank, world, port, conn, go, args, env, init_kwargs, dump_path):
     global _port, _rank, _world
+    # A hung rank is asked (SIGUSR1) for the Python stacks of all its threads before it is
+    # killed, so a hang reports where it hangs.
+    dump = open(dump_path, "w")
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     try:
         # Wait until the parent has forked every rank: see run().
         if not go.poll(60) or go.recv() != "go":
@@ -117,12 +125,13 @@ def run(fn, world, *args, timeout=60.0, env=None, init=True, init_timeout=30.0, 
     # connection could copy a lock it held (allocator, resolver) into the new child, which then
     # deadlocks before it ever reaches fn (seen as a rank that never publishes its rendezvous key).
     procs, conns, gos = [], [], []
+    dump_dir = tempfile.mkdtemp(prefix="fastcomm-harness-")
     for r in range(world):
         parent, child = _ctx.Pipe(duplex=False)
         go_recv, go_send = _ctx.Pipe(duplex=False)
         p = _ctx.Process(target=_child,
                          args=(fn, r, world, server.port, child, go_recv, args, dict(env or {}),
-                               init_kwargs))
+                               init_kwargs, os.path.join(dump_dir, f"rank{r}.stacks")))
         p.start()
         child.close()
         go_recv.close()
@@ -146,8 +155,9 @@ def run(fn, world, *args, timeout=60.0, env=None, init=True, init_timeout=30.0, 
                 continue
             else:
                 alive = not c.closed and p.is_alive()
-                status, value = "error", (f"rank {r}: no result within {timeout}s (hung)" if alive
-                                          else f"rank {r}: died (exit code {p.exitcode})")
+                status, value = "error", (f"rank {r}: no result within {timeout}s (hung)\n"
+                                          + _stacks(p.pid, os.path.join(dump_dir, f"rank{r}.stacks"))
+                                          if alive else f"rank {r}: died (exit code {p.exitcode})")
             if status == "ok":
                 results[r] = value
             elif r not in allow_fail:
@@ -162,9 +172,32 @@ def run(fn, world, *args, timeout=60.0, env=None, init=True, init_timeout=30.0, 
             c.close()
         _record_tokens(server)
         del server
+        shutil.rmtree(dump_dir, ignore_errors=True)
     if errors:
         raise AssertionError("\n".join(errors))
     return results
+
+
+def _stacks(pid, dump_path):
+    """Where a hung rank is: its Python stacks (faulthandler) and, where gdb exists, its native
+    stacks."""
+    out = []
+    try:
+        os.kill(pid, signal.SIGUSR1)
+        time.sleep(0.5)
+        with open(dump_path) as f:
+            out.append("Python stacks:\n" + f.read())
+    except OSError as e:
+        out.append(f"(no Python stacks: {e})")
+    if shutil.which("gdb"):
+        try:
+            bt = subprocess.run(["gdb", "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 30"],
+                                capture_output=True, text=True, timeout=30).stdout
+            out.append("native stacks:\n" + "\n".join(l[:240] for l in bt.splitlines()
+                                                        if l.startswith(("#", "Thread"))))
+        except (OSError, subprocess.TimeoutExpired) as e:
+            out.append(f"(no native stacks: {e})")
+    return "\n".join(out)
 
 
 def shm_entries():
