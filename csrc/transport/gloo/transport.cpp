@@ -35,6 +35,14 @@ std::string what_of(const std::exception& e) {
   if (auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
   return e.what();
 }
+
+void abort_quietly(const c10::intrusive_ptr<c10d::Work>& w) {
+  try {
+    w->abort();
+  } catch (...) {
+    // Already finished, or nothing to abort: either way nothing is left waiting on it.
+  }
+}
 }  // namespace
 
 // Outgoing frame under construction: malloc'd so growing it never zero-fills payload bytes;
@@ -74,7 +82,11 @@ GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> pg, int rank, int
   for (int r = 0; r < world_size_; ++r) peers_.push_back(std::make_unique<Peer>());
 }
 
-GlooTransport::~GlooTransport() { stop(); }
+GlooTransport::~GlooTransport() {
+  stop();
+  pg_.reset();  // our reference to the process group first, then the frames it may point into
+  unfinished_.clear();
+}
 
 void GlooTransport::connect(int peer) {
   Peer& p = *peers_[peer];
@@ -216,6 +228,11 @@ void GlooTransport::mark_dead(int peer, const std::string& why) {
     if (p.why.empty()) p.why = why;
   }
   p.dead = true;
+  {
+    // The reaper may be waiting on a send to this peer that will never complete.
+    std::lock_guard<std::mutex> lk(send_mu_);
+    if (reaping_.work && reaping_.peer == peer) abort_quietly(reaping_.work);
+  }
   bell_.ring();  // the engine's next health pass fails this peer's groups
 }
 
@@ -301,24 +318,36 @@ void GlooTransport::reap_main() {
   std::unique_lock<std::mutex> lk(send_mu_);
   for (;;) {
     send_cv_.wait(lk, [&] { return stop_ || !sends_.empty(); });
-    if (sends_.empty()) return;  // stopping, nothing left
+    if (sends_.empty()) break;  // stopping, nothing left
     InFlight f = std::move(sends_.front());
     sends_.pop_front();
+    // A frame to a peer already declared dead can never be delivered: drop it unwaited.
+    if (peers_[f.peer]->dead) {
+      abort_quietly(f.work);
+      unfinished_.push_back(std::move(f.work));
+      continue;
+    }
+    reaping_ = f;
     lk.unlock();
+    bool sent = false;
     try {
       if (stop_) {
         auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
             stop_deadline_ - std::chrono::steady_clock::now());
-        f.work->wait(std::max(left, std::chrono::milliseconds(1)));
+        sent = f.work->wait(std::max(left, std::chrono::milliseconds(1)));
       } else {
-        f.work->wait();
+        sent = f.work->wait();
       }
     } catch (const std::exception& e) {
       if (!stop_) mark_dead(f.peer, "Gloo send to rank " + std::to_string(f.peer) + " failed: " + what_of(e));
     }
-    f.work.reset();  // drops the frame's buffer
     lk.lock();
+    reaping_ = InFlight{-1, {}};
+    if (!sent) unfinished_.push_back(f.work);
+    f.work.reset();  // a completed send drops its frame here
   }
+  reaper_done_ = true;
+  reaper_done_cv_.notify_all();
 }
 
 void GlooTransport::stop() {
@@ -331,8 +360,22 @@ void GlooTransport::stop() {
   }
   send_cv_.notify_all();
   // Sends first: a frame already handed to Gloo should still reach its peer (the peer may be
-  // waiting for this rank's last message) before the connections go.
-  if (reaper_.joinable()) reaper_.join();
+  // waiting for this rank's last message) before the connections go. The reaper may be in an
+  // unbounded wait that began before stop_: past the deadline that send is aborted.
+  if (reaper_.joinable()) {
+    {
+      std::unique_lock<std::mutex> lk(send_mu_);
+      while (!reaper_done_) {
+        if (std::chrono::steady_clock::now() < stop_deadline_) {
+          reaper_done_cv_.wait_until(lk, stop_deadline_);
+          continue;
+        }
+        if (reaping_.work) abort_quietly(reaping_.work);
+        reaper_done_cv_.wait_for(lk, std::chrono::milliseconds(10));
+      }
+    }
+    reaper_.join();
+  }
   for (auto& pp : peers_) {
     Peer& p = *pp;
     std::lock_guard<std::mutex> lk(p.mu);

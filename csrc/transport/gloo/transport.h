@@ -123,6 +123,15 @@ class GlooTransport final : public Transport {
     c10::intrusive_ptr<c10d::Work> work;
   };
   std::deque<InFlight> sends_;
+  // The send the reaper is waiting on, so that it can be aborted when its peer dies or when
+  // stop() runs out of time: a Gloo send to a peer that died can stay pending for good (seen
+  // when the peer was killed as the frame went out), and an unbounded wait would hang stop().
+  InFlight reaping_{-1, {}};
+  bool reaper_done_ = false;
+  // Sends that were aborted or timed out rather than completed: Gloo may still hold a pointer
+  // into their frames, so the frames live until the transport (after the process group) goes.
+  std::vector<c10::intrusive_ptr<c10d::Work>> unfinished_;
+  std::condition_variable reaper_done_cv_;
   std::thread reaper_;
 };
 
