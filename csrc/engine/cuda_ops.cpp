@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <fstream>
 #include <sstream>
 
 namespace fastcomm {
@@ -40,6 +41,21 @@ std::exception_ptr comm_error_ptr(const std::string& msg) {
 }
 
 int slot_of(int j, int me) { return j < me ? j : j - 1; }
+
+// Whether a same-host peer's process has exited. kill(pid, 0) alone is not enough: a dead
+// process that its parent has not reaped yet (a zombie: a launcher or test harness busy
+// waiting on another child) still answers it, so its state is read from procfs too.
+bool process_gone(int64_t pid) {
+  if (pid <= 0) return false;
+  if (kill((pid_t)pid, 0) != 0) return errno == ESRCH;
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(f, line)) return false;  // no procfs: trust kill()
+  const auto rp = line.rfind(')');
+  if (rp == std::string::npos || rp + 2 >= line.size()) return false;
+  const char state = line[rp + 2];
+  return state == 'Z' || state == 'X';
+}
 
 void record_on(const at::Tensor& t, const c10::cuda::CUDAStream& s) {
   if (t.defined() && t.numel() > 0) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), s);
@@ -624,7 +640,7 @@ void CudaOps::watchdog_main() {
           last_alive = now;
           for (size_t i = done; i < works.size() && fault.empty(); ++i) {
             for (int p : works[i]->peers_) {
-              if (host_of_[p] == host_of_[rank_] && kill((pid_t)pids_[p], 0) != 0 && errno == ESRCH) {
+              if (host_of_[p] == host_of_[rank_] && process_gone(pids_[p])) {
                 fault = "peer rank " + std::to_string(p) + " (pid " + std::to_string(pids_[p]) + ") exited";
                 break;
               }
@@ -635,15 +651,21 @@ void CudaOps::watchdog_main() {
     } catch (const std::exception& e) {
       fault = e.what();
     }
-    works.clear();
     lk.lock();
-    for (size_t i = 0; i < done && !pending_.empty(); ++i) pending_.pop_front();
+    // Retire the finished ops. `works` still holds a reference to each, so no Work is
+    // destroyed here: a Work whose caller already dropped it (every blocking op) dies with its
+    // last reference, and its destructor returns its event under mu_, which this thread holds
+    // now. (Popping the last reference here deadlocked the watchdog on mu_, and with it the
+    // next CUDA op and shutdown.) Only ops seen above are popped, in order.
+    for (size_t i = 0; i < done && !pending_.empty() && pending_.front() == works[i]; ++i) pending_.pop_front();
+    lk.unlock();
+    works.clear();  // may run Work destructors: without mu_
     if (!fault.empty()) {
-      lk.unlock();
       fail_all(fault);
       lk.lock();
       continue;
     }
+    lk.lock();
     cv_.wait_for(lk, std::chrono::microseconds(500), [&] { return stop_; });
   }
 }
