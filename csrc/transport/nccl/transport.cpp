@@ -20,45 +20,75 @@ void fail(cudaError_t r, ncclComm_t, const char* expr, const char* file, int lin
 }
 
 namespace {
-void wait_all(c10d::Store& store, const std::vector<std::string>& keys, std::chrono::milliseconds timeout,
-              int rank, const char* what) {
-  try {
-    store.wait(keys, timeout);
-  } catch (const std::exception& e) {
-    std::string missing;
-    for (const auto& k : keys) {
-      bool present = false;
-      try {
-        present = store.check({k});
-      } catch (...) {
-      }
-      if (!present) missing += (missing.empty() ? "" : ", ") + k.substr(k.rfind('/') + 1);
-    }
-    throw_comm_error("fastcomm: rank " + std::to_string(rank) + ": " + what + " timed out after " +
-                     std::to_string(timeout.count()) + " ms; ranks not there: [" + missing +
-                     "]. The NCCL world communicator is made at each rank's first CUDA op, so every "
-                     "rank must issue one (or call fastcomm.init_cuda()). (" + e.what() + ")");
-  }
+
+// The outcome of one rendezvous attempt, decided once for every rank: the last rank to arrive
+// proposes "go", a rank whose wait timed out proposes "aborted", and the store's compare-and-set
+// keeps whichever came first. So either every rank enters ncclCommInitRank or none does. (With a
+// plain barrier a rank arriving just after the others gave up would find their "ready" keys,
+// pass, and block inside NCCL's init, which has no timeout, for good.)
+std::string decide(c10d::Store& store, const std::string& key, const std::string& proposal) {
+  return store.compareSet(key, std::string(), proposal);
 }
+
+std::string missing_ranks(c10d::Store& store, const std::string& prefix, int world) {
+  std::string missing;
+  for (int r = 0; r < world; ++r) {
+    bool present = false;
+    try {
+      present = store.check({prefix + "ready/" + std::to_string(r)});
+    } catch (...) {
+    }
+    if (!present) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+  }
+  return missing;
+}
+
 }  // namespace
 
 WorldComm::WorldComm(c10d::Store& store, int rank, int world, int device,
                      std::chrono::milliseconds timeout)
     : device_(device) {
+  // Each attempt rendezvouses under its own epoch: the first whose outcome is undecided. An
+  // attempt that failed (a rank never came) leaves its epoch decided, so a later attempt (the
+  // next CUDA op), or a rank that comes late, starts afresh instead of reading stale keys.
+  int epoch = 0;
+  while (store.check({"nccl/" + std::to_string(epoch) + "/state"})) ++epoch;
+  const std::string pre = "nccl/" + std::to_string(epoch) + "/";
+  const std::string state = pre + "state";
+
   ncclUniqueId id;
   if (rank == 0) {
     FASTCOMM_GPU_CHECK(ncclGetUniqueId(&id));
     std::vector<uint8_t> v(sizeof(id));
     std::memcpy(v.data(), &id, sizeof(id));
-    store.set("nccl/id", v);
+    store.set(pre + "id", v);  // before rank 0 arrives: "go" implies the id is there
   }
   // Everyone announces itself before anyone enters NCCL's init, which would otherwise block
   // without a limit on a rank that never comes.
-  store.set("nccl/ready/" + std::to_string(rank), std::vector<uint8_t>{1});
-  std::vector<std::string> keys{"nccl/id"};
-  for (int r = 0; r < world; ++r) keys.push_back("nccl/ready/" + std::to_string(r));
-  wait_all(store, keys, timeout, rank, "creating the NCCL world communicator");
-  auto v = store.get("nccl/id");
+  store.set(pre + "ready/" + std::to_string(rank), std::vector<uint8_t>{1});
+  std::string outcome, why;
+  if (store.add(pre + "arrived", 1) == world) {
+    outcome = decide(store, state, "go");
+  } else {
+    try {
+      store.wait({state}, timeout);
+      outcome = store.get_to_str(state);
+    } catch (const std::exception& e) {
+      why = e.what();
+      outcome = decide(store, state, "aborted");  // may still find "go": then this rank goes too
+    }
+  }
+  if (outcome != "go") {
+    const std::string missing = missing_ranks(store, pre, world);
+    throw_comm_error("fastcomm: rank " + std::to_string(rank) + ": creating the NCCL world communicator " +
+                     (why.empty() ? std::string("failed: this rank came after the others had given up waiting")
+                                  : "timed out after " + std::to_string(timeout.count()) + " ms") +
+                     (missing.empty() ? std::string() : "; ranks not there: [" + missing + "]") +
+                     ". The NCCL world communicator is made at each rank's first CUDA op, so every rank must "
+                     "issue one (or call fastcomm.init_cuda()) within the init timeout of the others" +
+                     (why.empty() ? std::string() : " (" + why + ")"));
+  }
+  auto v = store.get(pre + "id");
   TORCH_INTERNAL_ASSERT(v.size() == sizeof(id), "bad NCCL unique id in the store");
   std::memcpy(&id, v.data(), sizeof(id));
 
