@@ -86,13 +86,14 @@ py::object issue_cuda(Engine& e, const at::Tensor& t, bool async_op, Batch* batc
                         ": a batch holds CPU ops or CUDA ops, not both (this op's tensor is on ", t.device(), ")");
       batch->cuda_ops.push_back(prepare(*c));
       batch->cuda_device = c->device();
-      return py::none();
+    } else {
+      std::vector<CudaOp> ops;
+      ops.push_back(prepare(*c));
+      w = c->post(std::move(ops), async_op);
     }
-    std::vector<CudaOp> ops;
-    ops.push_back(prepare(*c));
-    w = c->post(std::move(ops), async_op);
   }
-  return async_op ? to_py_work(std::move(w)) : py::none();
+  // Python objects (even None's reference count) only with the GIL held again.
+  return batch == nullptr && async_op ? to_py_work(std::move(w)) : py::none();
 }
 // One branch on the CPU path: the tensor's device bit, read inline.
 #define FASTCOMM_CUDA_DISPATCH(tensor, call)                                                   \
