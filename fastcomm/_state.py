@@ -257,7 +257,11 @@ def init_cuda(device=None) -> None:
     e = _require("init_cuda")
     if device is None:
         device = torch.cuda.current_device()
-    e.init_cuda(torch.device("cuda", device).index if isinstance(device, int) else torch.device(device).index)
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"fastcomm.init_cuda: rank {e.rank}: argument 'device' must be a CUDA device, got {dev}")
+    # torch.device("cuda") has no index: it means the current device, as torch reads it.
+    e.init_cuda(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 def has_nccl() -> bool:
