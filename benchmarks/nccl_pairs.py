@@ -133,19 +133,30 @@ def run(pairs, args):
         conns.append(a)
     results = []
     deadline = time.monotonic() + args.job_timeout
-    for r, c in enumerate(conns):
-        if not c.poll(max(0.0, deadline - time.monotonic())):
-            for p in procs:
+    ok = False
+    try:
+        for r, c in enumerate(conns):
+            if not c.poll(max(0.0, deadline - time.monotonic())):
+                raise RuntimeError(f"{pairs} pairs: rank {r} gave no result within {args.job_timeout}s")
+            try:
+                status, value = c.recv()
+            except EOFError:
+                status, value = "error", f"rank {r}: exited without a result"
+            if status != "ok":
+                raise RuntimeError(value)
+            results.append(value)
+        ok = True
+    finally:
+        # A rank that hangs after reporting (in shutdown) or on error must not outlive its run:
+        # it would hold the GPU, and its NCCL threads, into the next cell's measurements.
+        for p in procs:
+            if ok:
+                p.join(10)
+            if p.is_alive():
                 p.kill()
-            raise RuntimeError(f"{pairs} pairs: rank {r} gave no result within {args.job_timeout}s")
-        status, value = c.recv()
-        if status != "ok":
-            for p in procs:
-                p.kill()
-            raise RuntimeError(value)
-        results.append(value)
-    for p in procs:
-        p.join(10)
+                p.join()
+        for c in conns:
+            c.close()
     return {k: max(res[k] for res in results) for k in results[0]}
 
 
