@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from forum_mwe import STORE_TIMEOUT, JobError, run_job  # noqa: E402
+from _launch import STORE_TIMEOUT, JobError, run_job  # noqa: E402
 
 
 def _run_steps(all_reduce, groups, numel, rank, iters, warmup, batch=None, async_wait=False):
@@ -108,7 +108,9 @@ BODIES = {"torch Gloo": _gloo_body, "fastcomm": _fastcomm_body}
 def measure(body, world, numel, k, iters, repeat):
     singles, batches = [], []
     for _ in range(repeat):
-        res = run_job(body, world, numel, k, iters, max(5, iters // 10))
+        # Hard limit per launch: generous for the slowest cell (torch Gloo, 256 KiB x k ops per
+        # step on an oversubscribed machine), short of letting a hang stall the run.
+        res = run_job(body, world, numel, k, iters, max(5, iters // 10), timeout=600)
         singles.append(max(r[0] for r in res))
         batches.append(max(r[1] for r in res))
     return statistics.median(singles) * 1e6, statistics.median(batches) * 1e6

@@ -143,6 +143,7 @@ def run(fn, world, *args, timeout=60.0, env=None, init=True, init_timeout=30.0, 
         g.close()
     deadline = time.monotonic() + timeout
     results, errors = [None] * world, []
+    hung_seen = False
     try:
         for r, (p, c) in enumerate(zip(procs, conns)):
             remaining = max(0.0, deadline - time.monotonic())
@@ -155,9 +156,12 @@ def run(fn, world, *args, timeout=60.0, env=None, init=True, init_timeout=30.0, 
                 continue
             else:
                 alive = not c.closed and p.is_alive()
+                # Native stacks (gdb, seconds) only for the first hung rank of a run.
                 status, value = "error", (f"rank {r}: no result within {timeout}s (hung)\n"
-                                          + _stacks(p.pid, os.path.join(dump_dir, f"rank{r}.stacks"))
+                                          + _stacks(p.pid, os.path.join(dump_dir, f"rank{r}.stacks"),
+                                                    native=not hung_seen)
                                           if alive else f"rank {r}: died (exit code {p.exitcode})")
+                hung_seen = hung_seen or alive
             if status == "ok":
                 results[r] = value
             elif r not in allow_fail:
@@ -167,7 +171,7 @@ def run(fn, world, *args, timeout=60.0, env=None, init=True, init_timeout=30.0, 
             p.join(timeout=max(0.1, deadline - time.monotonic()))
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
-                p.join()
+                p.join(timeout=30)  # bounded: a child stuck in a driver call may not die at once
         for c in conns:
             c.close()
         _record_tokens(server)
@@ -178,7 +182,7 @@ def run(fn, world, *args, timeout=60.0, env=None, init=True, init_timeout=30.0, 
     return results
 
 
-def _stacks(pid, dump_path):
+def _stacks(pid, dump_path, native=True):
     """Where a hung rank is: its Python stacks (faulthandler) and, where gdb exists, its native
     stacks."""
     out = []
@@ -189,10 +193,10 @@ def _stacks(pid, dump_path):
             out.append("Python stacks:\n" + f.read())
     except OSError as e:
         out.append(f"(no Python stacks: {e})")
-    if shutil.which("gdb"):
+    if native and shutil.which("gdb"):
         try:
             bt = subprocess.run(["gdb", "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 30"],
-                                capture_output=True, text=True, timeout=30).stdout
+                                capture_output=True, text=True, timeout=20).stdout
             out.append("native stacks:\n" + "\n".join(l[:240] for l in bt.splitlines()
                                                         if l.startswith(("#", "Thread"))))
         except (OSError, subprocess.TimeoutExpired) as e:
