@@ -755,7 +755,13 @@ void Engine::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) 
       sched_yield();
       continue;
     }
-    if (shut_down_) return;
+    if (shut_down_) {
+      // shutdown() fails every pending op in the critical section that sets shut_down_, which
+      // this thread may have seen before that section ended: taking the lock once waits it
+      // out, so `w` is settled (failed) before the caller looks at it.
+      if (w) std::lock_guard<std::mutex> lk(mu_);
+      return;
+    }
     bell_.begin_sleep();
     const uint32_t tok = bell_.token();
     const bool progressed = try_progress();
@@ -777,6 +783,7 @@ void Engine::wait(Work& w, std::chrono::milliseconds timeout) {
   } leave{this};
   const bool has_deadline = timeout.count() > 0;
   drive(&w, Clock::now() + timeout, has_deadline);
+  TORCH_INTERNAL_ASSERT(w.done(), "fastcomm: rank ", opts_.rank, ": wait returned with the op pending");
 }
 
 // ---------------------------------------------------------------------------------------------
