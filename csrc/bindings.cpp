@@ -54,6 +54,17 @@ struct BatchArg {
   operator Batch*() const { return p; }
 };
 
+// Posts `ops` as one Work; a blocking call also waits for it and raises its error. The caller
+// has released the GIL.
+c10::intrusive_ptr<Work> post_ops(Engine& e, std::vector<Engine::Prepared> ops, bool async_op) {
+  auto w = e.post(std::move(ops), async_op);
+  if (!async_op) {
+    e.wait(*w, std::chrono::milliseconds(0));
+    w->rethrow_if_failed();
+  }
+  return w;
+}
+
 // Common tail of every collective binding: queue into the batch, or post and (for a blocking
 // call) wait, with the GIL released.
 template <typename Prepare>
@@ -72,11 +83,7 @@ py::object issue(Engine& e, bool async_op, Batch* batch, Prepare&& prepare) {
     py::gil_scoped_release nogil;
     std::vector<Engine::Prepared> ops;
     ops.push_back(prepare());
-    w = e.post(std::move(ops), async_op);
-    if (!async_op) {
-      e.wait(*w, std::chrono::milliseconds(0));
-      w->rethrow_if_failed();
-    }
+    w = post_ops(e, std::move(ops), async_op);
   }
   return async_op ? to_py_work(std::move(w)) : py::none();
 }
@@ -291,11 +298,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             c10::intrusive_ptr<Work> w;
             {
               py::gil_scoped_release nogil;
-              w = e.post(std::move(b.ops), async_op);
-              if (!async_op) {
-                e.wait(*w, std::chrono::milliseconds(0));
-                w->rethrow_if_failed();
-              }
+              w = post_ops(e, std::move(b.ops), async_op);
             }
             return async_op ? to_py_work(std::move(w)) : py::none();
           },

@@ -99,19 +99,19 @@ void GlooTransport::connect(int peer) {
 bool GlooTransport::try_send(int peer, const Header& hdr, const void* payload) {
   Peer& p = *peers_[peer];
   if (!p.started) connect(peer);
-  if (!p.out) {
+  // A new frame starts with its two length words, filled in when it is sent.
+  auto start_frame = [&p] {
     p.out = std::make_shared<GlooOutBuf>();
     p.out->reserve(4096);
     p.out->size = kLenWords;
-  }
+  };
+  if (!p.out) start_frame();
   const size_t rec = sizeof(Header) + align8(hdr.len);
   if (p.out->size > kLenWords && p.out->size + rec > body_max_) {
     // Sent before flush(): harmless (order is kept), and keeps every body within the
     // receiver's posted buffer.
     flush_peer(peer);
-    p.out = std::make_shared<GlooOutBuf>();
-    p.out->reserve(4096);
-    p.out->size = kLenWords;
+    start_frame();
   }
   GlooOutBuf& b = *p.out;
   const size_t at = b.size;
@@ -379,12 +379,7 @@ void GlooTransport::stop() {
   for (auto& pp : peers_) {
     Peer& p = *pp;
     std::lock_guard<std::mutex> lk(p.mu);
-    for (auto& w : p.posted) {
-      try {
-        w->abort();
-      } catch (...) {
-      }
-    }
+    for (auto& w : p.posted) abort_quietly(w);
   }
   for (auto& pp : peers_)
     if (pp->thread.joinable()) pp->thread.join();
