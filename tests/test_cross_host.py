@@ -159,6 +159,42 @@ def test_batch_to_one_peer_travels_as_one_frame():
         assert single == k, f"rank {rank}: {k} single ops took {single} Gloo frames"
 
 
+def _multi_frame_body(rank, world, sizes):
+    """One batch of all_reduces over the same pair whose bytes far exceed one Gloo frame, with
+    the default ring, so pieces are a full max_payload: the frames must be cut and streamed,
+    and every op must still fold to the locally computed reference."""
+    from fastcomm import _state
+
+    e = _state._engine
+    groups = fc.new_groups([[0, 1]] * len(sizes))
+    dtypes = [torch.float32, torch.int64, torch.float64, torch.int32]
+    # Values small enough that every dtype sums them exactly.
+    def contrib(r, i, n, dt):
+        return (torch.arange(n, dtype=torch.int64) % 97 + 13 * r + i).to(dt)
+
+    ts = [contrib(rank, i, n, dtypes[i % len(dtypes)]) for i, n in enumerate(sizes)]
+    before = e.gloo_frames_sent
+    with fc.batch() as b:
+        for t, g in zip(ts, groups):
+            fc.all_reduce(t, group=g)
+    b.wait()
+    frames = e.gloo_frames_sent - before
+    for i, (t, n) in enumerate(zip(ts, sizes)):
+        dt = dtypes[i % len(dtypes)]
+        exp = contrib(0, i, n, dt) + contrib(1, i, n, dt)
+        assert torch.equal(t, exp), f"op {i} ({n} x {dt}): {t[:4]} != {exp[:4]}"
+    return frames, sum(t.numel() * t.element_size() for t in ts)
+
+
+def test_batch_larger_than_a_frame_streams_in_several():
+    # About 6 MB to one peer in one batch, sizes odd and 0 among them: several frames, each
+    # within what the receiver posted, and results equal to the reference.
+    sizes = [262_147, 0, 1, 300_001, 65_537, 400_003, 7]
+    res = run(_multi_frame_body, 2, sizes, hosts=["A", "B"], env={})
+    for rank, (frames, nbytes) in enumerate(res):
+        assert frames >= 3, f"rank {rank}: {nbytes} bytes left in {frames} Gloo frame(s)"
+
+
 def test_big_batch_to_one_peer_across_hosts():
     run(test_batch._big_batch_body, 2, 64, 4)
 

@@ -11,23 +11,19 @@
 namespace fastcomm {
 
 namespace {
-// Receives for frame heads of up to this size are always posted ahead of time (Gloo accepts a
-// message shorter than the receive buffer), so a frame that fits costs one Gloo message and
-// no ready-to-receive round trip. Larger frames send the rest as one body, whose receive is
-// posted once the head has told its length. Below malloc's mmap threshold, so posting a head
-// receive costs no system call.
-constexpr size_t kHeadBytes = 64 * 1024;
-constexpr size_t kLenWords = 16;  // head bytes used, body bytes
-// Frames are cut at about this size, so a large op streams as several frames and the receiver
-// folds one while the next is on the wire (a single multi-megabyte frame would serialise the
-// transfer and the reduction).
-constexpr size_t kFrameTarget = 256 * 1024;
-constexpr int kBodyWindow = 2;
-// Head receives kept posted per peer: the next frame's head is matched while the current one
-// is handed over, instead of after a fresh ready-to-receive round trip.
-constexpr int kHeadWindow = 2;
-constexpr int kHeadTag = 0x6663;
-constexpr int kBodyTag = 0x6664;
+// The length word (bytes of the frame used), padded so records start 8-aligned.
+constexpr size_t kLenWords = 16;
+// Frames are cut at about this size. Smaller frames overlap the receiver's fold with the
+// transfer of the next frame sooner; larger ones pay Gloo's per-message cost (a ready notice,
+// a wake-up of the receiving thread and of the reaper) less often. Every posted receive is
+// this large, but only the bytes a frame fills are ever touched.
+constexpr size_t kFrameTarget = 1024 * 1024;
+// Receives kept posted per peer: up to this many frames may be in flight to one peer before
+// the sender has to wait for the receiver's thread to post again.
+constexpr int kRecvWindow = 4;
+// Sent frames kept for reuse (per transport, all peers together).
+constexpr size_t kPoolMax = 8;
+constexpr int kFrameTag = 0x6663;
 
 size_t align8(size_t n) { return (n + 7) & ~size_t(7); }
 
@@ -45,24 +41,22 @@ void abort_quietly(const c10::intrusive_ptr<c10d::Work>& w) {
 }
 }  // namespace
 
-// Outgoing frame under construction: malloc'd so growing it never zero-fills payload bytes;
-// shared with the tensors Gloo sends from until the reaper drops them.
+// Outgoing frame: malloc'd once at frame_max() bytes (never zero-filled, never grown, so
+// appending never re-copies), and shared with the tensor Gloo sends from until the send is
+// reaped, then returned to the pool.
 struct GlooOutBuf {
   uint8_t* data = nullptr;
-  size_t size = 0, cap = 0;
-  GlooOutBuf(const GlooOutBuf&) = delete;
-  GlooOutBuf() = default;
-  ~GlooOutBuf() { std::free(data); }
-  void reserve(size_t n) {
-    if (n <= cap) return;
-    // Large ops append their pieces back to back; growing fourfold re-copies a frame at most
-    // once or twice on its way to megabytes.
-    const size_t c = std::max(n, cap * 4);
-    auto* d = static_cast<uint8_t*>(std::realloc(data, c));
-    TORCH_CHECK(d != nullptr, "fastcomm: out of memory for a Gloo frame of ", c, " bytes");
-    data = d;
-    cap = c;
+  size_t size = 0;
+  explicit GlooOutBuf(size_t cap) : data(static_cast<uint8_t*>(std::malloc(cap))) {
+    TORCH_CHECK(data != nullptr, "fastcomm: out of memory for a Gloo frame of ", cap, " bytes");
   }
+  GlooOutBuf(const GlooOutBuf&) = delete;
+  ~GlooOutBuf() { std::free(data); }
+};
+
+struct GlooOutPool {
+  std::mutex mu;
+  std::vector<std::unique_ptr<GlooOutBuf>> free;
 };
 
 GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> pg, int rank, int world_size,
@@ -73,7 +67,8 @@ GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> pg, int rank, int
       world_size_(world_size),
       remote_(std::move(remote)),
       max_payload_(max_payload),
-      body_max_(std::max(kFrameTarget, max_payload + 128)),
+      frame_max_(std::max(kFrameTarget, kLenWords + sizeof(Header) + align8(max_payload))),
+      pool_(std::make_shared<GlooOutPool>()),
       linger_(linger),
       bell_(bell) {
   TORCH_CHECK_VALUE(pg_, "fastcomm: no Gloo process group for the Gloo transport");
@@ -88,6 +83,26 @@ GlooTransport::~GlooTransport() {
   unfinished_.clear();
 }
 
+std::shared_ptr<GlooOutBuf> GlooTransport::new_frame() {
+  GlooOutBuf* b = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(pool_->mu);
+    if (!pool_->free.empty()) {
+      b = pool_->free.back().release();
+      pool_->free.pop_back();
+    }
+  }
+  if (!b) b = new GlooOutBuf(frame_max_);
+  b->size = kLenWords;  // the length word is filled in when the frame is sent
+  // The last owner is the reaper dropping a sent frame's tensor, or this thread for a frame
+  // that was never sent; the pool outlives the transport if a frame Gloo holds does.
+  return std::shared_ptr<GlooOutBuf>(b, [pool = pool_](GlooOutBuf* b) {
+    std::unique_ptr<GlooOutBuf> own(b);
+    std::lock_guard<std::mutex> lk(pool->mu);
+    if (pool->free.size() < kPoolMax) pool->free.push_back(std::move(own));
+  });
+}
+
 void GlooTransport::connect(int peer) {
   Peer& p = *peers_[peer];
   if (p.started || !remote_[peer] || stop_) return;
@@ -99,23 +114,18 @@ void GlooTransport::connect(int peer) {
 bool GlooTransport::try_send(int peer, const Header& hdr, const void* payload) {
   Peer& p = *peers_[peer];
   if (!p.started) connect(peer);
-  // A new frame starts with its two length words, filled in when it is sent.
-  auto start_frame = [&p] {
-    p.out = std::make_shared<GlooOutBuf>();
-    p.out->reserve(4096);
-    p.out->size = kLenWords;
-  };
-  if (!p.out) start_frame();
   const size_t rec = sizeof(Header) + align8(hdr.len);
-  if (p.out->size > kLenWords && p.out->size + rec > body_max_) {
-    // Sent before flush(): harmless (order is kept), and keeps every body within the
-    // receiver's posted buffer.
+  TORCH_INTERNAL_ASSERT(kLenWords + rec <= frame_max_, "message of ", hdr.len,
+                        " bytes exceeds the Gloo frame");
+  if (p.out && p.out->size + rec > frame_max_) {
+    // Sent before flush(): harmless (order is kept), and keeps every frame within the
+    // receiver's posted buffers.
     flush_peer(peer);
-    start_frame();
+    p.out.reset();
   }
+  if (!p.out) p.out = new_frame();
   GlooOutBuf& b = *p.out;
   const size_t at = b.size;
-  b.reserve(at + rec);
   std::memcpy(b.data + at, &hdr, sizeof(Header));
   if (hdr.len) std::memcpy(b.data + at + sizeof(Header), payload, hdr.len);
   b.size = at + rec;
@@ -141,35 +151,15 @@ void GlooTransport::flush_peer(int peer) {
   Peer& p = *peers_[peer];
   std::shared_ptr<GlooOutBuf> b = p.out;
   if (!b || b->size <= kLenWords || stop_ || p.dead) return;  // dead: the engine fails the ops
-  const uint64_t total = b->size;
-  // The head takes the records that fit in it whole, so head and body parse on their own.
-  uint64_t head = total;
-  if (total > kHeadBytes) {
-    head = kLenWords;
-    while (head < total) {
-      Header h;
-      std::memcpy(&h, b->data + head, sizeof(Header));
-      const uint64_t rec = sizeof(Header) + align8(h.len);
-      if (head + rec > kHeadBytes) break;
-      head += rec;
-    }
-  }
-  const uint64_t words[2] = {head, total - head};
-  std::memcpy(b->data, words, kLenWords);
+  const uint64_t used = b->size;
+  std::memcpy(b->data, &used, sizeof(used));
   auto opts = at::TensorOptions().dtype(at::kByte);
-  auto keep = [b](void*) {};
-  std::vector<at::Tensor> ht{at::from_blob(b->data, {(int64_t)head}, keep, opts)};
+  std::vector<at::Tensor> t{at::from_blob(b->data, {(int64_t)used}, [b](void*) {}, opts)};
   try {
-    auto w = pg_->send(ht, peer, kHeadTag);
+    auto w = pg_->send(t, peer, kFrameTag);
     ++frames_sent_;
-    c10::intrusive_ptr<c10d::Work> wb;
-    if (total > head) {
-      std::vector<at::Tensor> bt{at::from_blob(b->data + head, {(int64_t)(total - head)}, keep, opts)};
-      wb = pg_->send(bt, peer, kBodyTag);
-    }
     std::lock_guard<std::mutex> lk(send_mu_);
     sends_.push_back({peer, std::move(w)});
-    if (wb) sends_.push_back({peer, std::move(wb)});
   } catch (const std::exception& e) {
     mark_dead(peer, "Gloo send failed: " + what_of(e));
   }
@@ -185,7 +175,7 @@ const Message* GlooTransport::peek(int peer) {
     p.cur = std::move(p.inbox.front());
     p.inbox.pop_front();
     p.ready.fetch_sub(1, std::memory_order_relaxed);
-    p.pos = p.cur.start;
+    p.pos = kLenWords;
   }
   const uint8_t* base = p.cur.buf.data_ptr<uint8_t>();
   TORCH_INTERNAL_ASSERT(p.pos + sizeof(Header) <= p.cur.len, "corrupt Gloo frame from rank ", peer);
@@ -203,12 +193,10 @@ void GlooTransport::pop(int peer) {
   p.have = false;
   p.pos += p.cur_bytes;
   if (p.pos >= p.cur.len) {
-    // Body buffers are megabytes: handing one back spares the receiver a fresh allocation
-    // and its page faults on every large frame.
-    if (p.cur.start == 0 && p.cur.buf.use_count() == 1) {
-      std::lock_guard<std::mutex> lk(p.mu);
-      if (!p.spare.defined()) p.spare = std::move(p.cur.buf);
-    }
+    // Handed back to the receiver thread to post again: a fresh buffer would cost page faults
+    // on every large frame. Beyond a window's worth, spare buffers are freed.
+    std::lock_guard<std::mutex> lk(p.mu);
+    if ((int)p.free.size() < kRecvWindow) p.free.push_back(std::move(p.cur.buf));
     p.cur = Frame{};
   }
 }
@@ -249,63 +237,46 @@ c10::intrusive_ptr<c10d::Work> GlooTransport::post_recv(int peer, at::Tensor& t,
 void GlooTransport::recv_main(int peer) {
   Peer& p = *peers_[peer];
   auto opts = at::TensorOptions().dtype(at::kByte);
-  std::deque<std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>>> heads;
-  // Posted once the peer first sent a body, then always kept kBodyWindow deep.
-  std::deque<std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>>> bodies;
+  std::deque<std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>>> window;
   auto forget = [&](const c10::intrusive_ptr<c10d::Work>& w) {
     std::lock_guard<std::mutex> lk(p.mu);
     p.posted.erase(std::remove(p.posted.begin(), p.posted.end(), w), p.posted.end());
   };
-  auto post_head = [&] {
-    at::Tensor t = at::empty({(int64_t)kHeadBytes}, opts);
-    auto w = post_recv(peer, t, kHeadTag);
-    if (!w) return false;
-    heads.emplace_back(std::move(t), std::move(w));
-    return true;
-  };
-  auto post_body = [&] {
-    at::Tensor b;
+  auto post = [&] {
+    at::Tensor t;
     {
       std::lock_guard<std::mutex> lk(p.mu);
-      b = std::move(p.spare);
-      p.spare = at::Tensor();
+      if (!p.free.empty()) {
+        t = std::move(p.free.back());
+        p.free.pop_back();
+      }
     }
-    if (!b.defined()) b = at::empty({(int64_t)body_max_}, opts);
-    auto w = post_recv(peer, b, kBodyTag);
+    if (!t.defined()) t = at::empty({(int64_t)frame_max_}, opts);
+    auto w = post_recv(peer, t, kFrameTag);
     if (!w) return false;
-    bodies.emplace_back(std::move(b), std::move(w));
+    window.emplace_back(std::move(t), std::move(w));
     return true;
-  };
-  auto deliver = [&](Frame f) {
-    {
-      std::lock_guard<std::mutex> lk(p.mu);
-      p.inbox.push_back(std::move(f));
-    }
-    p.ready.fetch_add(1, std::memory_order_release);
   };
   try {
-    for (int i = 0; i < kHeadWindow; ++i)
-      if (!post_head()) return;
+    for (int i = 0; i < kRecvWindow; ++i)
+      if (!post()) return;
     while (!stop_) {
-      auto [t, w] = std::move(heads.front());
-      heads.pop_front();
+      auto [t, w] = std::move(window.front());
+      window.pop_front();
       const bool ok = w->wait();
       forget(w);
-      if (stop_ || !ok || !post_head()) break;
-      uint64_t words[2];
-      std::memcpy(words, t.data_ptr<uint8_t>(), kLenWords);
-      TORCH_CHECK(words[0] >= kLenWords && words[0] <= kHeadBytes && words[1] <= body_max_,
-                  "corrupt Gloo frame from rank ", peer, " (head ", words[0], ", body ", words[1], ")");
-      if (words[0] > kLenWords) deliver(Frame{std::move(t), kLenWords, words[0]});
-      if (words[1] > 0) {
-        while ((int)bodies.size() < kBodyWindow)
-          if (!post_body()) return;
-        auto [bt, bw] = std::move(bodies.front());
-        bodies.pop_front();
-        const bool bok = bw->wait();
-        forget(bw);
-        if (stop_ || !bok || !post_body()) break;
-        deliver(Frame{std::move(bt), 0, words[1]});
+      // Posted again before the frame is handed over, so the window stays full.
+      if (stop_ || !ok || !post()) break;
+      uint64_t used;
+      std::memcpy(&used, t.data_ptr<uint8_t>(), sizeof(used));
+      TORCH_CHECK(used >= kLenWords && used <= frame_max_, "corrupt Gloo frame from rank ", peer,
+                  " (", used, " bytes)");
+      if (used > kLenWords) {
+        {
+          std::lock_guard<std::mutex> lk(p.mu);
+          p.inbox.push_back(Frame{std::move(t), used});
+        }
+        p.ready.fetch_add(1, std::memory_order_release);
       }
       bell_.ring();
     }

@@ -2,25 +2,31 @@
 // Gloo transport for peers on other hosts, over the Gloo that ships inside torch.
 //
 // One world-level c10d ProcessGroupGloo (made by the Python layer, handed over as a Backend)
-// carries the messages of every group. Gloo's send/recv needs the receiver to know the size,
-// so everything appended for one peer between two flushes travels as one frame: a head of at
-// most a fixed size (two length words, then the records that fit whole) and, only when the
-// frame is larger, a body with the remaining records. The receiver keeps buffers posted ahead
-// of time for both (Gloo accepts a message shorter than the receive buffer), so no frame waits
-// for a ready-to-receive round trip; a body never exceeds the posted size because the sender
-// starts a new frame before it would (at about 256 KiB, so a large op streams as several
-// frames and the receiver folds one while the next is in flight). That is how messages of many
-// groups to one peer in one batch travel together: one Gloo send per peer and flush (two when
-// the frame exceeds the head).
+// carries the messages of every group. Gloo's send/recv needs a receive posted before the
+// message can leave (the sender waits for the receiver's "ready" notice), and the receive
+// buffer must be at least as large as the message. So everything appended for one peer between
+// two flushes travels as one frame, one Gloo message of at most frame_max() bytes (a length
+// word, then the records), and the receiver keeps a window of frame_max()-sized receives
+// posted ahead of time: a frame never waits for a ready-to-receive round trip, and Gloo
+// accepts a message shorter than the buffer, so small frames cost nothing extra. The sender
+// starts a new frame before one would exceed frame_max() (so a large op streams as a few
+// frames and the receiver folds one while the next is on the wire). That is how messages of
+// many groups to one peer in one batch travel together: one Gloo send per peer and flush.
+//
+// Buffers are recycled on both sides: a consumed receive buffer is posted again, and a sent
+// frame goes back to a pool once Gloo is done with it. Fresh megabyte buffers would otherwise
+// cost page faults (and zeroing) on every large frame, which on a busy host cost more than the
+// copy into them.
 //
 // Receiving: Gloo has no way to poll a receive without blocking, so each remote peer in use
-// gets one thread that keeps head receives posted, completes frames into an inbox and rings
+// gets one thread that keeps the window posted, moves completed frames into an inbox and rings
 // the engine's doorbell. Completed sends are reaped by one thread that keeps their buffers
 // alive until Gloo has written them. Peer death shows up as a failed receive or send; the
 // engine learns it through peer_alive().
 //
-// Thread-safety: the Transport calls are serialised by the engine's progress lock; the inbox
-// and the dead flags are shared with the helper threads.
+// Thread-safety: the Transport calls are serialised by the engine's progress lock; the inbox,
+// the free buffers and the dead flags are shared with the helper threads; the send pool with
+// whichever thread drops a finished send.
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <atomic>
@@ -38,6 +44,7 @@
 namespace fastcomm {
 
 struct GlooOutBuf;
+struct GlooOutPool;
 
 class GlooTransport final : public Transport {
  public:
@@ -64,14 +71,16 @@ class GlooTransport final : public Transport {
   void stop();
   // Why the peer was declared dead (empty if it was not).
   std::string death_reason(int peer);
-  // Frames handed to Gloo so far (one per peer and flush): what tests check batching by.
+  // Frames handed to Gloo so far (one per peer and flush, more when a flush exceeds
+  // frame_max()): what tests check batching by.
   uint64_t frames_sent() const { return frames_sent_; }
+  // Largest frame, length word included; equal on every rank since max_payload is.
+  size_t frame_max() const { return frame_max_; }
 
  private:
   struct Frame {
-    at::Tensor buf;    // a head (length words, then records) or a body (records only)
-    size_t start = 0;  // offset of the first record
-    size_t len = 0;    // bytes used
+    at::Tensor buf;  // a frame_max()-sized receive buffer
+    size_t len = 0;  // bytes Gloo wrote into it (from the length word)
   };
   struct Peer {
     // Sending side (engine lock).
@@ -83,10 +92,10 @@ class GlooTransport final : public Transport {
     bool have = false;
     size_t cur_bytes = 0;
     Message msg;
-    // ... and the inbox filled by the receiver thread (mu).
+    // ... and what is shared with the receiver thread (mu).
     std::mutex mu;
     std::deque<Frame> inbox;
-    at::Tensor spare;  // a consumed body buffer, posted again instead of a fresh one
+    std::vector<at::Tensor> free;  // consumed receive buffers, to be posted again
     std::atomic<size_t> ready{0};
     std::vector<c10::intrusive_ptr<c10d::Work>> posted;  // receives in flight (for abort)
     std::thread thread;
@@ -95,6 +104,7 @@ class GlooTransport final : public Transport {
     std::string why;  // guarded by mu
   };
 
+  std::shared_ptr<GlooOutBuf> new_frame();
   void flush_peer(int peer);
   void recv_main(int peer);
   void reap_main();
@@ -106,7 +116,8 @@ class GlooTransport final : public Transport {
   int world_size_;
   std::vector<char> remote_;
   size_t max_payload_;
-  size_t body_max_;  // largest body; equal on every rank since max_payload is
+  size_t frame_max_;
+  std::shared_ptr<GlooOutPool> pool_;  // shared with the frames in flight, which may outlive us
   std::chrono::milliseconds linger_;
   Doorbell bell_;
   std::vector<std::unique_ptr<Peer>> peers_;
