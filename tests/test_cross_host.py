@@ -265,6 +265,58 @@ def test_dead_peer_fails_every_queued_async_op_across_hosts(tmp_path):
     assert res[0] is not None
 
 
+def _leave_early_body(rank, world, numel):
+    """A rank that shuts down right after its last op must not close the connection before
+    the peer has read what it sent (closing with unread bytes resets the connection, and the
+    reset discards them). Rank 1 freezes itself (SIGSTOP) once rank 0's op is done, so it
+    cannot read anything more; rank 0 then shuts down while a thread of it resumes rank 1 a
+    second later. shutdown() must return only after that resume (rank 1 can only confirm the
+    read once running), and rank 1's op completes with the right result."""
+    import signal
+    import threading
+
+    store = harness.child_store()
+    g = fc.new_group([0, 1])
+    fc.all_reduce(torch.zeros(1), group=g)  # both sides connected, receives posted
+    t = torch.arange(numel, dtype=torch.float32) + 1000 * rank
+    exp = 2 * torch.arange(numel, dtype=torch.float32) + 1000
+    if rank == 1:
+        w = fc.all_reduce(t, group=g, async_op=True)
+        store.wait(["r0-done"])
+        store.set("pid1", str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+        w.wait()
+        assert torch.equal(t, exp), t[:4]
+        return None
+    fc.all_reduce(t, group=g)
+    assert torch.equal(t, exp), t[:4]
+    store.set("r0-done", "1")
+    pid1 = int(store.get("pid1"))
+    while open(f"/proc/{pid1}/stat").read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+        time.sleep(0.005)
+    resumed = []
+
+    def resume():
+        time.sleep(1.0)
+        resumed.append(time.monotonic())
+        os.kill(pid1, signal.SIGCONT)
+
+    th = threading.Thread(target=resume)
+    th.start()
+    try:
+        fc.shutdown()
+        returned = time.monotonic()
+    finally:
+        th.join()  # rank 1 is never left frozen
+    return returned - resumed[0]
+
+
+@pytest.mark.parametrize("numel", [25, 300_001])
+def test_shutdown_waits_until_peer_has_read_our_last_frame(numel):
+    res = run(_leave_early_body, 2, numel, hosts=["A", "B"], env={}, timeout=60)
+    assert res[0] > 0, f"rank 0's shutdown returned {-res[0]:.3f} s before rank 1 could read"
+
+
 @pytest.mark.parametrize("members,staller,numel", [([0, 1], 1, 200_000), ([0, 1, 2], 2, 10)])
 def test_stalled_peer_on_other_host_times_out(tmp_path, members, staller, numel):
     res = run(test_faults._stall_body, len(members), str(tmp_path), members, staller, numel,

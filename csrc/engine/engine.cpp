@@ -742,6 +742,9 @@ void Engine::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) 
       Done done;
       {
         std::lock_guard<std::mutex> lk(mu_);
+        // A peer's last messages may have arrived since the pass above found nothing, just
+        // before it exited: they are used before its death fails the ops that needed them.
+        progress_locked(done);
         health_locked(done);
       }
       finish(done);

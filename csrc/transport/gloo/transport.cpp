@@ -11,8 +11,11 @@
 namespace fastcomm {
 
 namespace {
-// The length word (bytes of the frame used), padded so records start 8-aligned.
+// A frame starts with two words: bytes of the frame used, and control flags (0 on a data frame;
+// a control frame carries no records).
 constexpr size_t kLenWords = 16;
+constexpr uint64_t kCtlClose = 1;     // the sender is closing: answer once you have read this
+constexpr uint64_t kCtlCloseAck = 2;  // the answer
 // Frames are cut at about this size. Smaller frames overlap the receiver's fold with the
 // transfer of the next frame sooner; larger ones pay Gloo's per-message cost (a ready notice,
 // a wake-up of the receiving thread and of the reaper) less often. Every posted receive is
@@ -151,18 +154,40 @@ void GlooTransport::flush_peer(int peer) {
   Peer& p = *peers_[peer];
   std::shared_ptr<GlooOutBuf> b = p.out;
   if (!b || b->size <= kLenWords || stop_ || p.dead) return;  // dead: the engine fails the ops
+  const uint64_t words[2] = {b->size, 0};
+  std::memcpy(b->data, words, kLenWords);
   const uint64_t used = b->size;
-  std::memcpy(b->data, &used, sizeof(used));
   auto opts = at::TensorOptions().dtype(at::kByte);
   std::vector<at::Tensor> t{at::from_blob(b->data, {(int64_t)used}, [b](void*) {}, opts)};
   try {
     auto w = pg_->send(t, peer, kFrameTag);
     ++frames_sent_;
+    p.sent_data = true;
     std::lock_guard<std::mutex> lk(send_mu_);
     sends_.push_back({peer, std::move(w)});
   } catch (const std::exception& e) {
     mark_dead(peer, "Gloo send failed: " + what_of(e));
   }
+}
+
+void GlooTransport::send_control(int peer, uint64_t flags) {
+  if (peers_[peer]->dead) return;
+  std::shared_ptr<GlooOutBuf> b = new_frame();
+  const uint64_t words[2] = {kLenWords, flags};
+  std::memcpy(b->data, words, kLenWords);
+  auto opts = at::TensorOptions().dtype(at::kByte);
+  std::vector<at::Tensor> t{at::from_blob(b->data, {(int64_t)kLenWords}, [b](void*) {}, opts)};
+  try {
+    auto w = pg_->send(t, peer, kFrameTag);
+    std::lock_guard<std::mutex> lk(send_mu_);
+    // Past the reaper's end nobody waits on it: it lives, unwaited, as long as the transport.
+    if (reaper_done_) unfinished_.push_back(std::move(w));
+    else sends_.push_back({peer, std::move(w)});
+  } catch (const std::exception& e) {
+    mark_dead(peer, "Gloo send failed: " + what_of(e));
+    return;
+  }
+  send_cv_.notify_one();
 }
 
 const Message* GlooTransport::peek(int peer) {
@@ -217,6 +242,11 @@ void GlooTransport::mark_dead(int peer, const std::string& why) {
   }
   p.dead = true;
   {
+    // stop() may be waiting for this peer's answer to "closing".
+    std::lock_guard<std::mutex> lk(close_mu_);
+  }
+  close_cv_.notify_all();
+  {
     // The reaper may be waiting on a send to this peer that will never complete.
     std::lock_guard<std::mutex> lk(send_mu_);
     if (reaping_.work && reaping_.peer == peer) abort_quietly(reaping_.work);
@@ -267,10 +297,19 @@ void GlooTransport::recv_main(int peer) {
       forget(w);
       // Posted again before the frame is handed over, so the window stays full.
       if (stop_ || !ok || !post()) break;
-      uint64_t used;
-      std::memcpy(&used, t.data_ptr<uint8_t>(), sizeof(used));
+      uint64_t words[2];
+      std::memcpy(words, t.data_ptr<uint8_t>(), kLenWords);
+      const uint64_t used = words[0];
       TORCH_CHECK(used >= kLenWords && used <= frame_max_, "corrupt Gloo frame from rank ", peer,
                   " (", used, " bytes)");
+      // Every frame the peer sent before "closing" has been read by now (frames arrive in
+      // order), which is what the answer tells it.
+      if (words[1] & kCtlClose) send_control(peer, kCtlCloseAck);
+      if (words[1] & kCtlCloseAck) {
+        p.close_acked = true;
+        std::lock_guard<std::mutex> lk(close_mu_);
+        close_cv_.notify_all();
+      }
       if (used > kLenWords) {
         {
           std::lock_guard<std::mutex> lk(p.mu);
@@ -321,12 +360,38 @@ void GlooTransport::reap_main() {
   reaper_done_cv_.notify_all();
 }
 
+void GlooTransport::close_handshake() {
+  // Only peers that got data from us can lose some; the others need nothing from us. Sending
+  // "closing" to a peer that has no receiver for us (it made no group with us) would wait out
+  // the linger, but then it never used our data either, and so it is not asked.
+  std::vector<int> waiting;
+  for (int r = 0; r < world_size_; ++r) {
+    Peer& p = *peers_[r];
+    if (!p.started || !p.sent_data || p.dead) continue;
+    send_control(r, kCtlClose);
+    waiting.push_back(r);
+  }
+  if (waiting.empty()) return;
+  std::unique_lock<std::mutex> lk(close_mu_);
+  close_cv_.wait_until(lk, stop_deadline_, [&] {
+    for (int r : waiting)
+      if (!peers_[r]->close_acked && !peers_[r]->dead) return false;
+    return true;
+  });
+}
+
 void GlooTransport::stop() {
   {
     std::lock_guard<std::mutex> lk(send_mu_);
-    if (stop_) return;
+    if (stop_ || closing_) return;
     // In all, not per send: a dead peer fails its sends at once, a stalled one costs this once.
     stop_deadline_ = std::chrono::steady_clock::now() + linger_;
+    closing_ = true;
+  }
+  // Receivers keep running meanwhile: they answer peers that close too, and bring our answers.
+  close_handshake();
+  {
+    std::lock_guard<std::mutex> lk(send_mu_);
     stop_ = true;
   }
   send_cv_.notify_all();

@@ -18,6 +18,14 @@
 // cost page faults (and zeroing) on every large frame, which on a busy host cost more than the
 // copy into them.
 //
+// Closing: when a process closes a TCP connection with bytes still unread on its side (say,
+// the peer's receive-ready notices), the kernel resets the connection, and the reset discards
+// what the peer had not read yet: possibly this rank's last frame, which the peer's op still
+// needs. So stop() first sends a "closing" control frame to every peer it sent data to and
+// waits (within the linger) for each one's receiver thread to answer: frames arrive in order,
+// so the answer proves the peer has read everything this rank sent, and only then do the
+// connections go.
+//
 // Receiving: Gloo has no way to poll a receive without blocking, so each remote peer in use
 // gets one thread that keeps the window posted, moves completed frames into an inbox and rings
 // the engine's doorbell. Completed sends are reaped by one thread that keeps their buffers
@@ -67,7 +75,8 @@ class GlooTransport final : public Transport {
 
   // Starts the receiver for `peer` if it has none yet (called when a group with it is made).
   void connect(int peer);
-  // Aborts posted receives, waits (bounded) for sends in flight, joins the helper threads.
+  // Waits (bounded) for every peer this rank sent data to to confirm it has read it, and for
+  // sends in flight; then aborts posted receives and joins the helper threads.
   void stop();
   // Why the peer was declared dead (empty if it was not).
   std::string death_reason(int peer);
@@ -86,6 +95,7 @@ class GlooTransport final : public Transport {
     // Sending side (engine lock).
     std::shared_ptr<GlooOutBuf> out;  // records appended since the last flush
     bool dirty = false;
+    bool sent_data = false;  // a data frame went to this peer (stop() waits for its ack)
     // Receiving side: current frame and cursor (engine lock) ...
     Frame cur;
     size_t pos = 0;
@@ -101,11 +111,17 @@ class GlooTransport final : public Transport {
     std::thread thread;
     bool started = false;
     std::atomic<bool> dead{false};
+    std::atomic<bool> close_acked{false};  // the peer confirmed our "closing" frame
     std::string why;  // guarded by mu
   };
 
   std::shared_ptr<GlooOutBuf> new_frame();
   void flush_peer(int peer);
+  // Sends a frame with no records, only control flags (from any thread).
+  void send_control(int peer, uint64_t flags);
+  // The closing handshake of stop(); returns when every peer it waits for has answered or
+  // died, or at the deadline.
+  void close_handshake();
   void recv_main(int peer);
   void reap_main();
   void mark_dead(int peer, const std::string& why);
@@ -123,7 +139,10 @@ class GlooTransport final : public Transport {
   std::vector<std::unique_ptr<Peer>> peers_;
   std::vector<int> dirty_;
   std::atomic<bool> stop_{false};
-  std::chrono::steady_clock::time_point stop_deadline_;  // for sends still in flight
+  std::chrono::steady_clock::time_point stop_deadline_;  // for the handshake and sends in flight
+  std::atomic<bool> closing_{false};
+  std::mutex close_mu_;  // with close_cv_: stop() waiting for acks (and deaths)
+  std::condition_variable close_cv_;
   uint64_t frames_sent_ = 0;
 
   // Sends in flight, reaped in order by reaper_.
