@@ -611,19 +611,34 @@ void Engine::fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, 
 }
 
 // Slow path, run while waiting: peers that exited and ops past their deadline.
+//
+// A peer may exit right after sending what our ops still need (its last op done, it shuts
+// down), and its death can become visible before a progress pass has used those messages. So
+// deaths are noted first; then, since a transport publishes a peer's messages before it
+// reports the peer gone, everything the peer sent is visible and progress passes use it; only
+// then is the peer's memory released and are the ops that still wait on it failed. Using the
+// messages can take several passes (an op's messages may sit behind another op's, stashed by
+// a group stepped later in the pass); the cap only bounds a streak fed by live peers.
 void Engine::health_locked(Done& done) {
   if (shut_down_) return;
+  std::vector<int> newly_dead;
+  for (GroupState* g : busy_)
+    for (int r : g->ranks)
+      if (r != opts_.rank && !dead_[r] && !transport_for(r)->peer_alive(r)) {
+        dead_[r] = 1;
+        newly_dead.push_back(r);
+      }
+  if (!newly_dead.empty()) {
+    for (int pass = 0; pass < 256 && progress_locked(done); ++pass) {
+    }
+    for (int r : newly_dead) shm_->release_peer(r);
+  }
   const auto now = Clock::now();
   for (size_t i = 0; i < busy_.size();) {
     GroupState& g = *busy_[i];
     int dead = -1;
     for (int r : g.ranks) {
-      if (r == opts_.rank) continue;
-      if (!dead_[r] && !transport_for(r)->peer_alive(r)) {
-        dead_[r] = 1;
-        shm_->release_peer(r);
-      }
-      if (dead_[r]) {
+      if (r != opts_.rank && dead_[r]) {
         dead = r;
         break;
       }
@@ -742,9 +757,6 @@ void Engine::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) 
       Done done;
       {
         std::lock_guard<std::mutex> lk(mu_);
-        // A peer's last messages may have arrived since the pass above found nothing, just
-        // before it exited: they are used before its death fails the ops that needed them.
-        progress_locked(done);
         health_locked(done);
       }
       finish(done);
