@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 import uuid
+from datetime import timedelta
 
 import pytest
 import torch
@@ -317,6 +318,36 @@ def test_shutdown_waits_until_peer_has_read_our_last_frame(numel):
     assert res[0] > 0, f"rank 0's shutdown returned {-res[0]:.3f} s before rank 1 could read"
 
 
+def _both_leave_body(rank, world):
+    """Rank 1 shuts down first while a Work it still holds keeps its engine (and its Gloo
+    connections) alive, then waits for rank 0. Rank 0's shutdown must not wait for an answer
+    to its "closing" from rank 1, whose receivers are gone: rank 1 said it was closing."""
+    store = harness.child_store()
+    g = fc.new_group([0, 1])
+    t = torch.full((1000,), float(rank))
+    w = fc.all_reduce(t, group=g, async_op=True)
+    w.wait()
+    if rank == 1:
+        fc.shutdown()
+        store.set("r1-down", "1")
+        store.wait(["r0-down"], timedelta(seconds=30))
+        return w.is_completed()
+    store.wait(["r1-down"], timedelta(seconds=30))
+    t0 = time.monotonic()
+    fc.shutdown()
+    took = time.monotonic() - t0
+    store.set("r0-down", "1")
+    return took
+
+
+def test_shutdown_after_the_peer_shut_down_does_not_wait_for_it():
+    # The handshake waits at most a few seconds for a silent peer; this one has said it is
+    # closing, so the wait must not happen at all (it takes about a millisecond).
+    res = run(_both_leave_body, 2, hosts=["A", "B"], op_timeout=60.0)
+    assert res[1] is True
+    assert res[0] < 2.0, f"rank 0's shutdown took {res[0]:.2f} s"
+
+
 @pytest.mark.parametrize("members,staller,numel", [([0, 1], 1, 200_000), ([0, 1, 2], 2, 10)])
 def test_stalled_peer_on_other_host_times_out(tmp_path, members, staller, numel):
     res = run(test_faults._stall_body, len(members), str(tmp_path), members, staller, numel,
@@ -344,8 +375,6 @@ def _netns_body(rank, world, ns_names, addrs, port):
     # The namespaces still share this machine's hostname and /dev/shm, so the host id is
     # given explicitly, as a launcher would for containers that must not share memory.
     os.environ["FASTCOMM_HOST_ID"] = ns_names[rank]
-    from datetime import timedelta
-
     store = dist.TCPStore(addrs[0], port, world, rank == 0, timeout=timedelta(seconds=30))
     fc.init(store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
     from fastcomm import _state

@@ -16,6 +16,11 @@ namespace {
 constexpr size_t kLenWords = 16;
 constexpr uint64_t kCtlClose = 1;     // the sender is closing: answer once you have read this
 constexpr uint64_t kCtlCloseAck = 2;  // the answer
+constexpr uint64_t kCtlAll = kCtlClose | kCtlCloseAck;
+// How long stop() waits for those answers. A live peer's receiver thread answers within
+// microseconds whatever its Python code is doing; only a peer that is stopped or hung does not,
+// and for that one the op timeout (minutes, by default) would be far too long a shutdown.
+constexpr std::chrono::seconds kCloseWait{5};
 // Frames are cut at about this size. Smaller frames overlap the receiver's fold with the
 // transfer of the next frame sooner; larger ones pay Gloo's per-message cost (a ready notice,
 // a wake-up of the receiving thread and of the reaper) less often. Every posted receive is
@@ -287,41 +292,72 @@ void GlooTransport::recv_main(int peer) {
     window.emplace_back(std::move(t), std::move(w));
     return true;
   };
+  // Checks a frame as a whole before any of it is used, so a corrupt one fails the peer here
+  // rather than in the engine's peek().
+  auto check = [&](const uint8_t* base, uint64_t used, uint64_t flags) {
+    TORCH_CHECK(used >= kLenWords && used <= frame_max_, "corrupt Gloo frame from rank ", peer,
+                " (", used, " bytes)");
+    TORCH_CHECK((flags & ~kCtlAll) == 0 && (flags == 0 || used == kLenWords),
+                "corrupt Gloo frame from rank ", peer, " (flags ", flags, ")");
+    for (uint64_t pos = kLenWords; pos < used;) {
+      Header h;
+      TORCH_CHECK(pos + sizeof(Header) <= used, "corrupt Gloo frame from rank ", peer);
+      std::memcpy(&h, base + pos, sizeof(Header));
+      pos += sizeof(Header) + align8(h.len);
+      TORCH_CHECK(pos <= used, "corrupt Gloo frame from rank ", peer);
+    }
+  };
+  std::string why;  // set once the connection failed
   try {
     for (int i = 0; i < kRecvWindow; ++i)
       if (!post()) return;
-    while (!stop_) {
+    bool can_post = true;
+    while (!stop_ && !window.empty()) {
       auto [t, w] = std::move(window.front());
       window.pop_front();
       const bool ok = w->wait();
       forget(w);
-      // Posted again before the frame is handed over, so the window stays full.
-      if (stop_ || !ok || !post()) break;
+      if (stop_ || !ok) break;
+      const uint8_t* base = t.data_ptr<uint8_t>();
       uint64_t words[2];
-      std::memcpy(words, t.data_ptr<uint8_t>(), kLenWords);
-      const uint64_t used = words[0];
-      TORCH_CHECK(used >= kLenWords && used <= frame_max_, "corrupt Gloo frame from rank ", peer,
-                  " (", used, " bytes)");
-      // Every frame the peer sent before "closing" has been read by now (frames arrive in
-      // order), which is what the answer tells it.
-      if (words[1] & kCtlClose) send_control(peer, kCtlCloseAck);
-      if (words[1] & kCtlCloseAck) {
-        p.close_acked = true;
+      std::memcpy(words, base, kLenWords);
+      check(base, words[0], words[1]);
+      if (words[1] & kCtlClose) {
+        // Its engine is shut down: it needs nothing more from us (stop() need not wait for its
+        // answer), and every frame it sent before this one has been read (frames arrive in
+        // order), which is what our answer tells it.
+        p.peer_closing = true;
+        send_control(peer, kCtlCloseAck);
+      }
+      if (words[1] & kCtlCloseAck) p.close_acked = true;
+      if (words[1]) {
         std::lock_guard<std::mutex> lk(close_mu_);
         close_cv_.notify_all();
       }
-      if (used > kLenWords) {
+      if (words[0] > kLenWords) {
         {
           std::lock_guard<std::mutex> lk(p.mu);
-          p.inbox.push_back(Frame{std::move(t), used});
+          p.inbox.push_back(Frame{std::move(t), words[0]});
         }
         p.ready.fetch_add(1, std::memory_order_release);
       }
       bell_.ring();
+      // Posted again only once the frame is handed over: a peer that sent its last frames and
+      // left makes posting fail, and what already arrived (this frame, and any others the
+      // window completed) must still reach the engine before the peer is declared dead.
+      if (can_post) {
+        try {
+          if (!post()) break;
+        } catch (const std::exception& e) {
+          can_post = false;
+          why = "Gloo receive from rank " + std::to_string(peer) + " failed: " + what_of(e);
+        }
+      }
     }
   } catch (const std::exception& e) {
-    if (!stop_) mark_dead(peer, "Gloo receive from rank " + std::to_string(peer) + " failed: " + what_of(e));
+    if (why.empty()) why = "Gloo receive from rank " + std::to_string(peer) + " failed: " + what_of(e);
   }
+  if (!why.empty() && !stop_) mark_dead(peer, why);
 }
 
 void GlooTransport::reap_main() {
@@ -367,15 +403,20 @@ void GlooTransport::close_handshake() {
   std::vector<int> waiting;
   for (int r = 0; r < world_size_; ++r) {
     Peer& p = *peers_[r];
-    if (!p.started || !p.sent_data || p.dead) continue;
+    if (!p.started || !p.sent_data || p.dead || p.peer_closing) continue;
     send_control(r, kCtlClose);
     waiting.push_back(r);
   }
   if (waiting.empty()) return;
+  const auto until = std::min(stop_deadline_, std::chrono::steady_clock::now() + kCloseWait);
   std::unique_lock<std::mutex> lk(close_mu_);
-  close_cv_.wait_until(lk, stop_deadline_, [&] {
-    for (int r : waiting)
-      if (!peers_[r]->close_acked && !peers_[r]->dead) return false;
+  close_cv_.wait_until(lk, until, [&] {
+    for (int r : waiting) {
+      const Peer& p = *peers_[r];
+      // A peer that is closing too may already have stopped its receiver (it had our answer
+      // to its own "closing"), and needs nothing from us.
+      if (!p.close_acked && !p.peer_closing && !p.dead) return false;
+    }
     return true;
   });
 }

@@ -24,7 +24,8 @@
 // needs. So stop() first sends a "closing" control frame to every peer it sent data to and
 // waits (within the linger) for each one's receiver thread to answer: frames arrive in order,
 // so the answer proves the peer has read everything this rank sent, and only then do the
-// connections go.
+// connections go. A peer that sent "closing" itself needs nothing more and is not waited for,
+// and the wait is short (a peer that does not answer within seconds is stopped or hung).
 //
 // Receiving: Gloo has no way to poll a receive without blocking, so each remote peer in use
 // gets one thread that keeps the window posted, moves completed frames into an inbox and rings
@@ -111,7 +112,8 @@ class GlooTransport final : public Transport {
     std::thread thread;
     bool started = false;
     std::atomic<bool> dead{false};
-    std::atomic<bool> close_acked{false};  // the peer confirmed our "closing" frame
+    std::atomic<bool> close_acked{false};   // the peer confirmed our "closing" frame
+    std::atomic<bool> peer_closing{false};  // the peer sent "closing" itself
     std::string why;  // guarded by mu
   };
 
