@@ -10,13 +10,20 @@ Gloo process group, over TCP, as torch Gloo does. Two loops per size:
   them with async_op=True and waits for all (its best form); fastcomm issues them inside one
   ``fc.batch()``, which sends one Gloo frame per peer for the whole step.
 
+Placement (``--placement``): ``hosts`` (the default) gives each simulated host its own half of
+the CPUs (host A's ranks run on the first half, host B's on the second), for torch Gloo and
+fastcomm alike, as separate machines would; ``free`` leaves placement to the scheduler, which
+on a small machine often runs both members of a "cross-host" pair on one core, where loopback
+TCP costs much less than between two machines (no cross-CPU wake-ups, data still in cache).
+
 Reported: the median over timed steps of the step time divided by the ops in it (µs per op),
 max over ranks, then the median over --repeat launches (fresh processes each). Every loop is
 followed by a checked op, so a wrong result fails the run instead of being timed. Usage, from
 the repository root:
 
     python benchmarks/cross_host.py [--pairs 1 2] [--sizes 100 2500 262144] [--k 8]
-                                    [--iters 300] [--repeat 3]
+                                    [--iters 300] [--repeat 3] [--placement hosts|free]
+                                    [--json FILE] [--plot FILE.png]
 """
 from __future__ import annotations
 
@@ -30,7 +37,24 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _launch import STORE_TIMEOUT, JobError, run_job  # noqa: E402
+from _launch import (STORE_TIMEOUT, JobError, finish, print_header, print_table,  # noqa: E402
+                     pyplot_or_none, run_job, save_plot)
+
+
+def host_cpus(rank, placement):
+    """The CPUs rank `rank` may run on: its simulated host's half of the machine under
+    placement "hosts" (host A = even ranks), or None (any CPU)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if placement != "hosts" or len(cpus) < 2:
+        return None
+    half = len(cpus) // 2
+    return set(cpus[:half] if rank % 2 == 0 else cpus[half:])
+
+
+def _place(rank, placement):
+    cpus = host_cpus(rank, placement)
+    if cpus:
+        os.sched_setaffinity(0, cpus)  # threads made from here on (Gloo's, fastcomm's) inherit it
 
 
 def _run_steps(all_reduce, groups, numel, rank, iters, warmup, batch=None, async_wait=False):
@@ -70,7 +94,8 @@ def _run_steps(all_reduce, groups, numel, rank, iters, warmup, batch=None, async
     return statistics.median(per)
 
 
-def _gloo_body(store, rank, world, numel, k, iters, warmup):
+def _gloo_body(store, rank, world, numel, k, iters, warmup, placement):
+    _place(rank, placement)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=STORE_TIMEOUT)
     try:
         # torch requires every rank to create every group, members or not.
@@ -85,7 +110,8 @@ def _gloo_body(store, rank, world, numel, k, iters, warmup):
         dist.destroy_process_group()
 
 
-def _fastcomm_body(store, rank, world, numel, k, iters, warmup):
+def _fastcomm_body(store, rank, world, numel, k, iters, warmup, placement):
+    _place(rank, placement)
     os.environ["FASTCOMM_HOST_ID"] = "bench-host-" + "AB"[rank % 2]
     import fastcomm as fc
 
@@ -105,15 +131,36 @@ def _fastcomm_body(store, rank, world, numel, k, iters, warmup):
 BODIES = {"torch Gloo": _gloo_body, "fastcomm": _fastcomm_body}
 
 
-def measure(body, world, numel, k, iters, repeat):
+def measure(body, world, numel, k, iters, repeat, placement):
     singles, batches = [], []
     for _ in range(repeat):
         # Hard limit per launch: generous for the slowest cell (torch Gloo, 256 KiB x k ops per
         # step on an oversubscribed machine), short of letting a hang stall the run.
-        res = run_job(body, world, numel, k, iters, max(5, iters // 10), timeout=600)
+        res = run_job(body, world, numel, k, iters, max(5, iters // 10), placement, timeout=600)
         singles.append(max(r[0] for r in res))
         batches.append(max(r[1] for r in res))
-    return statistics.median(singles) * 1e6, statistics.median(batches) * 1e6
+    return {"single_us": statistics.median(singles) * 1e6,
+            "batched_us": statistics.median(batches) * 1e6,
+            "single_runs_us": [x * 1e6 for x in singles], "batched_runs_us": [x * 1e6 for x in batches]}
+
+
+def write_plot(path, results):
+    plt = pyplot_or_none(path)
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, kind, title in ((axes[0], "single_us", "single op per step"),
+                            (axes[1], "batched_us", f"{results['k']} ops per step, batched")):
+        for name in BODIES:
+            for pairs in results["pairs"]:
+                pts = [(c["bytes"], c[name][kind]) for c in results["cells"]
+                       if c["pairs"] == pairs and c.get(name)]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=f"{name}, {pairs} pair(s)")
+        ax.set(xscale="log", yscale="log", xlabel="bytes per all_reduce", ylabel="µs per op",
+               title=title)
+        ax.legend(fontsize=8)
+    save_plot(fig, path)
 
 
 def main():
@@ -124,37 +171,58 @@ def main():
     ap.add_argument("--k", type=int, default=8, help="groups (ops) per batched step")
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--placement", choices=["hosts", "free"], default="hosts",
+                    help="hosts: each simulated host on its own half of the CPUs (default); "
+                         "free: the scheduler decides")
+    ap.add_argument("--plot", metavar="FILE.png", help="write a plot (needs matplotlib)")
+    ap.add_argument("--json", metavar="FILE", help="dump the raw numbers as JSON")
     args = ap.parse_args()
+    if min(args.pairs) < 1 or args.iters < 1 or args.repeat < 1 or args.k < 1:
+        ap.error("--pairs, --iters, --repeat and --k must be positive")
     torch.set_num_threads(1)
+    t_start = time.monotonic()
 
-    print(f"cross-host pairs (simulated hosts, TCP loopback), float32 all_reduce, "
-          f"median µs per op; batched = {args.k} groups over the same pair per step; "
-          f"{os.cpu_count()} CPUs")
-    hdr = (f"| pairs | bytes | torch Gloo single | fastcomm single | ratio "
-           f"| torch Gloo batched (async) | fastcomm batched (fc.batch) | ratio |")
-    print(hdr)
-    print("|" + "---|" * 8)
+    print_header("Cross-host pairs: fastcomm over Gloo vs torch Gloo")
+    a, b = host_cpus(0, args.placement), host_cpus(1, args.placement)
+    where = (f"host A on CPUs {sorted(a)}, host B on CPUs {sorted(b)}" if a else
+             "free (the scheduler places every rank)")
+    print(f"- hosts simulated on this machine (FASTCOMM_HOST_ID), TCP over loopback; placement: "
+          f"{where}")
+    print(f"- float32 all_reduce, median µs per op over the timed steps (max over ranks), median "
+          f"of {args.repeat} launch(es); batched = {args.k} groups over the same pair per step\n",
+          flush=True)
+    results = {"command": sys.argv, "placement": args.placement, "k": args.k,
+               "pairs": args.pairs, "cells": []}
+    failures, rows = [], []
     for P in args.pairs:
         for n in args.sizes:
             iters = args.iters if n * 4 <= 65536 else max(20, args.iters // 10)
-            cells = {}
+            cell = {"pairs": P, "bytes": 4 * n, "iters": iters}
             for name, body in BODIES.items():
                 try:
-                    cells[name] = measure(body, 2 * P, n, args.k, iters, args.repeat)
+                    cell[name] = measure(body, 2 * P, n, args.k, iters, args.repeat,
+                                         args.placement)
                 except JobError as e:
-                    cells[name] = None
-                    print(f"  {name}, {P} pairs, {n} elements failed: {e}", file=sys.stderr)
-            g, f = cells["torch Gloo"], cells["fastcomm"]
+                    cell[name] = None
+                    failures.append(f"{name}, {P} pair(s), {n} elements: {e}")
+            results["cells"].append(cell)
+            g, f = cell["torch Gloo"], cell["fastcomm"]
 
-            def c(x, i):
-                return f"{x[i]:,.0f}" if x else "failed"
+            def us(x, kind):
+                return f"{x[kind]:,.0f}" if x else "failed"
 
-            def r(i):
-                return f"{g[i] / f[i]:.1f}x" if g and f else "-"
+            def ratio(kind):
+                return f"{g[kind] / f[kind]:.1f}x" if g and f else "-"
 
-            print(f"| {P} | {4 * n:,} | {c(g, 0)} | {c(f, 0)} | {r(0)} | {c(g, 1)} | {c(f, 1)} "
-                  f"| {r(1)} |", flush=True)
+            rows.append([str(P), f"{4 * n:,}", us(g, "single_us"), us(f, "single_us"),
+                         ratio("single_us"), us(g, "batched_us"), us(f, "batched_us"),
+                         ratio("batched_us")])
+    print_table(["pairs", "bytes", "torch Gloo single", "fastcomm single", "ratio",
+                 "torch Gloo batched (async)", "fastcomm batched (fc.batch)", "ratio"], rows)
+    print("\nratio = torch Gloo's time / fastcomm's time (above 1: fastcomm is faster).")
+    return finish(results, failures, t_start, "Total benchmark time", args.json, args.plot,
+                  lambda path: write_plot(path, results))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
