@@ -14,7 +14,8 @@ Placement (``--placement``): ``hosts`` (the default) gives each simulated host i
 the CPUs (host A's ranks run on the first half, host B's on the second), for torch Gloo and
 fastcomm alike, as separate machines would; ``free`` leaves placement to the scheduler, which
 on a small machine often runs both members of a "cross-host" pair on one core, where loopback
-TCP costs much less than between two machines (no cross-CPU wake-ups, data still in cache).
+TCP costs much less than between two machines (no cross-CPU wake-ups, data still in cache);
+``pairs`` forces that case (both members of a pair on one CPU), to show its effect.
 
 Reported: the median over timed steps of the step time divided by the ops in it (µs per op),
 max over ranks, then the median over --repeat launches (fresh processes each). Every loop is
@@ -22,7 +23,7 @@ followed by a checked op, so a wrong result fails the run instead of being timed
 the repository root:
 
     python benchmarks/cross_host.py [--pairs 1 2] [--sizes 100 2500 262144] [--k 8]
-                                    [--iters 300] [--repeat 3] [--placement hosts|free]
+                                    [--iters 300] [--repeat 3] [--placement hosts|free|pairs]
                                     [--json FILE] [--plot FILE.png]
 """
 from __future__ import annotations
@@ -42,9 +43,12 @@ from _launch import (STORE_TIMEOUT, JobError, finish, print_header, print_table,
 
 
 def host_cpus(rank, placement):
-    """The CPUs rank `rank` may run on: its simulated host's half of the machine under
-    placement "hosts" (host A = even ranks), or None (any CPU)."""
+    """The CPUs rank `rank` may run on: under placement "hosts", its simulated host's half of
+    the machine (host A = even ranks); under "pairs", one CPU shared by both members of its
+    pair (pair i on the i-th CPU, round robin); None: any CPU."""
     cpus = sorted(os.sched_getaffinity(0))
+    if placement == "pairs":
+        return {cpus[(rank // 2) % len(cpus)]}
     if placement != "hosts" or len(cpus) < 2:
         return None
     half = len(cpus) // 2
@@ -171,9 +175,9 @@ def main():
     ap.add_argument("--k", type=int, default=8, help="groups (ops) per batched step")
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--placement", choices=["hosts", "free"], default="hosts",
+    ap.add_argument("--placement", choices=["hosts", "free", "pairs"], default="hosts",
                     help="hosts: each simulated host on its own half of the CPUs (default); "
-                         "free: the scheduler decides")
+                         "free: the scheduler decides; pairs: both members of a pair on one CPU")
     ap.add_argument("--plot", metavar="FILE.png", help="write a plot (needs matplotlib)")
     ap.add_argument("--json", metavar="FILE", help="dump the raw numbers as JSON")
     args = ap.parse_args()
@@ -184,8 +188,12 @@ def main():
 
     print_header("Cross-host pairs: fastcomm over Gloo vs torch Gloo")
     a, b = host_cpus(0, args.placement), host_cpus(1, args.placement)
-    where = (f"host A on CPUs {sorted(a)}, host B on CPUs {sorted(b)}" if a else
-             "free (the scheduler places every rank)")
+    if args.placement == "pairs":
+        where = "both members of each pair on one CPU (pair i on the i-th CPU, round robin)"
+    elif a:
+        where = f"host A on CPUs {sorted(a)}, host B on CPUs {sorted(b)}"
+    else:
+        where = "free (the scheduler places every rank)"
     print(f"- hosts simulated on this machine (FASTCOMM_HOST_ID), TCP over loopback; placement: "
           f"{where}")
     print(f"- float32 all_reduce, median µs per op over the timed steps (max over ranks), median "
