@@ -128,18 +128,26 @@ def _rendezvous(store: dist.Store, rank: int, world: int, timeout: timedelta) ->
     if rank == 0:
         store.set("token", secrets.token_hex(16))
     token = store.get("token").decode()
-    store.set(f"peer/{rank}", f"{os.getpid()}\n{_host_identity()}")
+    ring_bytes = _env_int("FASTCOMM_SHM_RING_BYTES", 1 << 20)
+    store.set(f"peer/{rank}", f"{os.getpid()}\n{ring_bytes}\n{_host_identity()}")
     keys = [f"peer/{r}" for r in range(world)]
     store.wait(keys, timeout)
-    infos = [v.decode().split("\n", 1) for v in store.multi_get(keys)]
-    pids = [int(pid) for pid, _ in infos]
+    infos = [v.decode().split("\n", 2) for v in store.multi_get(keys)]
+    pids = [int(pid) for pid, _, _ in infos]
+    # The ring size fixes the piece size every op is cut into, and across hosts the largest
+    # frame a peer must be ready for: members that disagree would fail mid-op, obscurely.
+    for r, (_, theirs, _) in enumerate(infos):
+        if int(theirs) != ring_bytes:
+            raise ValueError(
+                f"fastcomm.init: rank {rank}: FASTCOMM_SHM_RING_BYTES is {ring_bytes} here but "
+                f"{theirs} on rank {r}; it must be equal on every rank")
     host_index = {}
-    host_of = [host_index.setdefault(host, len(host_index)) for _, host in infos]
+    host_of = [host_index.setdefault(host, len(host_index)) for _, _, host in infos]
     local = [r for r in range(world) if host_of[r] == host_of[rank]]
 
     engine = _C.Engine(
         rank, world, token, host_of, pids,
-        ring_bytes=_env_int("FASTCOMM_SHM_RING_BYTES", 1 << 20),
+        ring_bytes=ring_bytes,
         timeout_ms=int(timeout.total_seconds() * 1000),
         spin_ns=_env_int("FASTCOMM_SPIN_NS", -1),
         yield_ns=_env_int("FASTCOMM_YIELD_NS", -1))

@@ -8,6 +8,8 @@ message and the correct op would fail or hang (the harness timeout turns a hang 
 failure)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -193,6 +195,22 @@ def _reinit_body(rank, world):
 
 def test_group_from_before_reinit_is_refused():
     harness.run(_reinit_body, 2, timeout=40)
+
+
+def _ring_mismatch_body(rank, world):
+    os.environ["FASTCOMM_SHM_RING_BYTES"] = str(65536 * (rank + 1))
+    with pytest.raises(ValueError, match="FASTCOMM_SHM_RING_BYTES") as err:
+        harness.init_child(rank, world)
+    assert not fc.is_initialized()
+    return str(err.value)
+
+
+def test_ring_size_must_agree_on_every_rank():
+    # Pieces (and, across hosts, the largest frame) follow from the ring size: ranks that
+    # disagree are refused at init, each naming its value and the other rank's.
+    msgs = harness.run(_ring_mismatch_body, 2, timeout=60, init=False)
+    assert "is 65536 here but 131072 on rank 1" in msgs[0], msgs[0]
+    assert "is 131072 here but 65536 on rank 0" in msgs[1], msgs[1]
 
 
 def _init_twice_body(rank, world):
