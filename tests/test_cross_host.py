@@ -129,6 +129,18 @@ def test_batch_mixed_collectives_across_hosts():
     assert not failures, f"{len(failures)} wrong results:\n" + "\n".join(failures[:15])
 
 
+def _frames_of_batch(ts, groups):
+    """All-reduces ts[i] over groups[i], all in one batch; returns the Gloo frames it took."""
+    from fastcomm import _state
+
+    before = _state._engine.gloo_frames_sent
+    with fc.batch() as b:
+        for t, g in zip(ts, groups):
+            fc.all_reduce(t, group=g)
+    b.wait()
+    return _state._engine.gloo_frames_sent - before
+
+
 def _frames_body(rank, world, k):
     from fastcomm import _state
 
@@ -136,12 +148,7 @@ def _frames_body(rank, world, k):
     groups = fc.new_groups([[0, 1]] * k)
     fc.barrier(group=groups[0])
     ts = [torch.full((10, 10), float(rank + i)) for i in range(k)]
-    before = e.gloo_frames_sent
-    with fc.batch() as b:
-        for t, g in zip(ts, groups):
-            fc.all_reduce(t, group=g)
-    b.wait()
-    batched = e.gloo_frames_sent - before
+    batched = _frames_of_batch(ts, groups)
     for i, t in enumerate(ts):
         assert torch.equal(t, torch.full((10, 10), float(1 + 2 * i))), (i, t[0, :3])
     before = e.gloo_frames_sent
@@ -164,9 +171,6 @@ def _multi_frame_body(rank, world, sizes):
     """One batch of all_reduces over the same pair whose bytes far exceed one Gloo frame, with
     the default ring, so pieces are a full max_payload: the frames must be cut and streamed,
     and every op must still fold to the locally computed reference."""
-    from fastcomm import _state
-
-    e = _state._engine
     groups = fc.new_groups([[0, 1]] * len(sizes))
     dtypes = [torch.float32, torch.int64, torch.float64, torch.int32]
     # Values small enough that every dtype sums them exactly.
@@ -174,12 +178,7 @@ def _multi_frame_body(rank, world, sizes):
         return (torch.arange(n, dtype=torch.int64) % 97 + 13 * r + i).to(dt)
 
     ts = [contrib(rank, i, n, dtypes[i % len(dtypes)]) for i, n in enumerate(sizes)]
-    before = e.gloo_frames_sent
-    with fc.batch() as b:
-        for t, g in zip(ts, groups):
-            fc.all_reduce(t, group=g)
-    b.wait()
-    frames = e.gloo_frames_sent - before
+    frames = _frames_of_batch(ts, groups)
     for i, (t, n) in enumerate(zip(ts, sizes)):
         dt = dtypes[i % len(dtypes)]
         exp = contrib(0, i, n, dt) + contrib(1, i, n, dt)
