@@ -200,6 +200,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::gil_scoped_release nogil;  // takes the engine lock
         return e.gloo_frames_sent();
       })
+      .def_property_readonly("gloo_closes_sent", [](Engine& e) {
+        py::gil_scoped_release nogil;  // takes the engine lock
+        return e.gloo_closes_sent();
+      })
       .def("new_group", &Engine::new_group, py::arg("ranks"))
       .def("new_groups", &Engine::new_groups, py::arg("lists"))
       .def(

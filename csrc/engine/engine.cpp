@@ -184,6 +184,11 @@ uint64_t Engine::gloo_frames_sent() {
   return gloo_ ? gloo_->frames_sent() : 0;
 }
 
+uint64_t Engine::gloo_closes_sent() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return gloo_ ? gloo_->closes_sent() : 0;
+}
+
 Transport* Engine::transport_for(int peer) {
   if (gloo_ && !shm_->is_local(peer)) return gloo_.get();
   return shm_.get();

@@ -124,6 +124,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool is_shut_down() const { return shut_down_.load(); }
   // Frames sent through the Gloo transport so far (0 on a one-host job).
   uint64_t gloo_frames_sent();
+  // Peers that shutdown asked to confirm they had read our last frames (0 on a one-host job).
+  uint64_t gloo_closes_sent();
 
   // The job's store (set by the Python layer after the rendezvous) and the CUDA path made
   // lazily at the first CUDA op: both only matter off the CPU hot path.

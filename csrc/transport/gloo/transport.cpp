@@ -155,44 +155,36 @@ void GlooTransport::flush() {
   dirty_.clear();
 }
 
-void GlooTransport::flush_peer(int peer) {
-  Peer& p = *peers_[peer];
-  std::shared_ptr<GlooOutBuf> b = p.out;
-  if (!b || b->size <= kLenWords || stop_ || p.dead) return;  // dead: the engine fails the ops
-  const uint64_t words[2] = {b->size, 0};
-  std::memcpy(b->data, words, kLenWords);
-  const uint64_t used = b->size;
-  auto opts = at::TensorOptions().dtype(at::kByte);
-  std::vector<at::Tensor> t{at::from_blob(b->data, {(int64_t)used}, [b](void*) {}, opts)};
-  try {
-    auto w = pg_->send(t, peer, kFrameTag);
-    ++frames_sent_;
-    p.sent_data = true;
-    std::lock_guard<std::mutex> lk(send_mu_);
-    sends_.push_back({peer, std::move(w)});
-  } catch (const std::exception& e) {
-    mark_dead(peer, "Gloo send failed: " + what_of(e));
-  }
-}
-
-void GlooTransport::send_control(int peer, uint64_t flags) {
-  if (peers_[peer]->dead) return;
-  std::shared_ptr<GlooOutBuf> b = new_frame();
-  const uint64_t words[2] = {kLenWords, flags};
+bool GlooTransport::send_frame(int peer, const std::shared_ptr<GlooOutBuf>& b, uint64_t flags) {
+  const uint64_t words[2] = {b->size, flags};
   std::memcpy(b->data, words, kLenWords);
   auto opts = at::TensorOptions().dtype(at::kByte);
-  std::vector<at::Tensor> t{at::from_blob(b->data, {(int64_t)kLenWords}, [b](void*) {}, opts)};
+  std::vector<at::Tensor> t{at::from_blob(b->data, {(int64_t)b->size}, [b](void*) {}, opts)};
   try {
     auto w = pg_->send(t, peer, kFrameTag);
     std::lock_guard<std::mutex> lk(send_mu_);
     // Past the reaper's end nobody waits on it: it lives, unwaited, as long as the transport.
     if (reaper_done_) unfinished_.push_back(std::move(w));
     else sends_.push_back({peer, std::move(w)});
+    return true;
   } catch (const std::exception& e) {
     mark_dead(peer, "Gloo send failed: " + what_of(e));
-    return;
+    return false;
   }
-  send_cv_.notify_one();
+}
+
+void GlooTransport::flush_peer(int peer) {
+  Peer& p = *peers_[peer];
+  if (!p.out || p.out->size <= kLenWords || stop_ || p.dead) return;  // dead: the engine fails the ops
+  if (send_frame(peer, p.out, 0)) {
+    ++frames_sent_;
+    p.sent_data = true;
+  }
+}
+
+void GlooTransport::send_control(int peer, uint64_t flags) {
+  if (peers_[peer]->dead) return;
+  if (send_frame(peer, new_frame(), flags)) send_cv_.notify_one();
 }
 
 const Message* GlooTransport::peek(int peer) {
@@ -405,6 +397,7 @@ void GlooTransport::close_handshake() {
     Peer& p = *peers_[r];
     if (!p.started || !p.sent_data || p.dead || p.peer_closing) continue;
     send_control(r, kCtlClose);
+    ++closes_sent_;
     waiting.push_back(r);
   }
   if (waiting.empty()) return;

@@ -84,6 +84,9 @@ class GlooTransport final : public Transport {
   // Frames handed to Gloo so far (one per peer and flush, more when a flush exceeds
   // frame_max()): what tests check batching by.
   uint64_t frames_sent() const { return frames_sent_; }
+  // "closing" frames stop() sent, one per peer it waited for: what tests check the
+  // handshake by.
+  uint64_t closes_sent() const { return closes_sent_; }
   // Largest frame, length word included; equal on every rank since max_payload is.
   size_t frame_max() const { return frame_max_; }
 
@@ -119,6 +122,9 @@ class GlooTransport final : public Transport {
 
   std::shared_ptr<GlooOutBuf> new_frame();
   void flush_peer(int peer);
+  // Fills in the frame's two words and hands it to Gloo, queued for the reaper; false (the
+  // peer marked dead) if Gloo refused it. From any thread.
+  bool send_frame(int peer, const std::shared_ptr<GlooOutBuf>& b, uint64_t flags);
   // Sends a frame with no records, only control flags (from any thread).
   void send_control(int peer, uint64_t flags);
   // The closing handshake of stop(); returns when every peer it waits for has answered or
@@ -142,10 +148,11 @@ class GlooTransport final : public Transport {
   std::vector<int> dirty_;
   std::atomic<bool> stop_{false};
   std::chrono::steady_clock::time_point stop_deadline_;  // for the handshake and sends in flight
-  std::atomic<bool> closing_{false};
+  bool closing_ = false;  // stop() has begun (send_mu_)
   std::mutex close_mu_;  // with close_cv_: stop() waiting for acks (and deaths)
   std::condition_variable close_cv_;
   uint64_t frames_sent_ = 0;
+  std::atomic<uint64_t> closes_sent_{0};  // written by stop(), read by any thread
 
   // Sends in flight, reaped in order by reaper_.
   std::mutex send_mu_;
