@@ -92,6 +92,27 @@ def test_collectives_sweep_across_hosts(shape, hosts):
     tc.check_members_identical(results)
 
 
+# Every span of one byte or more as a bulk transfer (FASTCOMM_GLOO_BULK_BYTES=1): the same
+# sweeps through the other Gloo path, in pairs (all Gloo), mixed triples (a bulk transfer to
+# one member, the ring to another, in the same fold) and four hosts.
+BULK_ENV = {**RING_ENV, "FASTCOMM_GLOO_BULK_BYTES": "1"}
+
+
+@pytest.mark.parametrize("shape,hosts", [("pair", ALTERNATE), ("triple", ALTERNATE),
+                                         ("world", EVERY)])
+def test_collectives_sweep_as_bulk_transfers(shape, hosts):
+    results = run(tc._sweep_body, 4, shape, tc.SIZES + [tc.BIG], 8, hosts=hosts, env=BULK_ENV)
+    tc.check_members_identical(results)
+
+
+def test_all_reduce_every_op_and_dtype_as_bulk_transfers():
+    for shape in ("pair", "world"):
+        results = run(tc._rsag_body, 4, shape, [0, 1, 7, 1001, 30_001], list(tc.OPS),
+                      list(tc.DTYPES), hosts=SPLIT,
+                      env={**BULK_ENV, "FASTCOMM_RSAG_THRESHOLD": "1024"})
+        tc.check_members_identical(results)
+
+
 @pytest.mark.parametrize("hosts", [ALTERNATE, SPLIT])
 def test_all_reduce_every_op_and_dtype_across_hosts(hosts):
     # Pairs ([0, 1], [2, 3]) and the world, one-shot and reduce-scatter + all-gather paths.
@@ -178,21 +199,45 @@ def _multi_frame_body(rank, world, sizes):
         return (torch.arange(n, dtype=torch.int64) % 97 + 13 * r + i).to(dt)
 
     ts = [contrib(rank, i, n, dtypes[i % len(dtypes)]) for i, n in enumerate(sizes)]
+    from fastcomm import _state
+
+    bulk_before = _state._engine.gloo_bulk_started
     frames = _frames_of_batch(ts, groups)
+    bulk = _state._engine.gloo_bulk_started - bulk_before
     for i, (t, n) in enumerate(zip(ts, sizes)):
         dt = dtypes[i % len(dtypes)]
         exp = contrib(0, i, n, dt) + contrib(1, i, n, dt)
         assert torch.equal(t, exp), f"op {i} ({n} x {dt}): {t[:4]} != {exp[:4]}"
-    return frames, sum(t.numel() * t.element_size() for t in ts)
+    return frames, sum(t.numel() * t.element_size() for t in ts), bulk
+
+
+MULTI_FRAME_SIZES = [262_147, 0, 1, 300_001, 65_537, 400_003, 7]
 
 
 def test_batch_larger_than_a_frame_streams_in_several():
-    # About 6 MB to one peer in one batch, sizes odd and 0 among them: several frames, each
-    # within what the receiver posted, and results equal to the reference.
-    sizes = [262_147, 0, 1, 300_001, 65_537, 400_003, 7]
-    res = run(_multi_frame_body, 2, sizes, hosts=["A", "B"], env={})
-    for rank, (frames, nbytes) in enumerate(res):
+    # About 6 MB to one peer in one batch, sizes odd and 0 among them, with bulk transfers
+    # off: several frames, each within what the receiver posted, and results equal to the
+    # reference.
+    res = run(_multi_frame_body, 2, MULTI_FRAME_SIZES, hosts=["A", "B"],
+              env={"FASTCOMM_GLOO_BULK_BYTES": "0"})
+    for rank, (frames, nbytes, bulk) in enumerate(res):
         assert frames >= 3, f"rank {rank}: {nbytes} bytes left in {frames} Gloo frame(s)"
+        assert bulk == 0, f"rank {rank}: {bulk} bulk transfers with FASTCOMM_GLOO_BULK_BYTES=0"
+
+
+@pytest.mark.parametrize("threshold", [None, "65536"])
+def test_large_spans_travel_as_bulk_transfers(threshold):
+    # The same batch with bulk transfers on: every op whose span reaches the threshold sends
+    # it as one bulk transfer and receives the peer's the same way (one send and one receive
+    # per op and rank), the rest share frames, and every result equals the reference.
+    env = {} if threshold is None else {"FASTCOMM_GLOO_BULK_BYTES": threshold}
+    limit = int(threshold or 256 * 1024)
+    elem = [4, 8, 8, 4]  # bytes of the dtypes _multi_frame_body cycles through
+    big = sum(1 for i, n in enumerate(MULTI_FRAME_SIZES) if n * elem[i % 4] >= limit)
+    res = run(_multi_frame_body, 2, MULTI_FRAME_SIZES, hosts=["A", "B"], env=env)
+    for rank, (frames, nbytes, bulk) in enumerate(res):
+        assert bulk == 2 * big, f"rank {rank}: {bulk} bulk transfers for {big} large ops"
+        assert frames >= 1, f"rank {rank}: the offers and small ops took no frame"
 
 
 def test_big_batch_to_one_peer_across_hosts():

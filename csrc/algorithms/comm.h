@@ -53,6 +53,15 @@ class Comm {
   // sender issued a different collective or aborted this op.
   virtual const Message* peek(int from) = 0;
   virtual void pop(int from) = 0;
+
+  // Bulk transfers (transport/transport.h): a span of at least bulk_min(to) bytes may travel
+  // as one message straight from and into the op's memory instead of in pieces copied
+  // through the transport's buffers. send_bulk starts the transfer and appends the offer that
+  // tells `to` about it (null: no room for the offer now; retry). recv_bulk posts the receive
+  // of the transfer that `offer`, just peeked from `from`, announces (the caller pops it).
+  virtual size_t bulk_min(int to) = 0;
+  virtual std::shared_ptr<Bulk> send_bulk(int to, uint32_t tag, at::Tensor bytes) = 0;
+  virtual std::shared_ptr<Bulk> recv_bulk(int from, const Message& offer, at::Tensor bytes) = 0;
 };
 
 }  // namespace fastcomm

@@ -1,5 +1,7 @@
 #include "algorithms/exchange.h"
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -12,19 +14,29 @@ namespace fastcomm {
 // peer can start on them meanwhile; smaller sends wait for the end of the progress pass.
 constexpr size_t kEarlyFlushBytes = 64 * 1024;
 
-void Exchange::start(ExchangePlan plan, int rank, int size, size_t elem_size, size_t max_payload) {
+void Exchange::start(ExchangePlan plan, int rank, int size, size_t elem_size, Comm& c,
+                     std::vector<at::Tensor> owners) {
   plan_ = std::move(plan);
   rank_ = rank;
   size_ = size;
   es_ = std::max<size_t>(1, elem_size);
-  piece_ = std::max(es_, (max_payload / es_) * es_);
+  piece_ = std::max(es_, (c.max_payload() / es_) * es_);
+  owners_ = std::move(owners);
   sent_.assign(size, 0);
   recvd_.assign(size, 0);
   send_total_.assign(size, 0);
   recv_total_.assign(size, 0);
+  bulk_send_.assign(size, 0);
+  bsend_.assign(size, nullptr);
+  brecv_.assign(size, nullptr);
+  scratch_.assign(size, at::Tensor());
   for (int p = 0; p < size; ++p) {
     if (p == rank) continue;
-    if (plan_.send[p].active) send_total_[p] = pieces(plan_.send[p].len);
+    const Span& s = plan_.send[p];
+    if (s.active) {
+      bulk_send_[p] = s.len > 0 && s.len >= c.bulk_min(p);
+      send_total_[p] = bulk_send_[p] ? 1 : pieces(s.len);  // a bulk span: one offer
+    }
     if (plan_.recv[p].active) recv_total_[p] = pieces(plan_.fold ? plan_.out.len : plan_.recv[p].len);
   }
   if (plan_.fold) {
@@ -49,6 +61,20 @@ bool Exchange::step(Comm& c) {
   for (int p = 0; p < size_; ++p) {
     if (p == rank_ || send_total_[p] == 0) continue;
     const Span& s = plan_.send[p];
+    if (bulk_send_[p]) {
+      if (!bsend_[p]) {
+        bsend_[p] = c.send_bulk(p, plan_.tag, bytes_of(s.ptr, s.len));
+        if (!bsend_[p]) {
+          min_sent = 0;
+          continue;
+        }
+        sent_[p] = send_total_[p];
+        any = true;
+      }
+      // Nothing of the span may be overwritten until the transport has read all of it.
+      if (!bsend_[p]->done()) min_sent = 0;
+      continue;
+    }
     while (sent_[p] < send_total_[p]) {
       const size_t off = sent_[p] * piece_;
       const uint32_t len = (uint32_t)std::min(piece_, s.len - std::min(s.len, off));
@@ -60,6 +86,7 @@ bool Exchange::step(Comm& c) {
     if (sent_[p] < send_total_[p]) min_sent = std::min(min_sent, sent_[p]);
   }
   if (sent_bytes >= kEarlyFlushBytes) c.flush();
+  any |= post_bulk_recvs(c);
   if (plan_.fold) {
     while (folded_ < fold_total_ && (!plan_.send_aliases_out || folded_ < min_sent)) {
       if (!fold_piece(c)) break;
@@ -67,11 +94,16 @@ bool Exchange::step(Comm& c) {
     }
   } else {
     for (int p = 0; p < size_; ++p) {
-      if (p == rank_) continue;
+      if (p == rank_ || brecv_[p]) continue;
       const Span& d = plan_.recv[p];
       while (recvd_[p] < recv_total_[p]) {
         const Message* m = c.peek(p);
         if (m == nullptr) break;
+        if (m->hdr.flags & kMsgBulk) {  // arrived since this step's post_bulk_recvs
+          take_offer(c, p, *m);
+          any = true;
+          break;
+        }
         const size_t off = recvd_[p] * piece_;
         TORCH_INTERNAL_ASSERT(m->hdr.tag == plan_.tag && m->hdr.offset == off &&
                                   off + m->hdr.len <= std::max(d.len, off),
@@ -84,10 +116,55 @@ bool Exchange::step(Comm& c) {
     }
   }
   bool finished = true;
-  for (int p = 0; p < size_ && finished; ++p)
-    finished = sent_[p] == send_total_[p] && (plan_.fold || recvd_[p] == recv_total_[p]);
+  for (int p = 0; p < size_; ++p) {
+    const bool waiting = (bsend_[p] && !bsend_[p]->done()) || (brecv_[p] && !brecv_[p]->done());
+    finished = finished && !waiting && sent_[p] == send_total_[p] &&
+               (plan_.fold || recvd_[p] == recv_total_[p]);
+    // A peer whose op failed never posts the receive of our bulk send; it tells us in an abort
+    // message, which peek() turns into this op's error. (No other message of this exchange
+    // comes from a peer once its offer is read, and a later phase's is left where it is.)
+    if (waiting) c.peek(p);
+  }
   if (finished && (!plan_.fold || folded_ == fold_total_)) done_ = true;
   return any;
+}
+
+at::Tensor Exchange::bytes_of(uint8_t* p, size_t n) const {
+  // The deleter holds the owners: the transport may hold this tensor past the op's end (a
+  // transfer abandoned when its op failed), and the memory must outlive it.
+  return at::from_blob(p, {(int64_t)n}, [keep = owners_](void*) {},
+                       at::TensorOptions().dtype(at::kByte));
+}
+
+// Posts the receive of every bulk transfer a peer has offered for this exchange, as soon as
+// its offer is here: all of them are then on the wire at once, whatever order the fold (or
+// copy) uses them in. An offer is always a peer's only message in an exchange.
+bool Exchange::post_bulk_recvs(Comm& c) {
+  bool any = false;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_ || brecv_[p] || recvd_[p] != 0 || recv_total_[p] == 0) continue;
+    const Message* m = c.peek(p);
+    if (m != nullptr && (m->hdr.flags & kMsgBulk)) {
+      take_offer(c, p, *m);
+      any = true;
+    }
+  }
+  return any;
+}
+
+void Exchange::take_offer(Comm& c, int p, const Message& m) {
+  TORCH_INTERNAL_ASSERT(!brecv_[p] && recvd_[p] == 0 && m.hdr.tag == plan_.tag && m.hdr.offset == 0,
+                        "exchange: unexpected bulk offer from group rank ", p);
+  at::Tensor dst;
+  if (plan_.fold) {
+    scratch_[p] = at::empty({(int64_t)plan_.out.len}, at::TensorOptions().dtype(at::kByte));
+    dst = scratch_[p];
+  } else {
+    dst = bytes_of(plan_.recv[p].ptr, plan_.recv[p].len);
+  }
+  brecv_[p] = c.recv_bulk(p, m, std::move(dst));
+  c.pop(p);
+  recvd_[p] = recv_total_[p];  // every piece of the span comes in this one transfer
 }
 
 void Exchange::fold_from(const uint8_t* src, uint8_t* dst, size_t n) {
@@ -115,8 +192,18 @@ bool Exchange::fold_piece(Comm& c) {
       continue;
     }
     if (!plan_.recv[r].active) continue;
+    if (brecv_[r]) {
+      // A failed transfer means its peer was declared dead: the engine fails the op.
+      if (!brecv_[r]->done()) return false;
+      fold_from(scratch_[r].data_ptr<uint8_t>() + off, acc, n);
+      continue;
+    }
     const Message* m = c.peek(r);
     if (m == nullptr) return false;
+    if (m->hdr.flags & kMsgBulk) {  // arrived since this step's post_bulk_recvs
+      take_offer(c, r, *m);
+      return false;
+    }
     TORCH_INTERNAL_ASSERT(m->hdr.tag == plan_.tag && m->hdr.offset == off && m->hdr.len == len,
                           "exchange: unexpected piece from group rank ", r, " in a fold");
     fold_from(m->data, acc, n);

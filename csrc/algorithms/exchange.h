@@ -10,10 +10,22 @@
 //    (all_reduce, reduce_scatter).
 // An empty span still sends one zero-length message: the header tells the receiver which
 // collective the sender issued, which is how mismatches are caught on every member.
+//
+// Where the transport to a peer offers bulk transfers (Gloo) and a span is large, the span
+// instead travels whole as one bulk transfer, straight from the sender's memory into the
+// receiver's destination (copy) or into a scratch buffer it folds from (fold); only a small
+// offer goes through the ordinary messages. That skips the copy into and out of the
+// transport's frames and the per-piece messages. The receiver learns which form a peer chose
+// from its first message, so members need not agree on the threshold. The op's memory is
+// read by a bulk send until it completes, so an in-place fold waits for its own bulk sends,
+// and the exchange is done only once they are over.
 #include <c10/core/ScalarType.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "algorithms/comm.h"
@@ -42,7 +54,10 @@ struct ExchangePlan {
 
 class Exchange {
  public:
-  void start(ExchangePlan plan, int rank, int size, size_t elem_size, size_t max_payload);
+  // `owners`: tensors whose memory the plan's spans point into; bulk transfers keep them alive
+  // for as long as the transport may touch that memory.
+  void start(ExchangePlan plan, int rank, int size, size_t elem_size, Comm& c,
+             std::vector<at::Tensor> owners);
   bool step(Comm& c);
   bool done() const { return done_; }
 
@@ -50,6 +65,9 @@ class Exchange {
   size_t pieces(size_t len) const { return len == 0 ? 1 : (len + piece_ - 1) / piece_; }
   bool fold_piece(Comm& c);
   void fold_from(const uint8_t* src, uint8_t* dst, size_t n);
+  bool post_bulk_recvs(Comm& c);
+  void take_offer(Comm& c, int p, const Message& m);
+  at::Tensor bytes_of(uint8_t* p, size_t n) const;
 
   ExchangePlan plan_;
   int rank_ = 0, size_ = 1;
@@ -59,6 +77,12 @@ class Exchange {
   int fold_next_ = 0;
   bool inplace_ = false, direct_ = false, acc_started_ = false, done_ = false;
   std::vector<uint8_t> tmp_;
+  // Bulk transfers by group rank (null: that direction uses ordinary messages), and the
+  // scratch a bulk fold receives into.
+  std::vector<char> bulk_send_;
+  std::vector<std::shared_ptr<Bulk>> bsend_, brecv_;
+  std::vector<at::Tensor> scratch_;
+  std::vector<at::Tensor> owners_;
 };
 
 }  // namespace fastcomm

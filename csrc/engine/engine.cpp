@@ -73,19 +73,39 @@ class OpComm final : public Comm {
   int size() const override { return (int)g_.ranks.size(); }
   size_t max_payload() const override { return e_.max_payload(); }
   bool send(int to, uint64_t offset, uint32_t tag, const void* data, uint32_t len) override {
-    const OpDesc& d = p_.op->desc();
-    Header h;
-    h.group = g_.id;
-    h.seq = p_.seq;
-    h.numel = d.numel;
-    h.offset = offset;
-    h.len = len;
-    h.tag = tag;
-    h.root = d.root;
-    h.kind = (uint8_t)d.kind;
-    h.dtype = (uint8_t)d.dtype;
-    h.redop = (uint8_t)d.redop;
-    return e_.send_for(g_, p_, g_.ranks[to], h, data);
+    return e_.send_for(g_, p_, g_.ranks[to], header(offset, tag, len), data);
+  }
+  size_t bulk_min(int to) override {
+    const int peer = g_.ranks[to];
+    return e_.transport_of(peer)->bulk_min(peer);
+  }
+  std::shared_ptr<Bulk> send_bulk(int to, uint32_t tag, at::Tensor bytes) override {
+    const int peer = g_.ranks[to];
+    Transport* tr = e_.transport_of(peer);
+    BulkOffer offer;
+    offer.bytes = (uint64_t)bytes.numel();
+    auto b = tr->send_bulk(peer, std::move(bytes));
+    TORCH_INTERNAL_ASSERT(b, "send_bulk on a transport without bulk transfers");
+    offer.slot = b->slot;
+    Header h = header(0, tag, sizeof(offer));
+    h.flags = kMsgBulk;
+    // Transports with bulk transfers never run out of room for a message.
+    TORCH_INTERNAL_ASSERT(e_.send_for(g_, p_, peer, h, &offer), "no room for a bulk offer");
+    return b;
+  }
+  std::shared_ptr<Bulk> recv_bulk(int from, const Message& m, at::Tensor bytes) override {
+    const int peer = g_.ranks[from];
+    BulkOffer offer;
+    if (m.hdr.len != sizeof(offer)) throw_comm_error("fastcomm: malformed bulk offer from rank " + std::to_string(peer));
+    std::memcpy(&offer, m.data, sizeof(offer));
+    if (offer.bytes != (uint64_t)bytes.numel())
+      throw_comm_error("fastcomm: rank " + std::to_string(peer) + " offered " +
+                       std::to_string(offer.bytes) + " bytes for op #" + std::to_string(p_.seq) +
+                       " of group " + g_.label + ", this rank expects " +
+                       std::to_string(bytes.numel()));
+    auto b = e_.transport_of(peer)->recv_bulk(peer, offer.slot, std::move(bytes));
+    TORCH_INTERNAL_ASSERT(b, "bulk offer from a peer whose transport has no bulk transfers");
+    return b;
   }
   void flush() override { e_.flush_sends(); }
   const Message* peek(int from) override {
@@ -114,6 +134,22 @@ class OpComm final : public Comm {
   void pop(int from) override { e_.pop_for(g_, p_, g_.ranks[from]); }
 
  private:
+  Header header(uint64_t offset, uint32_t tag, uint32_t len) const {
+    const OpDesc& d = p_.op->desc();
+    Header h;
+    h.group = g_.id;
+    h.seq = p_.seq;
+    h.numel = d.numel;
+    h.offset = offset;
+    h.len = len;
+    h.tag = tag;
+    h.root = d.root;
+    h.kind = (uint8_t)d.kind;
+    h.dtype = (uint8_t)d.dtype;
+    h.redop = (uint8_t)d.redop;
+    return h;
+  }
+
   Engine& e_;
   GroupState& g_;
   Engine::Pending& p_;
@@ -182,6 +218,11 @@ void Engine::set_gloo(c10::intrusive_ptr<c10d::Backend> pg) {
 uint64_t Engine::gloo_frames_sent() {
   std::lock_guard<std::mutex> lk(mu_);
   return gloo_ ? gloo_->frames_sent() : 0;
+}
+
+uint64_t Engine::gloo_bulk_started() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return gloo_ ? gloo_->bulk_started() : 0;
 }
 
 uint64_t Engine::gloo_closes_sent() {

@@ -124,6 +124,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool is_shut_down() const { return shut_down_.load(); }
   // Frames sent through the Gloo transport so far (0 on a one-host job).
   uint64_t gloo_frames_sent();
+  uint64_t gloo_bulk_started();
   // Peers that shutdown asked to confirm they had read our last frames (0 on a one-host job).
   uint64_t gloo_closes_sent();
 
@@ -144,6 +145,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   const Message* peek_for(GroupState& g, Pending& p, int peer);
   void pop_for(GroupState& g, Pending& p, int peer);
   bool send_for(GroupState& g, Pending& p, int peer, const Header& h, const void* data);
+  Transport* transport_of(int peer) { return transport_for(peer); }
   void flush_sends() {
     shm_->flush();
     if (gloo_) gloo_->flush();

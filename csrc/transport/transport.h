@@ -4,8 +4,12 @@
 // messages between this process and one peer at a time; it knows nothing of groups or
 // collectives. Algorithms never see a transport directly: they see the group-scoped view in
 // algorithms/comm.h, which the engine implements on top of this interface.
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 namespace fastcomm {
@@ -30,6 +34,26 @@ static_assert(sizeof(Header) == 48, "wire header layout");
 
 enum MessageFlags : uint8_t {
   kMsgAbort = 1,  // the sender failed this op; payload is an explanation (UTF-8)
+  kMsgBulk = 2,   // an offer: the span travels as bulk transfer `BulkOffer::slot`
+};
+
+// Payload of a kMsgBulk message.
+struct BulkOffer {
+  uint64_t slot = 0;   // names the transfer between this sender and receiver
+  uint64_t bytes = 0;  // its length
+};
+
+// A bulk transfer: one span moved as a single transport message straight from the sender's
+// memory into the receiver's, where a transport can do that (Gloo can; the rings cannot, and
+// need none). The sender starts it and tells the receiver its slot in an ordinary message
+// (an offer); the receiver, once its op reads the offer, posts the matching receive. Either
+// side learns completion from done(); the transport's threads set it and ring the doorbell.
+// The handle keeps the memory it reads or writes alive until the transfer is over.
+struct Bulk {
+  uint64_t slot = 0;
+  std::atomic<int> state{0};  // 0: in flight, 1: done, 2: failed (the peer is declared dead)
+  bool done() const { return state.load(std::memory_order_acquire) == 1; }
+  bool failed() const { return state.load(std::memory_order_acquire) == 2; }
 };
 
 // A received message. `data` stays valid until the transport's pop() for that peer.
@@ -57,6 +81,15 @@ class Transport {
   virtual void pop(int peer) = 0;
   // False once the transport knows the peer process is gone.
   virtual bool peer_alive(int peer) = 0;
+
+  // Bulk transfers (see Bulk). Spans of at least bulk_min(peer) bytes may go this way;
+  // SIZE_MAX (the default) means never. `bytes` is a byte tensor over the span whose deleter
+  // keeps the span's owner alive.
+  virtual size_t bulk_min(int /*peer*/) { return SIZE_MAX; }
+  virtual std::shared_ptr<Bulk> send_bulk(int /*peer*/, at::Tensor /*bytes*/) { return nullptr; }
+  virtual std::shared_ptr<Bulk> recv_bulk(int /*peer*/, uint64_t /*slot*/, at::Tensor /*bytes*/) {
+    return nullptr;
+  }
 };
 
 }  // namespace fastcomm

@@ -32,6 +32,26 @@ constexpr int kRecvWindow = 4;
 // Sent frames kept for reuse (per transport, all peers together).
 constexpr size_t kPoolMax = 8;
 constexpr int kFrameTag = 0x6663;
+// Bulk transfers use tags from here on, one per slot number (modulo the span: far more than
+// can ever be in flight between two ranks). Gloo tags are non-negative ints.
+constexpr int kBulkTagBase = 0x10000;
+constexpr uint64_t kBulkTagSpan = uint64_t(1) << 30;
+// Spans at least this large go as bulk transfers unless FASTCOMM_GLOO_BULK_BYTES says
+// otherwise (0: never). Below it, the frame path wins: a Gloo message of its own costs a
+// ready notice and two thread wake-ups, which is more than copying a small span.
+constexpr size_t kBulkMinDefault = 256 * 1024;
+
+int bulk_tag(uint64_t slot) { return kBulkTagBase + (int)(slot % kBulkTagSpan); }
+
+size_t bulk_min_from_env() {
+  const char* e = std::getenv("FASTCOMM_GLOO_BULK_BYTES");
+  if (!e || !*e) return kBulkMinDefault;
+  char* end = nullptr;
+  const long long v = std::strtoll(e, &end, 10);
+  TORCH_CHECK_VALUE(end && *end == '\0' && v >= 0,
+                    "fastcomm: FASTCOMM_GLOO_BULK_BYTES must be a byte count >= 0, got '", e, "'");
+  return v == 0 ? SIZE_MAX : (size_t)v;
+}
 
 size_t align8(size_t n) { return (n + 7) & ~size_t(7); }
 
@@ -67,6 +87,16 @@ struct GlooOutPool {
   std::vector<std::unique_ptr<GlooOutBuf>> free;
 };
 
+// A bulk transfer in flight: the handle the op polls, and what Gloo needs kept alive (its work,
+// and the tensor over the memory it reads or writes).
+struct GlooTransport::BulkXfer {
+  std::shared_ptr<Bulk> handle;
+  int peer = -1;
+  bool send = false;
+  c10::intrusive_ptr<c10d::Work> work;
+  at::Tensor bytes;
+};
+
 GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> pg, int rank, int world_size,
                              std::vector<char> remote, size_t max_payload, Doorbell bell,
                              std::chrono::milliseconds linger)
@@ -78,7 +108,9 @@ GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> pg, int rank, int
       frame_max_(std::max(kFrameTarget, kLenWords + sizeof(Header) + align8(max_payload))),
       pool_(std::make_shared<GlooOutPool>()),
       linger_(linger),
-      bell_(bell) {
+      bell_(bell),
+      bulk_min_(bulk_min_from_env()),
+      bulk_next_(world_size, 0) {
   TORCH_CHECK_VALUE(pg_, "fastcomm: no Gloo process group for the Gloo transport");
   TORCH_CHECK_VALUE((int)remote_.size() == world_size_, "fastcomm: Gloo transport: bad peer list");
   peers_.reserve(world_size_);
@@ -89,6 +121,8 @@ GlooTransport::~GlooTransport() {
   stop();
   pg_.reset();  // our reference to the process group first, then the frames it may point into
   unfinished_.clear();
+  bulk_unfinished_.clear();
+  bulk_unfinished_bytes_.clear();
 }
 
 std::shared_ptr<GlooOutBuf> GlooTransport::new_frame() {
@@ -225,6 +259,115 @@ void GlooTransport::pop(int peer) {
 
 bool GlooTransport::peer_alive(int peer) { return !peers_[peer]->dead.load(); }
 
+size_t GlooTransport::bulk_min(int peer) { return remote_[peer] ? bulk_min_ : SIZE_MAX; }
+
+std::shared_ptr<Bulk> GlooTransport::send_bulk(int peer, at::Tensor bytes) {
+  if (!peers_[peer]->started) connect(peer);
+  const uint64_t slot = bulk_next_[peer]++;
+  c10::intrusive_ptr<c10d::Work> w;
+  if (!stop_ && !peers_[peer]->dead) {
+    try {
+      std::vector<at::Tensor> v{bytes};
+      w = pg_->send(v, peer, bulk_tag(slot));
+    } catch (const std::exception& e) {
+      mark_dead(peer, "Gloo send failed: " + what_of(e));
+    }
+  }
+  return watch_bulk(peer, true, std::move(w), std::move(bytes), slot);
+}
+
+std::shared_ptr<Bulk> GlooTransport::recv_bulk(int peer, uint64_t slot, at::Tensor bytes) {
+  c10::intrusive_ptr<c10d::Work> w;
+  if (!stop_ && !peers_[peer]->dead) {
+    try {
+      std::vector<at::Tensor> v{bytes};
+      w = pg_->recv(v, peer, bulk_tag(slot));
+    } catch (const std::exception& e) {
+      mark_dead(peer, "Gloo receive from rank " + std::to_string(peer) + " failed: " + what_of(e));
+    }
+  }
+  return watch_bulk(peer, false, std::move(w), std::move(bytes), slot);
+}
+
+std::shared_ptr<Bulk> GlooTransport::watch_bulk(int peer, bool send, c10::intrusive_ptr<c10d::Work> w,
+                                                at::Tensor bytes, uint64_t slot) {
+  auto x = std::make_shared<BulkXfer>();
+  x->handle = std::make_shared<Bulk>();
+  x->handle->slot = slot;
+  x->peer = peer;
+  x->send = send;
+  x->work = std::move(w);
+  x->bytes = std::move(bytes);
+  auto h = x->handle;
+  if (!x->work) {  // never started: the peer is dead (the engine fails the op) or we are stopping
+    h->state.store(2, std::memory_order_release);
+    return h;
+  }
+  ++bulk_started_;
+  std::lock_guard<std::mutex> lk(bulk_mu_);
+  if (bulk_stop_) {
+    abort_quietly(x->work);
+    bulk_unfinished_.push_back(x->work);
+    bulk_unfinished_bytes_.push_back(x->bytes);
+    h->state.store(2, std::memory_order_release);
+    return h;
+  }
+  bulk_live_.push_back(x);
+  bulk_queue_.push_back(std::move(x));
+  // One waiter per transfer: an idle one if there is one for it, else a new one.
+  if (bulk_idle_ < (int)bulk_queue_.size()) bulk_threads_.emplace_back([this] { bulk_main(); });
+  else bulk_cv_.notify_one();
+  return h;
+}
+
+void GlooTransport::bulk_main() {
+  std::unique_lock<std::mutex> lk(bulk_mu_);
+  for (;;) {
+    ++bulk_idle_;
+    bulk_cv_.wait(lk, [&] { return bulk_stop_ || !bulk_queue_.empty(); });
+    --bulk_idle_;
+    if (bulk_queue_.empty()) return;  // stopping, nothing left to wait on
+    std::shared_ptr<BulkXfer> x = std::move(bulk_queue_.front());
+    bulk_queue_.pop_front();
+    lk.unlock();
+    bool ok = false;
+    std::string err;
+    try {
+      ok = x->work->wait();
+    } catch (const std::exception& e) {
+      err = what_of(e);
+    }
+    if (!ok && !err.empty() && !stop_)
+      mark_dead(x->peer, x->send ? "Gloo send to rank " + std::to_string(x->peer) + " failed: " + err
+                                 : "Gloo receive from rank " + std::to_string(x->peer) + " failed: " + err);
+    lk.lock();
+    bulk_live_.erase(std::remove(bulk_live_.begin(), bulk_live_.end(), x), bulk_live_.end());
+    // Aborted (peer dead, or stopping) rather than completed: Gloo may still point into the
+    // memory, so the work and the memory stay until the transport goes.
+    if (!ok) {
+      bulk_unfinished_.push_back(x->work);
+      bulk_unfinished_bytes_.push_back(x->bytes);
+    }
+    x->handle->state.store(ok ? 1 : 2, std::memory_order_release);
+    x.reset();
+    lk.unlock();
+    bell_.ring();
+    lk.lock();
+  }
+}
+
+void GlooTransport::stop_bulk() {
+  std::vector<std::thread> threads;
+  {
+    std::lock_guard<std::mutex> lk(bulk_mu_);
+    bulk_stop_ = true;
+    for (auto& x : bulk_live_) abort_quietly(x->work);
+    threads.swap(bulk_threads_);
+  }
+  bulk_cv_.notify_all();
+  for (auto& t : threads) t.join();
+}
+
 std::string GlooTransport::death_reason(int peer) {
   Peer& p = *peers_[peer];
   std::lock_guard<std::mutex> lk(p.mu);
@@ -247,6 +390,12 @@ void GlooTransport::mark_dead(int peer, const std::string& why) {
     // The reaper may be waiting on a send to this peer that will never complete.
     std::lock_guard<std::mutex> lk(send_mu_);
     if (reaping_.work && reaping_.peer == peer) abort_quietly(reaping_.work);
+  }
+  {
+    // So may bulk transfers with it.
+    std::lock_guard<std::mutex> lk(bulk_mu_);
+    for (auto& x : bulk_live_)
+      if (x->peer == peer) abort_quietly(x->work);
   }
   bell_.ring();  // the engine's next health pass fails this peer's groups
 }
@@ -446,6 +595,9 @@ void GlooTransport::stop() {
     }
     reaper_.join();
   }
+  // Bulk transfers still in flight belong to ops that failed or were abandoned (an op is
+  // done only once its transfers are): nobody waits for them.
+  stop_bulk();
   for (auto& pp : peers_) {
     Peer& p = *pp;
     std::lock_guard<std::mutex> lk(p.mu);

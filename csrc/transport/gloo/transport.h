@@ -27,6 +27,17 @@
 // connections go. A peer that sent "closing" itself needs nothing more and is not waited for,
 // and the wait is short (a peer that does not answer within seconds is stopped or hung).
 //
+// Bulk transfers (transport/transport.h): a large span goes as its own Gloo message on a slot
+// (Gloo tag) of its own, sent straight from the op's memory and received straight into its
+// destination, so it costs no copy into or out of frames. The sender numbers its transfers
+// to each peer and names the number in the offer, so slots never collide, whatever order the
+// two sides' ops run in. Its receive is posted only when the offer is read, so a slot's data
+// never waits for memory that nobody has set aside. Gloo cannot poll a transfer, and waiting
+// on transfers in order would make one op's completion wait on another's (a send completes
+// only once the peer's op posts its receive, which may depend on this rank finishing an op
+// whose transfer is queued behind), so each transfer in flight is waited on by its own thread,
+// from a pool that grows to the number in flight and is reused.
+//
 // Receiving: Gloo has no way to poll a receive without blocking, so each remote peer in use
 // gets one thread that keeps the window posted, moves completed frames into an inbox and rings
 // the engine's doorbell. Completed sends are reaped by one thread that keeps their buffers
@@ -73,6 +84,9 @@ class GlooTransport final : public Transport {
   const Message* peek(int peer) override;
   void pop(int peer) override;
   bool peer_alive(int peer) override;
+  size_t bulk_min(int peer) override;
+  std::shared_ptr<Bulk> send_bulk(int peer, at::Tensor bytes) override;
+  std::shared_ptr<Bulk> recv_bulk(int peer, uint64_t slot, at::Tensor bytes) override;
 
   // Starts the receiver for `peer` if it has none yet (called when a group with it is made).
   void connect(int peer);
@@ -81,6 +95,8 @@ class GlooTransport final : public Transport {
   void stop();
   // Why the peer was declared dead (empty if it was not).
   std::string death_reason(int peer);
+  // Bulk transfers started so far (sends and receives): what tests check the bulk path by.
+  uint64_t bulk_started() const { return bulk_started_; }
   // Frames handed to Gloo so far (one per peer and flush, more when a flush exceeds
   // frame_max()): what tests check batching by.
   uint64_t frames_sent() const { return frames_sent_; }
@@ -134,6 +150,12 @@ class GlooTransport final : public Transport {
   void reap_main();
   void mark_dead(int peer, const std::string& why);
   c10::intrusive_ptr<c10d::Work> post_recv(int peer, at::Tensor& t, int tag);
+  struct BulkXfer;
+  // Hands a started transfer to a waiter thread (starting one if none is idle).
+  std::shared_ptr<Bulk> watch_bulk(int peer, bool send, c10::intrusive_ptr<c10d::Work> w,
+                                   at::Tensor bytes, uint64_t slot);
+  void bulk_main();
+  void stop_bulk();
 
   c10::intrusive_ptr<c10d::Backend> pg_;
   int rank_;
@@ -152,6 +174,20 @@ class GlooTransport final : public Transport {
   std::mutex close_mu_;  // with close_cv_: stop() waiting for acks (and deaths)
   std::condition_variable close_cv_;
   uint64_t frames_sent_ = 0;
+  size_t bulk_min_;
+  uint64_t bulk_started_ = 0;
+  std::vector<uint64_t> bulk_next_;  // next slot number per peer (engine lock)
+
+  // Bulk transfers in flight and their waiter threads (bulk_mu_).
+  std::mutex bulk_mu_;
+  std::condition_variable bulk_cv_;
+  std::deque<std::shared_ptr<BulkXfer>> bulk_queue_;              // not yet taken by a waiter
+  std::vector<std::shared_ptr<BulkXfer>> bulk_live_;              // all not yet finished
+  std::vector<c10::intrusive_ptr<c10d::Work>> bulk_unfinished_;   // aborted: kept, as unfinished_
+  std::vector<at::Tensor> bulk_unfinished_bytes_;                 // ... with their memory
+  std::vector<std::thread> bulk_threads_;
+  int bulk_idle_ = 0;
+  bool bulk_stop_ = false;
   std::atomic<uint64_t> closes_sent_{0};  // written by stop(), read by any thread
 
   // Sends in flight, reaped in order by reaper_.
