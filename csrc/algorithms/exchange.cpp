@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
+#include <unordered_map>
 
 #include "algorithms/reduce.h"
 #include "common/errors.h"
@@ -13,6 +15,46 @@ namespace fastcomm {
 // Streams at least this large are published before the reduce work of the same step, so the
 // peer can start on them meanwhile; smaller sends wait for the end of the progress pass.
 constexpr size_t kEarlyFlushBytes = 64 * 1024;
+
+// Fold scratch for bulk receives is recycled: a fresh megabyte buffer per op costs page
+// faults and zeroing (the allocator hands large blocks back to the kernel when they are
+// freed), which is more than the fold itself. Buffers are kept by exact size (ops repeat their
+// sizes), up to a bound in all; a buffer a transport still holds (a transfer abandoned when
+// its op failed) is not taken back. Shared by every engine thread, hence the lock.
+constexpr size_t kScratchPoolBytes = 64 << 20;
+
+struct ScratchPool {
+  std::mutex mu;
+  std::unordered_map<size_t, std::vector<at::Tensor>> free;
+  size_t bytes = 0;
+
+  at::Tensor get(size_t n) {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      auto it = free.find(n);
+      if (it != free.end() && !it->second.empty()) {
+        at::Tensor t = std::move(it->second.back());
+        it->second.pop_back();
+        bytes -= n;
+        return t;
+      }
+    }
+    return at::empty({(int64_t)n}, at::TensorOptions().dtype(at::kByte));
+  }
+  void put(at::Tensor t) {
+    if (!t.defined() || t.storage().use_count() != 1) return;
+    const size_t n = (size_t)t.numel();
+    std::lock_guard<std::mutex> lk(mu);
+    if (bytes + n > kScratchPoolBytes) return;
+    bytes += n;
+    free[n].push_back(std::move(t));
+  }
+};
+
+ScratchPool& scratch_pool() {
+  static ScratchPool* pool = new ScratchPool;  // never destroyed: used until the process exits
+  return *pool;
+}
 
 void Exchange::start(ExchangePlan plan, int rank, int size, size_t elem_size, Comm& c,
                      std::vector<at::Tensor> owners) {
@@ -125,7 +167,12 @@ bool Exchange::step(Comm& c) {
     // comes from a peer once its offer is read, and a later phase's is left where it is.)
     if (waiting) c.peek(p);
   }
-  if (finished && (!plan_.fold || folded_ == fold_total_)) done_ = true;
+  if (finished && (!plan_.fold || folded_ == fold_total_)) {
+    done_ = true;
+    for (auto& t : scratch_) scratch_pool().put(std::move(t));
+    bsend_.assign(size_, nullptr);
+    brecv_.assign(size_, nullptr);
+  }
   return any;
 }
 
@@ -157,7 +204,7 @@ void Exchange::take_offer(Comm& c, int p, const Message& m) {
                         "exchange: unexpected bulk offer from group rank ", p);
   at::Tensor dst;
   if (plan_.fold) {
-    scratch_[p] = at::empty({(int64_t)plan_.out.len}, at::TensorOptions().dtype(at::kByte));
+    scratch_[p] = scratch_pool().get(plan_.out.len);
     dst = scratch_[p];
   } else {
     dst = bytes_of(plan_.recv[p].ptr, plan_.recv[p].len);

@@ -342,9 +342,14 @@ void GlooTransport::bulk_main() {
                                  : "Gloo receive from rank " + std::to_string(x->peer) + " failed: " + err);
     lk.lock();
     bulk_live_.erase(std::remove(bulk_live_.begin(), bulk_live_.end(), x), bulk_live_.end());
-    // Aborted (peer dead, or stopping) rather than completed: Gloo may still point into the
-    // memory, so the work and the memory stay until the transport goes.
-    if (!ok) {
+    if (ok) {
+      // Gloo is done with the memory: let go of it before the op sees the transfer done (the op
+      // may recycle its scratch then, and only takes back buffers nobody else holds).
+      x->work.reset();
+      x->bytes = at::Tensor();
+    } else {
+      // Aborted (peer dead, or stopping) rather than completed: Gloo may still point into the
+      // memory, so the work and the memory stay until the transport goes.
       bulk_unfinished_.push_back(x->work);
       bulk_unfinished_bytes_.push_back(x->bytes);
     }
