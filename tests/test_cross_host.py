@@ -298,6 +298,15 @@ def test_dead_peer_on_other_host(tmp_path, how, when):
     assert res[0] is not None and res[1] is None
 
 
+@pytest.mark.parametrize("how,when", [("sigkill", "between_ops"), ("exit", "survivor_mid_op")])
+def test_dead_peer_during_bulk_transfers(tmp_path, how, when):
+    # Every span as a bulk transfer: the survivor's transfers to the dead rank fail (or are
+    # abandoned) and its op fails naming the rank, as with frames.
+    res = run(test_faults._pair_death_body, 2, how, when, str(tmp_path), op_timeout=test_faults.OP_TIMEOUT,
+              allow_fail=(1,), timeout=60, env=BULK_ENV)
+    assert res[0] is not None and res[1] is None
+
+
 def test_dead_rank_on_other_host_only_breaks_its_groups(tmp_path):
     res = run(test_faults._world4_death_body, 4, str(tmp_path), op_timeout=test_faults.OP_TIMEOUT,
               allow_fail=(3,), timeout=60)
