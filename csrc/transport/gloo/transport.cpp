@@ -36,16 +36,23 @@ constexpr int kFrameTag = 0x6663;
 // can ever be in flight between two ranks). Gloo tags are non-negative ints.
 constexpr int kBulkTagBase = 0x10000;
 constexpr uint64_t kBulkTagSpan = uint64_t(1) << 30;
-// Spans at least this large go as bulk transfers unless FASTCOMM_GLOO_BULK_BYTES says
-// otherwise (0: never). Below it, the frame path wins: a Gloo message of its own costs a
-// ready notice and two thread wake-ups, which is more than copying a small span.
-constexpr size_t kBulkMinDefault = 256 * 1024;
+// Which spans go as bulk transfers, by default. A bulk transfer saves the copies through
+// frames (CPU), but its data leaves only after the offer has reached the receiver's op and
+// the receive is posted: a few thread hand-offs that frames, whose receives are always
+// posted, do not wait for. So the choice depends on the link: while other traffic to the peer
+// is in flight (a batch, async ops), that wait hides behind it and the saved CPU is what
+// counts, from kBulkBusyMin up; on an idle link (one op at a time) the wait is the op's
+// latency, and only spans from kBulkIdleMin up, whose copies cost as much, go bulk.
+// FASTCOMM_GLOO_BULK_BYTES=N replaces both with N (0: never).
+constexpr size_t kBulkBusyMin = 256 * 1024;
+constexpr size_t kBulkIdleMin = 1024 * 1024;
 
 int bulk_tag(uint64_t slot) { return kBulkTagBase + (int)(slot % kBulkTagSpan); }
 
+// 0 when unset (the adaptive default), SIZE_MAX for "never".
 size_t bulk_min_from_env() {
   const char* e = std::getenv("FASTCOMM_GLOO_BULK_BYTES");
-  if (!e || !*e) return kBulkMinDefault;
+  if (!e || !*e) return 0;
   char* end = nullptr;
   const long long v = std::strtoll(e, &end, 10);
   TORCH_CHECK_VALUE(end && *end == '\0' && v >= 0,
@@ -196,6 +203,7 @@ bool GlooTransport::send_frame(int peer, const std::shared_ptr<GlooOutBuf>& b, u
   std::vector<at::Tensor> t{at::from_blob(b->data, {(int64_t)b->size}, [b](void*) {}, opts)};
   try {
     auto w = pg_->send(t, peer, kFrameTag);
+    peers_[peer]->frames_in_flight.fetch_add(1);
     std::lock_guard<std::mutex> lk(send_mu_);
     // Past the reaper's end nobody waits on it: it lives, unwaited, as long as the transport.
     if (reaper_done_) unfinished_.push_back(std::move(w));
@@ -259,7 +267,14 @@ void GlooTransport::pop(int peer) {
 
 bool GlooTransport::peer_alive(int peer) { return !peers_[peer]->dead.load(); }
 
-size_t GlooTransport::bulk_min(int peer) { return remote_[peer] ? bulk_min_ : SIZE_MAX; }
+size_t GlooTransport::bulk_min(int peer) {
+  if (!remote_[peer]) return SIZE_MAX;
+  if (bulk_min_ != 0) return bulk_min_;
+  Peer& p = *peers_[peer];
+  const bool busy = (p.out && p.out->size > kLenWords) || p.frames_in_flight.load() > 0 ||
+                    p.bulk_in_flight.load() > 0;
+  return busy ? kBulkBusyMin : kBulkIdleMin;
+}
 
 std::shared_ptr<Bulk> GlooTransport::send_bulk(int peer, at::Tensor bytes) {
   if (!peers_[peer]->started) connect(peer);
@@ -312,6 +327,7 @@ std::shared_ptr<Bulk> GlooTransport::watch_bulk(int peer, bool send, c10::intrus
     h->state.store(2, std::memory_order_release);
     return h;
   }
+  peers_[peer]->bulk_in_flight.fetch_add(1);
   bulk_live_.push_back(x);
   bulk_queue_.push_back(std::move(x));
   // One waiter per transfer: an idle one if there is one for it, else a new one.
@@ -340,6 +356,7 @@ void GlooTransport::bulk_main() {
     if (!ok && !err.empty() && !stop_)
       mark_dead(x->peer, x->send ? "Gloo send to rank " + std::to_string(x->peer) + " failed: " + err
                                  : "Gloo receive from rank " + std::to_string(x->peer) + " failed: " + err);
+    peers_[x->peer]->bulk_in_flight.fetch_sub(1);
     lk.lock();
     bulk_live_.erase(std::remove(bulk_live_.begin(), bulk_live_.end(), x), bulk_live_.end());
     if (ok) {
@@ -515,6 +532,7 @@ void GlooTransport::reap_main() {
     sends_.pop_front();
     // A frame to a peer already declared dead can never be delivered: drop it unwaited.
     if (peers_[f.peer]->dead) {
+      peers_[f.peer]->frames_in_flight.fetch_sub(1);
       abort_quietly(f.work);
       unfinished_.push_back(std::move(f.work));
       continue;
@@ -533,6 +551,7 @@ void GlooTransport::reap_main() {
     } catch (const std::exception& e) {
       if (!stop_) mark_dead(f.peer, "Gloo send to rank " + std::to_string(f.peer) + " failed: " + what_of(e));
     }
+    peers_[f.peer]->frames_in_flight.fetch_sub(1);
     lk.lock();
     reaping_ = InFlight{-1, {}};
     if (!sent) unfinished_.push_back(f.work);

@@ -116,6 +116,10 @@ class GlooTransport final : public Transport {
     std::shared_ptr<GlooOutBuf> out;  // records appended since the last flush
     bool dirty = false;
     bool sent_data = false;  // a data frame went to this peer (stop() waits for its ack)
+    // Traffic in flight to it (frames not yet reaped, bulk transfers not yet over): whether
+    // a bulk transfer's wait would hide behind other traffic (bulk_min()).
+    std::atomic<int> frames_in_flight{0};
+    std::atomic<int> bulk_in_flight{0};
     // Receiving side: current frame and cursor (engine lock) ...
     Frame cur;
     size_t pos = 0;
