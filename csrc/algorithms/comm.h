@@ -58,10 +58,12 @@ class Comm {
   // as one message straight from and into the op's memory instead of in pieces copied
   // through the transport's buffers. send_bulk starts the transfer and appends the offer that
   // tells `to` about it (null: no room for the offer now; retry). recv_bulk posts the receive
-  // of the transfer that `offer`, just peeked from `from`, announces (the caller pops it).
+  // of the transfer that `offer`, just peeked from `from`, announces (the caller pops it);
+  // `with` is this op's bulk send to `from`, if any (the transport may wait on both at once).
   virtual size_t bulk_min(int to) = 0;
   virtual std::shared_ptr<Bulk> send_bulk(int to, uint32_t tag, at::Tensor bytes) = 0;
-  virtual std::shared_ptr<Bulk> recv_bulk(int from, const Message& offer, at::Tensor bytes) = 0;
+  virtual std::shared_ptr<Bulk> recv_bulk(int from, const Message& offer, at::Tensor bytes,
+                                          Bulk* with) = 0;
 };
 
 }  // namespace fastcomm

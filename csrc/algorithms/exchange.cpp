@@ -209,7 +209,7 @@ void Exchange::take_offer(Comm& c, int p, const Message& m) {
   } else {
     dst = bytes_of(plan_.recv[p].ptr, plan_.recv[p].len);
   }
-  brecv_[p] = c.recv_bulk(p, m, std::move(dst));
+  brecv_[p] = c.recv_bulk(p, m, std::move(dst), bsend_[p].get());
   c.pop(p);
   recvd_[p] = recv_total_[p];  // every piece of the span comes in this one transfer
 }

@@ -77,7 +77,7 @@ class OpComm final : public Comm {
   }
   size_t bulk_min(int to) override {
     const int peer = g_.ranks[to];
-    return e_.transport_of(peer)->bulk_min(peer);
+    return e_.transport_of(peer)->bulk_min(peer, e_.more_ops_in_flight());
   }
   std::shared_ptr<Bulk> send_bulk(int to, uint32_t tag, at::Tensor bytes) override {
     const int peer = g_.ranks[to];
@@ -93,7 +93,7 @@ class OpComm final : public Comm {
     TORCH_INTERNAL_ASSERT(e_.send_for(g_, p_, peer, h, &offer), "no room for a bulk offer");
     return b;
   }
-  std::shared_ptr<Bulk> recv_bulk(int from, const Message& m, at::Tensor bytes) override {
+  std::shared_ptr<Bulk> recv_bulk(int from, const Message& m, at::Tensor bytes, Bulk* with) override {
     const int peer = g_.ranks[from];
     BulkOffer offer;
     if (m.hdr.len != sizeof(offer)) throw_comm_error("fastcomm: malformed bulk offer from rank " + std::to_string(peer));
@@ -103,7 +103,7 @@ class OpComm final : public Comm {
                        std::to_string(offer.bytes) + " bytes for op #" + std::to_string(p_.seq) +
                        " of group " + g_.label + ", this rank expects " +
                        std::to_string(bytes.numel()));
-    auto b = e_.transport_of(peer)->recv_bulk(peer, offer.slot, std::move(bytes));
+    auto b = e_.transport_of(peer)->recv_bulk(peer, offer.slot, std::move(bytes), with);
     TORCH_INTERNAL_ASSERT(b, "bulk offer from a peer whose transport has no bulk transfers");
     return b;
   }
@@ -507,7 +507,9 @@ c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared> ops, bool async_op) 
       }
     }
     // Eager first step: small ops' sends leave now, before the caller even waits.
+    posting_batch_ = ops.size() > 1;
     progress_locked(done);
+    posting_batch_ = false;
   }
   finish(done);
   if (async_op && !work->done()) ensure_bg_thread();

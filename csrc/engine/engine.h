@@ -146,6 +146,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void pop_for(GroupState& g, Pending& p, int peer);
   bool send_for(GroupState& g, Pending& p, int peer, const Header& h, const void* data);
   Transport* transport_of(int peer) { return transport_for(peer); }
+  // Whether other ops run alongside the one being stepped (a batch being posted, or several
+  // async ops pending): the transports' hint that a link will be busy (Transport::bulk_min).
+  bool more_ops_in_flight() const { return posting_batch_ || pending_async_.load() > 1; }
   void flush_sends() {
     shm_->flush();
     if (gloo_) gloo_->flush();
@@ -214,6 +217,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   std::atomic<bool> shut_down_{false};
   std::atomic<int> pending_async_{0};
+  bool posting_batch_ = false;  // the eager pass of a post() of several ops is running (mu_)
   std::atomic<int> fg_drivers_{0};
   std::mutex bg_mu_;
   std::condition_variable bg_cv_;

@@ -50,6 +50,7 @@ struct BulkOffer {
 // side learns completion from done(); the transport's threads set it and ring the doorbell.
 // The handle keeps the memory it reads or writes alive until the transfer is over.
 struct Bulk {
+  virtual ~Bulk() = default;  // a transport's own record of the transfer derives from it
   uint64_t slot = 0;
   std::atomic<int> state{0};  // 0: in flight, 1: done, 2: failed (the peer is declared dead)
   bool done() const { return state.load(std::memory_order_acquire) == 1; }
@@ -83,11 +84,15 @@ class Transport {
   virtual bool peer_alive(int peer) = 0;
 
   // Bulk transfers (see Bulk). Spans of at least bulk_min(peer) bytes may go this way;
-  // SIZE_MAX (the default) means never. `bytes` is a byte tensor over the span whose deleter
-  // keeps the span's owner alive.
-  virtual size_t bulk_min(int /*peer*/) { return SIZE_MAX; }
+  // SIZE_MAX (the default) means never. `more_ops`: the engine has other ops in flight
+  // besides the one asking, so the link to the peer is likely busy. `bytes` is a byte tensor
+  // over the span whose deleter keeps the span's owner alive.
+  virtual size_t bulk_min(int /*peer*/, bool /*more_ops*/) { return SIZE_MAX; }
   virtual std::shared_ptr<Bulk> send_bulk(int /*peer*/, at::Tensor /*bytes*/) { return nullptr; }
-  virtual std::shared_ptr<Bulk> recv_bulk(int /*peer*/, uint64_t /*slot*/, at::Tensor /*bytes*/) {
+  // `with`: a transfer of the same op with the same peer that this one may be waited on
+  // together with (the op needs both before it moves on), or null.
+  virtual std::shared_ptr<Bulk> recv_bulk(int /*peer*/, uint64_t /*slot*/, at::Tensor /*bytes*/,
+                                          Bulk* /*with*/) {
     return nullptr;
   }
 };

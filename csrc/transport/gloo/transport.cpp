@@ -96,12 +96,15 @@ struct GlooOutPool {
 
 // A bulk transfer in flight: the handle the op polls, and what Gloo needs kept alive (its work,
 // and the tensor over the memory it reads or writes).
-struct GlooTransport::BulkXfer {
-  std::shared_ptr<Bulk> handle;
+struct GlooTransport::BulkXfer : Bulk {
   int peer = -1;
   bool send = false;
   c10::intrusive_ptr<c10d::Work> work;
   at::Tensor bytes;
+  // Under bulk_mu_: transfers to wait on right after this one, by the same thread, and
+  // whether that thread has already moved on (then a transfer cannot join it any more).
+  std::deque<std::shared_ptr<BulkXfer>> then;
+  bool waiter_left = false;
 };
 
 GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> pg, int rank, int world_size,
@@ -267,12 +270,14 @@ void GlooTransport::pop(int peer) {
 
 bool GlooTransport::peer_alive(int peer) { return !peers_[peer]->dead.load(); }
 
-size_t GlooTransport::bulk_min(int peer) {
+size_t GlooTransport::bulk_min(int peer, bool more_ops) {
   if (!remote_[peer]) return SIZE_MAX;
   if (bulk_min_ != 0) return bulk_min_;
-  Peer& p = *peers_[peer];
-  const bool busy = (p.out && p.out->size > kLenWords) || p.frames_in_flight.load() > 0 ||
-                    p.bulk_in_flight.load() > 0;
+  // Busy: other ops go along with this one, or earlier traffic to the peer is still in
+  // flight. (Not this pass's unsent frame: in a batch, the first op's bytes would then go as
+  // a frame that the later ops' offers queue behind.)
+  const Peer& p = *peers_[peer];
+  const bool busy = more_ops || p.frames_in_flight.load() > 0 || p.bulk_in_flight.load() > 0;
   return busy ? kBulkBusyMin : kBulkIdleMin;
 }
 
@@ -288,10 +293,10 @@ std::shared_ptr<Bulk> GlooTransport::send_bulk(int peer, at::Tensor bytes) {
       mark_dead(peer, "Gloo send failed: " + what_of(e));
     }
   }
-  return watch_bulk(peer, true, std::move(w), std::move(bytes), slot);
+  return watch_bulk(peer, true, std::move(w), std::move(bytes), slot, nullptr);
 }
 
-std::shared_ptr<Bulk> GlooTransport::recv_bulk(int peer, uint64_t slot, at::Tensor bytes) {
+std::shared_ptr<Bulk> GlooTransport::recv_bulk(int peer, uint64_t slot, at::Tensor bytes, Bulk* with) {
   c10::intrusive_ptr<c10d::Work> w;
   if (!stop_ && !peers_[peer]->dead) {
     try {
@@ -301,39 +306,55 @@ std::shared_ptr<Bulk> GlooTransport::recv_bulk(int peer, uint64_t slot, at::Tens
       mark_dead(peer, "Gloo receive from rank " + std::to_string(peer) + " failed: " + what_of(e));
     }
   }
-  return watch_bulk(peer, false, std::move(w), std::move(bytes), slot);
+  return watch_bulk(peer, false, std::move(w), std::move(bytes), slot, with);
 }
 
 std::shared_ptr<Bulk> GlooTransport::watch_bulk(int peer, bool send, c10::intrusive_ptr<c10d::Work> w,
-                                                at::Tensor bytes, uint64_t slot) {
+                                                at::Tensor bytes, uint64_t slot, Bulk* with) {
   auto x = std::make_shared<BulkXfer>();
-  x->handle = std::make_shared<Bulk>();
-  x->handle->slot = slot;
+  x->slot = slot;
   x->peer = peer;
   x->send = send;
   x->work = std::move(w);
   x->bytes = std::move(bytes);
-  auto h = x->handle;
   if (!x->work) {  // never started: the peer is dead (the engine fails the op) or we are stopping
-    h->state.store(2, std::memory_order_release);
-    return h;
+    x->state.store(2, std::memory_order_release);
+    return x;
   }
   ++bulk_started_;
   std::lock_guard<std::mutex> lk(bulk_mu_);
   if (bulk_stop_) {
     abort_quietly(x->work);
-    bulk_unfinished_.push_back(x->work);
-    bulk_unfinished_bytes_.push_back(x->bytes);
-    h->state.store(2, std::memory_order_release);
-    return h;
+    settle_bulk(*x, false);
+    return x;
   }
   peers_[peer]->bulk_in_flight.fetch_add(1);
   bulk_live_.push_back(x);
-  bulk_queue_.push_back(std::move(x));
+  auto* joint = dynamic_cast<BulkXfer*>(with);
+  if (joint && joint->peer == peer && !joint->waiter_left) {
+    joint->then.push_back(x);
+    return x;
+  }
+  bulk_queue_.push_back(x);
   // One waiter per transfer: an idle one if there is one for it, else a new one.
   if (bulk_idle_ < (int)bulk_queue_.size()) bulk_threads_.emplace_back([this] { bulk_main(); });
   else bulk_cv_.notify_one();
-  return h;
+  return x;
+}
+
+void GlooTransport::settle_bulk(BulkXfer& x, bool ok) {
+  if (ok) {
+    // Gloo is done with the memory: let go of it before the op sees the transfer done (the op
+    // may recycle its scratch then, and only takes back buffers nobody else holds).
+    x.work.reset();
+    x.bytes = at::Tensor();
+  } else {
+    // Aborted (peer dead, or stopping) rather than completed: Gloo may still point into the
+    // memory, so the work and the memory stay until the transport goes.
+    bulk_unfinished_.push_back(x.work);
+    bulk_unfinished_bytes_.push_back(x.bytes);
+  }
+  x.state.store(ok ? 1 : 2, std::memory_order_release);
 }
 
 void GlooTransport::bulk_main() {
@@ -345,35 +366,33 @@ void GlooTransport::bulk_main() {
     if (bulk_queue_.empty()) return;  // stopping, nothing left to wait on
     std::shared_ptr<BulkXfer> x = std::move(bulk_queue_.front());
     bulk_queue_.pop_front();
-    lk.unlock();
-    bool ok = false;
-    std::string err;
-    try {
-      ok = x->work->wait();
-    } catch (const std::exception& e) {
-      err = what_of(e);
+    while (x) {
+      lk.unlock();
+      bool ok = false;
+      std::string err;
+      try {
+        ok = x->work->wait();
+      } catch (const std::exception& e) {
+        err = what_of(e);
+      }
+      if (!ok && !err.empty() && !stop_)
+        mark_dead(x->peer, x->send ? "Gloo send to rank " + std::to_string(x->peer) + " failed: " + err
+                                   : "Gloo receive from rank " + std::to_string(x->peer) + " failed: " + err);
+      peers_[x->peer]->bulk_in_flight.fetch_sub(1);
+      lk.lock();
+      bulk_live_.erase(std::remove(bulk_live_.begin(), bulk_live_.end(), x), bulk_live_.end());
+      settle_bulk(*x, ok);
+      std::shared_ptr<BulkXfer> next;
+      if (!x->then.empty()) {
+        next = std::move(x->then.front());
+        x->then.pop_front();
+        next->then = std::move(x->then);  // (a later joiner would have joined x: keep the order)
+      }
+      x->waiter_left = true;
+      x = std::move(next);
     }
-    if (!ok && !err.empty() && !stop_)
-      mark_dead(x->peer, x->send ? "Gloo send to rank " + std::to_string(x->peer) + " failed: " + err
-                                 : "Gloo receive from rank " + std::to_string(x->peer) + " failed: " + err);
-    peers_[x->peer]->bulk_in_flight.fetch_sub(1);
-    lk.lock();
-    bulk_live_.erase(std::remove(bulk_live_.begin(), bulk_live_.end(), x), bulk_live_.end());
-    if (ok) {
-      // Gloo is done with the memory: let go of it before the op sees the transfer done (the op
-      // may recycle its scratch then, and only takes back buffers nobody else holds).
-      x->work.reset();
-      x->bytes = at::Tensor();
-    } else {
-      // Aborted (peer dead, or stopping) rather than completed: Gloo may still point into the
-      // memory, so the work and the memory stay until the transport goes.
-      bulk_unfinished_.push_back(x->work);
-      bulk_unfinished_bytes_.push_back(x->bytes);
-    }
-    x->handle->state.store(ok ? 1 : 2, std::memory_order_release);
-    x.reset();
     lk.unlock();
-    bell_.ring();
+    bell_.ring();  // once per chain: the op moves on only once all of it is over
     lk.lock();
   }
 }

@@ -36,7 +36,10 @@
 // on transfers in order would make one op's completion wait on another's (a send completes
 // only once the peer's op posts its receive, which may depend on this rank finishing an op
 // whose transfer is queued behind), so each transfer in flight is waited on by its own thread,
-// from a pool that grows to the number in flight and is reused.
+// from a pool that grows to the number in flight and is reused. The exception: an op's
+// receive from a peer it also sends to is waited on by the thread that waits on that send,
+// right after it (the op needs both, so nothing waits longer for it), which saves a thread
+// wake-up and a doorbell ring per op.
 //
 // Receiving: Gloo has no way to poll a receive without blocking, so each remote peer in use
 // gets one thread that keeps the window posted, moves completed frames into an inbox and rings
@@ -84,9 +87,9 @@ class GlooTransport final : public Transport {
   const Message* peek(int peer) override;
   void pop(int peer) override;
   bool peer_alive(int peer) override;
-  size_t bulk_min(int peer) override;
+  size_t bulk_min(int peer, bool more_ops) override;
   std::shared_ptr<Bulk> send_bulk(int peer, at::Tensor bytes) override;
-  std::shared_ptr<Bulk> recv_bulk(int peer, uint64_t slot, at::Tensor bytes) override;
+  std::shared_ptr<Bulk> recv_bulk(int peer, uint64_t slot, at::Tensor bytes, Bulk* with) override;
 
   // Starts the receiver for `peer` if it has none yet (called when a group with it is made).
   void connect(int peer);
@@ -157,7 +160,9 @@ class GlooTransport final : public Transport {
   struct BulkXfer;
   // Hands a started transfer to a waiter thread (starting one if none is idle).
   std::shared_ptr<Bulk> watch_bulk(int peer, bool send, c10::intrusive_ptr<c10d::Work> w,
-                                   at::Tensor bytes, uint64_t slot);
+                                   at::Tensor bytes, uint64_t slot, Bulk* with);
+  // Records how a transfer ended, under bulk_mu_.
+  void settle_bulk(BulkXfer& x, bool ok);
   void bulk_main();
   void stop_bulk();
 
