@@ -18,9 +18,10 @@ TCP costs much less than between two machines (no cross-CPU wake-ups, data still
 ``pairs`` forces that case (both members of a pair on one CPU), to show its effect.
 
 Reported: the median over timed steps of the step time divided by the ops in it (µs per op),
-max over ranks, then the median over --repeat launches (fresh processes each). Every loop is
-followed by a checked op, so a wrong result fails the run instead of being timed. Usage, from
-the repository root:
+max over ranks, then the median over --repeat launches (fresh processes each). The launches of
+torch Gloo and fastcomm alternate, so a slow spell of a shared machine hits both alike, and a
+batched loop times at least MIN_BATCHED_STEPS steps. Every loop is followed by a checked op, so
+a wrong result fails the run instead of being timed. Usage, from the repository root:
 
     python benchmarks/cross_host.py [--pairs 1 2] [--sizes 100 2500 262144] [--k 8]
                                     [--iters 300] [--repeat 3] [--placement hosts|free|pairs]
@@ -98,6 +99,14 @@ def _run_steps(all_reduce, groups, numel, rank, iters, warmup, batch=None, async
     return statistics.median(per)
 
 
+# Fewest timed steps of a batched loop (a median of a handful of steps is mostly noise).
+MIN_BATCHED_STEPS = 20
+
+
+def _batched_steps(iters, k):
+    return max(MIN_BATCHED_STEPS, iters // k)
+
+
 def _gloo_body(store, rank, world, numel, k, iters, warmup, placement):
     _place(rank, placement)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=STORE_TIMEOUT)
@@ -106,7 +115,7 @@ def _gloo_body(store, rank, world, numel, k, iters, warmup, placement):
         pairs = [[dist.new_group([2 * i, 2 * i + 1]) for _ in range(k)] for i in range(world // 2)]
         mine = pairs[rank // 2]
         single = _run_steps(dist.all_reduce, mine[:1], numel, rank, iters, warmup)
-        batched = _run_steps(dist.all_reduce, mine, numel, rank, max(1, iters // k), warmup,
+        batched = _run_steps(dist.all_reduce, mine, numel, rank, _batched_steps(iters, k), warmup,
                              async_wait=True)
         dist.barrier()
         return single, batched
@@ -124,7 +133,7 @@ def _fastcomm_body(store, rank, world, numel, k, iters, warmup, placement):
         lo = 2 * (rank // 2)
         mine = fc.new_groups([[lo, lo + 1]] * k)  # only the two members call this
         single = _run_steps(fc.all_reduce, mine[:1], numel, rank, iters, warmup)
-        batched = _run_steps(fc.all_reduce, mine, numel, rank, max(1, iters // k), warmup,
+        batched = _run_steps(fc.all_reduce, mine, numel, rank, _batched_steps(iters, k), warmup,
                              batch=fc.batch)
         fc.barrier()
         return single, batched
@@ -135,17 +144,31 @@ def _fastcomm_body(store, rank, world, numel, k, iters, warmup, placement):
 BODIES = {"torch Gloo": _gloo_body, "fastcomm": _fastcomm_body}
 
 
-def measure(body, world, numel, k, iters, repeat, placement):
-    singles, batches = [], []
+def measure(world, numel, k, iters, repeat, placement, failures):
+    """Every body of BODIES, `repeat` launches each, alternating; a body whose launch fails
+    gets None (and a line in `failures`)."""
+    runs = {name: ([], []) for name in BODIES}
     for _ in range(repeat):
-        # Hard limit per launch: generous for the slowest cell (torch Gloo, 256 KiB x k ops per
-        # step on an oversubscribed machine), short of letting a hang stall the run.
-        res = run_job(body, world, numel, k, iters, max(5, iters // 10), placement, timeout=600)
-        singles.append(max(r[0] for r in res))
-        batches.append(max(r[1] for r in res))
-    return {"single_us": statistics.median(singles) * 1e6,
-            "batched_us": statistics.median(batches) * 1e6,
-            "single_runs_us": [x * 1e6 for x in singles], "batched_runs_us": [x * 1e6 for x in batches]}
+        for name, body in BODIES.items():
+            if runs[name] is None:
+                continue
+            try:
+                # Hard limit per launch: generous for the slowest cell (torch Gloo, 256 KiB x k
+                # ops per step on an oversubscribed machine), short of letting a hang stall the run.
+                res = run_job(body, world, numel, k, iters, max(5, iters // 10), placement,
+                              timeout=600)
+            except JobError as e:
+                runs[name] = None
+                failures.append(f"{name}, {world // 2} pair(s), {numel} elements: {e}")
+                continue
+            runs[name][0].append(max(r[0] for r in res))
+            runs[name][1].append(max(r[1] for r in res))
+    out = {}
+    for name, r in runs.items():
+        out[name] = None if r is None else {
+            "single_us": statistics.median(r[0]) * 1e6, "batched_us": statistics.median(r[1]) * 1e6,
+            "single_runs_us": [x * 1e6 for x in r[0]], "batched_runs_us": [x * 1e6 for x in r[1]]}
+    return out
 
 
 def write_plot(path, results):
@@ -197,7 +220,8 @@ def main():
     print(f"- hosts simulated on this machine (FASTCOMM_HOST_ID), TCP over loopback; placement: "
           f"{where}")
     print(f"- float32 all_reduce, median µs per op over the timed steps (max over ranks), median "
-          f"of {args.repeat} launch(es); batched = {args.k} groups over the same pair per step\n",
+          f"of {args.repeat} launch(es), torch Gloo and fastcomm launches alternating; batched = "
+          f"{args.k} groups over the same pair per step, at least {MIN_BATCHED_STEPS} steps\n",
           flush=True)
     results = {"command": sys.argv, "placement": args.placement, "k": args.k,
                "pairs": args.pairs, "cells": []}
@@ -205,14 +229,9 @@ def main():
     for P in args.pairs:
         for n in args.sizes:
             iters = args.iters if n * 4 <= 65536 else max(20, args.iters // 10)
-            cell = {"pairs": P, "bytes": 4 * n, "iters": iters}
-            for name, body in BODIES.items():
-                try:
-                    cell[name] = measure(body, 2 * P, n, args.k, iters, args.repeat,
-                                         args.placement)
-                except JobError as e:
-                    cell[name] = None
-                    failures.append(f"{name}, {P} pair(s), {n} elements: {e}")
+            cell = {"pairs": P, "bytes": 4 * n, "iters": iters,
+                    "batched_steps": _batched_steps(iters, args.k)}
+            cell.update(measure(2 * P, n, args.k, iters, args.repeat, args.placement, failures))
             results["cells"].append(cell)
             g, f = cell["torch Gloo"], cell["fastcomm"]
 

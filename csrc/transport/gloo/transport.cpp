@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -358,6 +360,7 @@ void GlooTransport::settle_bulk(BulkXfer& x, bool ok) {
 }
 
 void GlooTransport::bulk_main() {
+  pthread_setname_np(pthread_self(), "fc_gloo_bulk");
   std::unique_lock<std::mutex> lk(bulk_mu_);
   for (;;) {
     ++bulk_idle_;
@@ -452,6 +455,7 @@ c10::intrusive_ptr<c10d::Work> GlooTransport::post_recv(int peer, at::Tensor& t,
 }
 
 void GlooTransport::recv_main(int peer) {
+  pthread_setname_np(pthread_self(), "fc_gloo_recv");
   Peer& p = *peers_[peer];
   auto opts = at::TensorOptions().dtype(at::kByte);
   std::deque<std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>>> window;
@@ -543,6 +547,7 @@ void GlooTransport::recv_main(int peer) {
 }
 
 void GlooTransport::reap_main() {
+  pthread_setname_np(pthread_self(), "fc_gloo_reap");
   std::unique_lock<std::mutex> lk(send_mu_);
   for (;;) {
     send_cv_.wait(lk, [&] { return stop_ || !sends_.empty(); });
