@@ -204,6 +204,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::gil_scoped_release nogil;  // takes the engine lock
         return e.gloo_bulk_started();
       })
+      .def_property_readonly("gloo_bulk_live", [](Engine& e) {
+        py::gil_scoped_release nogil;  // takes the engine lock
+        return e.gloo_bulk_live();
+      })
       .def_property_readonly("gloo_closes_sent", [](Engine& e) {
         py::gil_scoped_release nogil;  // takes the engine lock
         return e.gloo_closes_sent();

@@ -35,6 +35,7 @@ import test_batch
 import test_collectives as tc
 import test_errors
 import test_faults
+from _helpers import expect
 
 import fastcomm as fc
 
@@ -103,6 +104,59 @@ BULK_ENV = {**RING_ENV, "FASTCOMM_GLOO_BULK_BYTES": "1"}
 def test_collectives_sweep_as_bulk_transfers(shape, hosts):
     results = run(tc._sweep_body, 4, shape, tc.SIZES + [tc.BIG], 8, hosts=hosts, env=BULK_ENV)
     tc.check_members_identical(results)
+
+
+def test_reduce_scatter_and_all_gather_phases_in_different_forms():
+    # 1001 float32 over four hosts: chunks of 1000 and 1004 bytes. With the threshold at 1004,
+    # a rank sends some chunks as bulk transfers and others as pieces, and the two phases of
+    # one all_reduce use different forms between the same two ranks (a peer's next-phase offer
+    # may arrive while this rank still folds the current phase).
+    results = run(tc._rsag_body, 4, "world", [1001, 1001, 1001], ["SUM", "MAX"], ["float32"],
+                  hosts=EVERY, env={**RING_ENV, "FASTCOMM_RSAG_THRESHOLD": "1024",
+                                    "FASTCOMM_GLOO_BULK_BYTES": "1004"})
+    tc.check_members_identical(results)
+
+
+def _mismatch_drains_body(rank, world):
+    """A mismatched collective whose spans go as bulk transfers: each rank drops the peer's
+    offer unused, and must still receive its transfer (into nothing), or the peer's send would
+    stay posted for good. Then the group works, and no transfer is left."""
+    from fastcomm import _state
+
+    e = _state._engine
+    g = fc.new_group([0, 1])
+    n = 50_000 + rank  # numel differs
+    msg = expect(dist.DistBackendError, lambda: fc.all_reduce(torch.ones(n), group=g),
+                             f"rank {rank}", "mismatch")
+    t = torch.full((20_000,), float(rank + 1))
+    fc.all_reduce(t, group=g)
+    assert torch.equal(t, torch.full((20_000,), 3.0)), t[:4]
+    deadline = time.monotonic() + 30  # a bound on a hang, not a measurement
+    while e.gloo_bulk_live and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return msg, e.gloo_bulk_live
+
+
+def test_unused_bulk_offers_are_drained():
+    res = run(_mismatch_drains_body, 2, hosts=["A", "B"], env=BULK_ENV)
+    for rank, (msg, live) in enumerate(res):
+        assert live == 0, f"rank {rank}: {live} bulk transfer(s) left posted after the mismatch"
+
+
+def _send_both_ways_body(rank, world, n):
+    """Both ranks send a large tensor, then both receive: a send must complete without the
+    receiver having posted its receive (as with torch.distributed's isend + buffering), so
+    point-to-point never goes as a bulk transfer."""
+    peer = 1 - rank
+    fc.send(torch.full((n,), float(rank + 1)), dst=peer)
+    got = torch.empty(n)
+    fc.recv(got, src=peer)
+    assert torch.equal(got, torch.full((n,), float(peer + 1))), got[:4]
+    return True
+
+
+def test_send_then_recv_both_ways_with_bulk_on():
+    run(_send_both_ways_body, 2, 300_001, hosts=["A", "B"], env=BULK_ENV, timeout=60)
 
 
 def test_all_reduce_every_op_and_dtype_as_bulk_transfers():

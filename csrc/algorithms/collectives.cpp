@@ -241,6 +241,7 @@ std::unique_ptr<Op> make_p2p(const at::Tensor& t, bool sending, int peer_rank, i
   return std::make_unique<PhasedOp>(d, std::vector<at::Tensor>{t}, std::vector<at::Tensor>{}, rank, 2, 1,
       t.element_size(), [=](int) {
         ExchangePlan p = blank_plan(2);
+        p.bulk = false;
         if (sending) p.send[peer_rank] = Span::of(base, len);
         else p.recv[peer_rank] = Span::of(base, len);
         return p;

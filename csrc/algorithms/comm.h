@@ -53,6 +53,9 @@ class Comm {
   // sender issued a different collective or aborted this op.
   virtual const Message* peek(int from) = 0;
   virtual void pop(int from) = 0;
+  // Throws CommError if this op's next message from `from` is already here and is an abort or
+  // a mismatch; reads past nothing (unlike peek, which may set other ops' messages aside).
+  virtual void check_abort(int from) = 0;
 
   // Bulk transfers (transport/transport.h): a span of at least bulk_min(to) bytes may travel
   // as one message straight from and into the op's memory instead of in pieces copied

@@ -42,7 +42,7 @@ struct ScratchPool {
     return at::empty({(int64_t)n}, at::TensorOptions().dtype(at::kByte));
   }
   void put(at::Tensor t) {
-    if (!t.defined() || t.storage().use_count() != 1) return;
+    if (!t.defined() || t.use_count() != 1 || t.storage().use_count() != 1) return;
     const size_t n = (size_t)t.numel();
     std::lock_guard<std::mutex> lk(mu);
     if (bytes + n > kScratchPoolBytes) return;
@@ -63,7 +63,9 @@ void Exchange::start(ExchangePlan plan, int rank, int size, size_t elem_size, Co
   size_ = size;
   es_ = std::max<size_t>(1, elem_size);
   piece_ = std::max(es_, (c.max_payload() / es_) * es_);
-  owners_ = std::move(owners);
+  owners_.clear();
+  for (const auto& t : owners)
+    if (t.defined() && t.has_storage()) owners_.push_back(t.storage());
   sent_.assign(size, 0);
   recvd_.assign(size, 0);
   send_total_.assign(size, 0);
@@ -76,7 +78,7 @@ void Exchange::start(ExchangePlan plan, int rank, int size, size_t elem_size, Co
     if (p == rank) continue;
     const Span& s = plan_.send[p];
     if (s.active) {
-      bulk_send_[p] = s.len > 0 && s.len >= c.bulk_min(p);
+      bulk_send_[p] = plan_.bulk && s.len > 0 && s.len >= c.bulk_min(p);
       send_total_[p] = bulk_send_[p] ? 1 : pieces(s.len);  // a bulk span: one offer
     }
     if (plan_.recv[p].active) recv_total_[p] = pieces(plan_.fold ? plan_.out.len : plan_.recv[p].len);
@@ -163,9 +165,9 @@ bool Exchange::step(Comm& c) {
     finished = finished && !waiting && sent_[p] == send_total_[p] &&
                (plan_.fold || recvd_[p] == recv_total_[p]);
     // A peer whose op failed never posts the receive of our bulk send; it tells us in an abort
-    // message, which peek() turns into this op's error. (No other message of this exchange
-    // comes from a peer once its offer is read, and a later phase's is left where it is.)
-    if (waiting) c.peek(p);
+    // message, which check_abort() turns into this op's error. (No other message of this
+    // exchange comes from a peer once its offer is read, and a later phase's is left alone.)
+    if (waiting) c.check_abort(p);
   }
   if (finished && (!plan_.fold || folded_ == fold_total_)) {
     done_ = true;
@@ -185,13 +187,15 @@ at::Tensor Exchange::bytes_of(uint8_t* p, size_t n) const {
 
 // Posts the receive of every bulk transfer a peer has offered for this exchange, as soon as
 // its offer is here: all of them are then on the wire at once, whatever order the fold (or
-// copy) uses them in. An offer is always a peer's only message in an exchange.
+// copy) uses them in. An offer is always a peer's only message in an exchange, so only peers
+// that sent nothing yet are looked at (a peer done with this exchange may already have sent
+// the next phase's offer, with another tag, which is left for that phase).
 bool Exchange::post_bulk_recvs(Comm& c) {
   bool any = false;
   for (int p = 0; p < size_; ++p) {
     if (p == rank_ || brecv_[p] || recvd_[p] != 0 || recv_total_[p] == 0) continue;
     const Message* m = c.peek(p);
-    if (m != nullptr && (m->hdr.flags & kMsgBulk)) {
+    if (m != nullptr && (m->hdr.flags & kMsgBulk) && m->hdr.tag == plan_.tag) {
       take_offer(c, p, *m);
       any = true;
     }
@@ -255,6 +259,7 @@ bool Exchange::fold_piece(Comm& c) {
                           "exchange: unexpected piece from group rank ", r, " in a fold");
     fold_from(m->data, acc, n);
     c.pop(r);
+    ++recvd_[r];  // (only post_bulk_recvs reads it in a fold: this peer sends pieces)
   }
   if (acc != out) std::memcpy(out, acc, len);
   if (plan_.op == c10d::ReduceOp::AVG) divide_by(out, n, plan_.dtype, plan_.avg_divisor);

@@ -50,6 +50,10 @@ struct ExchangePlan {
   c10d::ReduceOp::RedOpType op = c10d::ReduceOp::SUM;
   int avg_divisor = 1;  // AVG: divide each folded piece by this
   uint32_t tag = 0;     // distinguishes the exchanges of one multi-phase op
+  // Bulk transfers allowed. Not for point-to-point: a bulk send completes only once the
+  // receiver has posted its receive, and a send must be able to complete on its own (two
+  // ranks that both send, then both receive, must not deadlock), as it does through frames.
+  bool bulk = true;
 };
 
 class Exchange {
@@ -82,7 +86,9 @@ class Exchange {
   std::vector<char> bulk_send_;
   std::vector<std::shared_ptr<Bulk>> bsend_, brecv_;
   std::vector<at::Tensor> scratch_;
-  std::vector<at::Tensor> owners_;
+  // The storages the spans point into (not the tensors: a tensor can be given new storage,
+  // say by set_(), while a transfer still uses the old one).
+  std::vector<c10::Storage> owners_;
 };
 
 }  // namespace fastcomm

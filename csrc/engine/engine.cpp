@@ -110,7 +110,18 @@ class OpComm final : public Comm {
   void flush() override { e_.flush_sends(); }
   const Message* peek(int from) override {
     const int peer = g_.ranks[from];
-    const Message* m = e_.peek_for(g_, p_, peer);
+    return checked(peer, e_.peek_for(g_, p_, peer));
+  }
+  void check_abort(int from) override {
+    const int peer = g_.ranks[from];
+    checked(peer, e_.peek_for(g_, p_, peer, /*scan=*/false));
+  }
+  void pop(int from) override { e_.pop_for(g_, p_, g_.ranks[from]); }
+
+ private:
+  // `m` (this op's next message from `peer`, or null) if it agrees with this op; otherwise the
+  // op's error, the message dropped (an offer in it drained).
+  const Message* checked(int peer, const Message* m) {
     if (m == nullptr) return nullptr;
     const OpDesc& d = p_.op->desc();
     const Header& h = m->hdr;
@@ -127,13 +138,11 @@ class OpComm final : public Comm {
     } else {
       return m;
     }
-    e_.pop_for(g_, p_, peer);
+    e_.pop_for(g_, p_, peer, /*discard=*/true);
     throw_comm_error("fastcomm: rank " + std::to_string(g_.ranks[g_.rank]) + ", group " + g_.label +
                      ": " + err);
   }
-  void pop(int from) override { e_.pop_for(g_, p_, g_.ranks[from]); }
 
- private:
   Header header(uint64_t offset, uint32_t tag, uint32_t len) const {
     const OpDesc& d = p_.op->desc();
     Header h;
@@ -223,6 +232,11 @@ uint64_t Engine::gloo_frames_sent() {
 uint64_t Engine::gloo_bulk_started() {
   std::lock_guard<std::mutex> lk(mu_);
   return gloo_ ? gloo_->bulk_started() : 0;
+}
+
+uint64_t Engine::gloo_bulk_live() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return gloo_ ? gloo_->bulk_live() : 0;
 }
 
 uint64_t Engine::gloo_closes_sent() {
@@ -519,7 +533,7 @@ c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared> ops, bool async_op) 
 // ---------------------------------------------------------------------------------------------
 // Message routing
 
-const Message* Engine::peek_for(GroupState& g, Pending& p, int peer) {
+const Message* Engine::peek_for(GroupState& g, Pending& p, int peer, bool scan) {
   if (stash_msgs_) {
     auto it = stash_.find(StashKey{g.id, p.seq, peer});
     if (it != stash_.end() && !it->second.empty()) return &it->second.front().msg;
@@ -527,9 +541,10 @@ const Message* Engine::peek_for(GroupState& g, Pending& p, int peer) {
   Transport* tr = transport_for(peer);
   while (const Message* m = tr->peek(peer)) {
     if (m->hdr.group == g.id && m->hdr.seq == p.seq) return m;
+    if (!scan) return nullptr;
     auto git = groups_.find(m->hdr.group);
     if (git != groups_.end() && m->hdr.seq < git->second->head_seq) {
-      tr->pop(peer);  // left over from an op that already finished or failed here
+      discard_locked(tr, peer, *m);  // left over from an op that already finished or failed here
       continue;
     }
     // Another op's message in front of ours: keep a copy and read on.
@@ -545,17 +560,43 @@ const Message* Engine::peek_for(GroupState& g, Pending& p, int peer) {
   return nullptr;
 }
 
-void Engine::pop_for(GroupState& g, Pending& p, int peer) {
+void Engine::discard_locked(Transport* tr, int peer, const Message& m) {
+  // An offer nobody will take: its sender's transfer waits for a receive (Gloo cannot cancel
+  // it), holding the sender's memory and a thread, so it is received into nothing.
+  if (m.hdr.flags & kMsgBulk) tr->drain_bulk(peer, m);
+  tr->pop(peer);
+}
+
+void Engine::purge_stash_locked(GroupState& g, uint64_t seq) {
+  if (!stash_msgs_) return;
+  for (int r : g.ranks) {
+    auto it = stash_.find(StashKey{g.id, seq, r});
+    if (it == stash_.end()) continue;
+    for (auto& s : it->second)
+      if (s.msg.hdr.flags & kMsgBulk) transport_for(r)->drain_bulk(r, s.msg);
+    stash_msgs_ -= it->second.size();
+    stash_.erase(it);
+  }
+}
+
+void Engine::pop_for(GroupState& g, Pending& p, int peer, bool discard) {
   if (stash_msgs_) {
     auto it = stash_.find(StashKey{g.id, p.seq, peer});
     if (it != stash_.end() && !it->second.empty()) {
+      if (discard && (it->second.front().msg.hdr.flags & kMsgBulk))
+        transport_for(peer)->drain_bulk(peer, it->second.front().msg);
       it->second.pop_front();
       if (it->second.empty()) stash_.erase(it);
       --stash_msgs_;
       return;
     }
   }
-  transport_for(peer)->pop(peer);
+  Transport* tr = transport_for(peer);
+  if (discard) {
+    if (const Message* m = tr->peek(peer)) discard_locked(tr, peer, *m);
+    return;
+  }
+  tr->pop(peer);
 }
 
 bool Engine::send_for(GroupState& g, Pending& p, int peer, const Header& h, const void* data) {
@@ -618,7 +659,7 @@ void Engine::drop_stale_locked(GroupState& g) {
     while (const Message* m = tr->peek(r)) {
       auto git = groups_.find(m->hdr.group);
       if (git == groups_.end() || m->hdr.seq >= git->second->head_seq) break;
-      tr->pop(r);
+      discard_locked(tr, r, *m);
     }
   }
 }
@@ -654,6 +695,7 @@ void Engine::fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, 
     }
   }
   settle_locked(done, p.work, e);
+  purge_stash_locked(g, p.seq);  // what peers sent for it and it never read
   g.queue.pop_front();
   ++g.head_seq;
 }

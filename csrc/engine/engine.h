@@ -125,6 +125,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Frames sent through the Gloo transport so far (0 on a one-host job).
   uint64_t gloo_frames_sent();
   uint64_t gloo_bulk_started();
+  uint64_t gloo_bulk_live();
   // Peers that shutdown asked to confirm they had read our last frames (0 on a one-host job).
   uint64_t gloo_closes_sent();
 
@@ -142,8 +143,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   // Used by the group-scoped Comm view (engine.cpp).
   struct Pending;
-  const Message* peek_for(GroupState& g, Pending& p, int peer);
-  void pop_for(GroupState& g, Pending& p, int peer);
+  // `scan`: read past other ops' messages (stashing them) to find this op's; without it, only
+  // the stash and the head of the peer's stream are looked at.
+  const Message* peek_for(GroupState& g, Pending& p, int peer, bool scan = true);
+  // `discard`: the message is dropped unused (an offer in it is drained).
+  void pop_for(GroupState& g, Pending& p, int peer, bool discard = false);
   bool send_for(GroupState& g, Pending& p, int peer, const Header& h, const void* data);
   Transport* transport_of(int peer) { return transport_for(peer); }
   // Whether other ops run alongside the one being stepped (a batch being posted, or several
@@ -160,6 +164,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   using Done = std::vector<c10::intrusive_ptr<Work>>;
 
   void check_member(const GroupHandle& g, const char* api) const;
+  void discard_locked(Transport* tr, int peer, const Message& m);
+  void purge_stash_locked(GroupState& g, uint64_t seq);
   void check_reduce_op(const GroupHandle& g, const char* api, RedOp op, c10::ScalarType dt) const;
   int group_rank_of(const GroupHandle& g, int global, const char* api, const char* arg) const;
   GroupHandle p2p_channel(const GroupHandle& g, int src, int dst, int tag);

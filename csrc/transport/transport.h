@@ -89,6 +89,9 @@ class Transport {
   // over the span whose deleter keeps the span's owner alive.
   virtual size_t bulk_min(int /*peer*/, bool /*more_ops*/) { return SIZE_MAX; }
   virtual std::shared_ptr<Bulk> send_bulk(int /*peer*/, at::Tensor /*bytes*/) { return nullptr; }
+  // Receives the transfer `offer` (a kMsgBulk message from `peer`) announces into scratch
+  // and drops it: for offers no op will take, whose senders would otherwise wait for good.
+  virtual void drain_bulk(int /*peer*/, const Message& /*offer*/) {}
   // `with`: a transfer of the same op with the same peer that this one may be waited on
   // together with (the op needs both before it moves on), or null.
   virtual std::shared_ptr<Bulk> recv_bulk(int /*peer*/, uint64_t /*slot*/, at::Tensor /*bytes*/,

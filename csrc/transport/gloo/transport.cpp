@@ -311,6 +311,15 @@ std::shared_ptr<Bulk> GlooTransport::recv_bulk(int peer, uint64_t slot, at::Tens
   return watch_bulk(peer, false, std::move(w), std::move(bytes), slot, with);
 }
 
+void GlooTransport::drain_bulk(int peer, const Message& m) {
+  BulkOffer offer;
+  if (m.hdr.len != sizeof(offer) || !remote_[peer]) return;
+  std::memcpy(&offer, m.data, sizeof(offer));
+  // Nobody waits for it: its handle is dropped, its waiter thread lets the buffer go.
+  recv_bulk(peer, offer.slot, at::empty({(int64_t)offer.bytes}, at::TensorOptions().dtype(at::kByte)),
+            nullptr);
+}
+
 std::shared_ptr<Bulk> GlooTransport::watch_bulk(int peer, bool send, c10::intrusive_ptr<c10d::Work> w,
                                                 at::Tensor bytes, uint64_t slot, Bulk* with) {
   auto x = std::make_shared<BulkXfer>();
@@ -327,11 +336,15 @@ std::shared_ptr<Bulk> GlooTransport::watch_bulk(int peer, bool send, c10::intrus
   std::lock_guard<std::mutex> lk(bulk_mu_);
   if (bulk_stop_) {
     abort_quietly(x->work);
-    settle_bulk(*x, false);
+    Released none;  // an aborted transfer keeps its references
+    settle_bulk(*x, false, none);
     return x;
   }
   peers_[peer]->bulk_in_flight.fetch_add(1);
   bulk_live_.push_back(x);
+  // mark_dead() aborts the live transfers of a peer after setting its flag: one registered
+  // after that pass must be aborted here, or its waiter could wait for good.
+  if (peers_[peer]->dead) abort_quietly(x->work);
   auto* joint = dynamic_cast<BulkXfer*>(with);
   if (joint && joint->peer == peer && !joint->waiter_left) {
     joint->then.push_back(x);
@@ -344,12 +357,12 @@ std::shared_ptr<Bulk> GlooTransport::watch_bulk(int peer, bool send, c10::intrus
   return x;
 }
 
-void GlooTransport::settle_bulk(BulkXfer& x, bool ok) {
+void GlooTransport::settle_bulk(BulkXfer& x, bool ok, Released& release) {
   if (ok) {
     // Gloo is done with the memory: let go of it before the op sees the transfer done (the op
     // may recycle its scratch then, and only takes back buffers nobody else holds).
-    x.work.reset();
-    x.bytes = at::Tensor();
+    release.works.push_back(std::move(x.work));
+    release.tensors.push_back(std::move(x.bytes));
   } else {
     // Aborted (peer dead, or stopping) rather than completed: Gloo may still point into the
     // memory, so the work and the memory stay until the transport goes.
@@ -382,9 +395,10 @@ void GlooTransport::bulk_main() {
         mark_dead(x->peer, x->send ? "Gloo send to rank " + std::to_string(x->peer) + " failed: " + err
                                    : "Gloo receive from rank " + std::to_string(x->peer) + " failed: " + err);
       peers_[x->peer]->bulk_in_flight.fetch_sub(1);
+      Released release;
       lk.lock();
       bulk_live_.erase(std::remove(bulk_live_.begin(), bulk_live_.end(), x), bulk_live_.end());
-      settle_bulk(*x, ok);
+      settle_bulk(*x, ok, release);
       std::shared_ptr<BulkXfer> next;
       if (!x->then.empty()) {
         next = std::move(x->then.front());
@@ -392,7 +406,10 @@ void GlooTransport::bulk_main() {
         next->then = std::move(x->then);  // (a later joiner would have joined x: keep the order)
       }
       x->waiter_left = true;
+      lk.unlock();
+      release = Released{};
       x = std::move(next);
+      lk.lock();
     }
     lk.unlock();
     bell_.ring();  // once per chain: the op moves on only once all of it is over

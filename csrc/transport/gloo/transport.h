@@ -90,6 +90,7 @@ class GlooTransport final : public Transport {
   size_t bulk_min(int peer, bool more_ops) override;
   std::shared_ptr<Bulk> send_bulk(int peer, at::Tensor bytes) override;
   std::shared_ptr<Bulk> recv_bulk(int peer, uint64_t slot, at::Tensor bytes, Bulk* with) override;
+  void drain_bulk(int peer, const Message& offer) override;
 
   // Starts the receiver for `peer` if it has none yet (called when a group with it is made).
   void connect(int peer);
@@ -100,6 +101,11 @@ class GlooTransport final : public Transport {
   std::string death_reason(int peer);
   // Bulk transfers started so far (sends and receives): what tests check the bulk path by.
   uint64_t bulk_started() const { return bulk_started_; }
+  // Bulk transfers not over yet: what tests check that none is left waiting by.
+  size_t bulk_live() {
+    std::lock_guard<std::mutex> lk(bulk_mu_);
+    return bulk_live_.size();
+  }
   // Frames handed to Gloo so far (one per peer and flush, more when a flush exceeds
   // frame_max()): what tests check batching by.
   uint64_t frames_sent() const { return frames_sent_; }
@@ -161,8 +167,14 @@ class GlooTransport final : public Transport {
   // Hands a started transfer to a waiter thread (starting one if none is idle).
   std::shared_ptr<Bulk> watch_bulk(int peer, bool send, c10::intrusive_ptr<c10d::Work> w,
                                    at::Tensor bytes, uint64_t slot, Bulk* with);
-  // Records how a transfer ended, under bulk_mu_.
-  void settle_bulk(BulkXfer& x, bool ok);
+  struct Released {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    std::vector<at::Tensor> tensors;
+  };
+  // Records how a transfer ended, under bulk_mu_. What it lets go of (the last references to a
+  // Gloo work and a tensor, whose release may need the GIL) goes into `release`, to be dropped
+  // once bulk_mu_ is released.
+  void settle_bulk(BulkXfer& x, bool ok, Released& release);
   void bulk_main();
   void stop_bulk();
 
