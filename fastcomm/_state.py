@@ -190,8 +190,18 @@ def _world_gloo(store: dist.Store, rank: int, world: int, timeout: timedelta):
         # the next message from a peer stays posted while that peer is idle, so it must not
         # fire; ops are timed by the engine (the init timeout) instead. Every rank has already
         # passed the rendezvous, so connecting cannot wait on a rank that never came.
-        return dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world,
-                                     _GLOO_IDLE_TIMEOUT)
+        ifnames = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+        if len(ifnames) <= 1:
+            return dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world,
+                                         _GLOO_IDLE_TIMEOUT)
+        # Several interfaces would give Gloo one connection per interface, and messages go
+        # over one or another by tag: bulk transfers would then not travel on the connection
+        # of the frames, and the closing handshake (an answer on the frames' connection) would
+        # no longer prove that the peer has read them. So one connection: the first interface.
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = _GLOO_IDLE_TIMEOUT
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifnames[0])]
+        return dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world, opts)
     finally:
         if saved is None:
             del os.environ["TORCH_GLOO_LAZY_INIT"]

@@ -155,6 +155,15 @@ def _send_both_ways_body(rank, world, n):
     return True
 
 
+def test_several_gloo_interfaces_use_the_first():
+    # GLOO_SOCKET_IFNAME listing two interfaces (both loopback here): fastcomm keeps one Gloo
+    # connection per peer, and frames and bulk transfers work over it.
+    res = run(_multi_frame_body, 2, MULTI_FRAME_SIZES, hosts=["A", "B"],
+              env={"FASTCOMM_GLOO_BULK_BYTES": "262144", "GLOO_SOCKET_IFNAME": "lo,lo"})
+    for rank, (frames, nbytes, bulk) in enumerate(res):
+        assert bulk > 0 and frames >= 1, (rank, frames, bulk)
+
+
 def test_send_then_recv_both_ways_with_bulk_on():
     run(_send_both_ways_body, 2, 300_001, hosts=["A", "B"], env=BULK_ENV, timeout=60)
 
