@@ -338,6 +338,7 @@ std::shared_ptr<Bulk> GlooTransport::watch_bulk(int peer, bool send, c10::intrus
     abort_quietly(x->work);
     Released none;  // an aborted transfer keeps its references
     settle_bulk(*x, false, none);
+    x->state.store(2, std::memory_order_release);
     return x;
   }
   peers_[peer]->bulk_in_flight.fetch_add(1);
@@ -369,7 +370,6 @@ void GlooTransport::settle_bulk(BulkXfer& x, bool ok, Released& release) {
     bulk_unfinished_.push_back(x.work);
     bulk_unfinished_bytes_.push_back(x.bytes);
   }
-  x.state.store(ok ? 1 : 2, std::memory_order_release);
 }
 
 void GlooTransport::bulk_main() {
@@ -399,6 +399,14 @@ void GlooTransport::bulk_main() {
       lk.lock();
       bulk_live_.erase(std::remove(bulk_live_.begin(), bulk_live_.end(), x), bulk_live_.end());
       settle_bulk(*x, ok, release);
+      if (!release.works.empty()) {
+        // The references go before the op can see the transfer done: it takes its scratch
+        // back for reuse only if nobody else holds it.
+        lk.unlock();
+        release = Released{};
+        lk.lock();
+      }
+      x->state.store(ok ? 1 : 2, std::memory_order_release);
       std::shared_ptr<BulkXfer> next;
       if (!x->then.empty()) {
         next = std::move(x->then.front());
@@ -407,7 +415,6 @@ void GlooTransport::bulk_main() {
       }
       x->waiter_left = true;
       lk.unlock();
-      release = Released{};
       x = std::move(next);
       lk.lock();
     }

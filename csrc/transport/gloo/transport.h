@@ -171,9 +171,9 @@ class GlooTransport final : public Transport {
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     std::vector<at::Tensor> tensors;
   };
-  // Records how a transfer ended, under bulk_mu_. What it lets go of (the last references to a
-  // Gloo work and a tensor, whose release may need the GIL) goes into `release`, to be dropped
-  // once bulk_mu_ is released.
+  // Keeps, or lets go of, what a finished transfer held, under bulk_mu_ (the caller then sets
+  // its state). What it lets go of (maybe the last references to a Gloo work and a tensor,
+  // whose release may need the GIL) goes into `release`, to be dropped outside bulk_mu_.
   void settle_bulk(BulkXfer& x, bool ok, Released& release);
   void bulk_main();
   void stop_bulk();
