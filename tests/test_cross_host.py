@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import harness
+import test_all_reduce
 import test_backend
 import test_batch
 import test_collectives as tc
@@ -162,6 +163,15 @@ def test_several_gloo_interfaces_use_the_first():
               env={"FASTCOMM_GLOO_BULK_BYTES": "262144", "GLOO_SOCKET_IFNAME": "lo,lo"})
     for rank, (frames, nbytes, bulk) in enumerate(res):
         assert bulk > 0 and frames >= 1, (rank, frames, bulk)
+
+
+@pytest.mark.parametrize("body", ["_work_api_body", "_many_async_body"])
+def test_async_works_and_futures_with_bulk_transfers(body):
+    # Ops that end on a Gloo waiter thread (which runs the progress pass that uses a finished
+    # transfer): Works complete, Futures complete (taken before or after, waited alone), and
+    # so does polling is_completed() alone.
+    args = (16,) if body == "_many_async_body" else ()
+    run(getattr(test_all_reduce, body), 2, *args, hosts=["A", "B"], env=BULK_ENV, timeout=60)
 
 
 def test_send_then_recv_both_ways_with_bulk_on():

@@ -222,6 +222,10 @@ void Engine::set_gloo(c10::intrusive_ptr<c10d::Backend> pg) {
   gloo_ = std::make_unique<GlooTransport>(std::move(pg), opts_.rank, opts_.world_size,
                                           std::move(remote), shm_->max_payload(), bell_,
                                           std::chrono::milliseconds(opts_.timeout_ms));
+  // The thread that saw a bulk transfer end runs the pass that uses it: waking a sleeping
+  // driver for that would cost a context switch per op, which on a busy core is most of what a
+  // large op costs beyond the copies. The driver is woken (finish()) once its Work is done.
+  gloo_->set_bulk_hook([this] { return progress_from_transport(); });
 }
 
 uint64_t Engine::gloo_frames_sent() {
@@ -786,9 +790,10 @@ void Engine::settle_locked(Done& done, const c10::intrusive_ptr<Work>& w, std::e
 // even when several threads drive; a thread stuck in a callback delays later callbacks but
 // never the Works themselves, whose state was settled under the lock.
 void Engine::finish(Done& done) {
-  if (done.empty()) return;
-  bell_.ring_if_sleeping();  // another thread of this process may be asleep waiting for these
-  done.clear();
+  if (!done.empty()) {
+    bell_.ring_if_sleeping();  // another thread of this process may be asleep waiting for these
+    done.clear();
+  }
   if (!publish_pending_.load(std::memory_order_relaxed)) return;
   std::unique_lock<std::mutex> lk(mu_);
   if (publishing_) return;
@@ -818,6 +823,26 @@ bool Engine::try_progress() {
 
 void Engine::poll() { try_progress(); }
 
+bool Engine::progress_from_transport() {
+  Done done;
+  {
+    std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
+    if (!lk.owns_lock() || shut_down_) return false;
+    progress_locked(done);
+  }
+  if (done.empty()) return true;
+  // Wakes the threads waiting for these Works. Their Futures are completed by a driver (the
+  // waiting thread on its way out, or the background thread), never here: a Future's callback
+  // runs user code, which must not run on a transport thread (it could shut fastcomm down,
+  // and with it this thread's transport).
+  bell_.ring_if_sleeping();
+  if (publish_pending_.load(std::memory_order_relaxed)) {
+    bell_.ring();
+    bg_cv_.notify_one();
+  }
+  return true;
+}
+
 // The waiting policy: poll (spin), then yield, then sleep on the doorbell. Peers ring it when
 // they send to us or free ring space we asked for; sleeping is in short slices so deadlines
 // and dead peers are noticed without anyone ringing.
@@ -826,7 +851,13 @@ void Engine::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) 
   auto last_health = idle_since;
   uint32_t idle = 0;
   for (;;) {
-    if (w ? w->done() : (shut_down_ || pending_async_.load() == 0 || fg_drivers_.load() > 0)) return;
+    if (w ? w->done() : (shut_down_ || pending_async_.load() == 0 || fg_drivers_.load() > 0)) {
+      // A pass on a Gloo waiter thread (progress_from_transport) may have settled Works
+      // whose Futures it leaves to a driver to complete.
+      Done none;
+      finish(none);
+      return;
+    }
     if (try_progress()) {
       idle = 0;
       continue;
@@ -930,7 +961,15 @@ void Engine::bg_main() {
       bg_cv_.wait_for(lk, kBgTick);
     }
     if (bg_stop_) break;
-    if (pending_async_.load() == 0) continue;
+    if (pending_async_.load() == 0) {
+      if (publish_pending_.load()) {  // (see drive())
+        lk.unlock();
+        Done none;
+        finish(none);
+        lk.lock();
+      }
+      continue;
+    }
     last_busy = Clock::now();
     if (fg_drivers_.load() > 0) continue;
     lk.unlock();

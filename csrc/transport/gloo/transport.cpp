@@ -419,7 +419,8 @@ void GlooTransport::bulk_main() {
       lk.lock();
     }
     lk.unlock();
-    bell_.ring();  // once per chain: the op moves on only once all of it is over
+    // Once per chain: the op moves on only once all of it is over.
+    if (!(bulk_hook_ && !stop_ && bulk_hook_())) bell_.ring();
     lk.lock();
   }
 }

@@ -55,6 +55,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -91,6 +92,10 @@ class GlooTransport final : public Transport {
   std::shared_ptr<Bulk> send_bulk(int peer, at::Tensor bytes) override;
   std::shared_ptr<Bulk> recv_bulk(int peer, uint64_t slot, at::Tensor bytes, Bulk* with) override;
   void drain_bulk(int peer, const Message& offer) override;
+  // Run by a waiter thread once a chain of transfers is over, instead of ringing the
+  // doorbell: the engine's progress pass, on this already running thread (true), or false when
+  // another thread is in a pass (the doorbell is rung then). Set before any transfer starts.
+  void set_bulk_hook(std::function<bool()> hook) { bulk_hook_ = std::move(hook); }
 
   // Starts the receiver for `peer` if it has none yet (called when a group with it is made).
   void connect(int peer);
@@ -209,6 +214,7 @@ class GlooTransport final : public Transport {
   std::vector<std::thread> bulk_threads_;
   int bulk_idle_ = 0;
   bool bulk_stop_ = false;
+  std::function<bool()> bulk_hook_;
   std::atomic<uint64_t> closes_sent_{0};  // written by stop(), read by any thread
 
   // Sends in flight, reaped in order by reaper_.
