@@ -150,8 +150,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void pop_for(GroupState& g, Pending& p, int peer, bool discard = false);
   bool send_for(GroupState& g, Pending& p, int peer, const Header& h, const void* data);
   Transport* transport_of(int peer) { return transport_for(peer); }
-  // The progress pass a Gloo waiter thread runs when bulk transfers end (set_gloo); false if
-  // another thread holds the lock (the caller rings the doorbell then).
+  // The progress pass a Gloo thread runs when bulk transfers end or a frame arrives
+  // (set_gloo); false if another thread holds the lock (the caller rings the doorbell then).
   bool progress_from_transport();
   // Whether other ops run alongside the one being stepped (a batch being posted, or several
   // async ops pending): the transports' hint that a link will be busy (Transport::bulk_min).

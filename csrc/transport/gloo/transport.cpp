@@ -552,18 +552,22 @@ void GlooTransport::recv_main(int peer) {
         }
         p.ready.fetch_add(1, std::memory_order_release);
       }
-      bell_.ring();
       // Posted again only once the frame is handed over: a peer that sent its last frames and
       // left makes posting fail, and what already arrived (this frame, and any others the
       // window completed) must still reach the engine before the peer is declared dead.
+      bool stopping = false;
       if (can_post) {
         try {
-          if (!post()) break;
+          stopping = !post();
         } catch (const std::exception& e) {
           can_post = false;
           why = "Gloo receive from rank " + std::to_string(peer) + " failed: " + what_of(e);
         }
       }
+      // Then the pass that uses the frame, on this thread as a bulk waiter does (a driver
+      // asleep for it would cost a wake-up), or, if another thread is in a pass, a ring.
+      if (!(words[0] > kLenWords && bulk_hook_ && !stop_ && bulk_hook_())) bell_.ring();
+      if (stopping) break;
     }
   } catch (const std::exception& e) {
     if (why.empty()) why = "Gloo receive from rank " + std::to_string(peer) + " failed: " + what_of(e);

@@ -92,9 +92,10 @@ class GlooTransport final : public Transport {
   std::shared_ptr<Bulk> send_bulk(int peer, at::Tensor bytes) override;
   std::shared_ptr<Bulk> recv_bulk(int peer, uint64_t slot, at::Tensor bytes, Bulk* with) override;
   void drain_bulk(int peer, const Message& offer) override;
-  // Run by a waiter thread once a chain of transfers is over, instead of ringing the
-  // doorbell: the engine's progress pass, on this already running thread (true), or false when
-  // another thread is in a pass (the doorbell is rung then). Set before any transfer starts.
+  // Run by a bulk waiter thread once a chain of transfers is over, and by a receiver thread
+  // once a data frame is in, instead of ringing the doorbell: the engine's progress pass, on
+  // that already running thread (true), or false when another thread is in a pass (the
+  // doorbell is rung then). Set before any transfer starts.
   void set_bulk_hook(std::function<bool()> hook) { bulk_hook_ = std::move(hook); }
 
   // Starts the receiver for `peer` if it has none yet (called when a group with it is made).
