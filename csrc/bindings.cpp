@@ -16,6 +16,19 @@ using namespace fastcomm;
 
 namespace {
 
+// A read-only property giving one of the engine's Gloo counters (it takes the engine lock, so
+// the GIL is released meanwhile).
+auto gloo_counter(uint64_t Engine::GlooCounters::*field) {
+  return [field](Engine& e) {
+    Engine::GlooCounters c;
+    {
+      py::gil_scoped_release nogil;
+      c = e.gloo_counters();
+    }
+    return c.*field;
+  };
+}
+
 template <typename W>
 py::object to_py_work(c10::intrusive_ptr<W> w) {
   return py::cast(c10::intrusive_ptr<c10d::Work>(std::move(w)));
@@ -196,22 +209,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("world_size", &Engine::world_size)
       .def_property_readonly("timeout_ms", &Engine::timeout_ms)
       .def_property_readonly("is_shut_down", &Engine::is_shut_down)
-      .def_property_readonly("gloo_frames_sent", [](Engine& e) {
-        py::gil_scoped_release nogil;  // takes the engine lock
-        return e.gloo_frames_sent();
-      })
-      .def_property_readonly("gloo_bulk_started", [](Engine& e) {
-        py::gil_scoped_release nogil;  // takes the engine lock
-        return e.gloo_bulk_started();
-      })
-      .def_property_readonly("gloo_bulk_live", [](Engine& e) {
-        py::gil_scoped_release nogil;  // takes the engine lock
-        return e.gloo_bulk_live();
-      })
-      .def_property_readonly("gloo_closes_sent", [](Engine& e) {
-        py::gil_scoped_release nogil;  // takes the engine lock
-        return e.gloo_closes_sent();
-      })
+      .def_property_readonly("gloo_frames_sent", gloo_counter(&Engine::GlooCounters::frames_sent))
+      .def_property_readonly("gloo_closes_sent", gloo_counter(&Engine::GlooCounters::closes_sent))
+      .def_property_readonly("gloo_bulk_started", gloo_counter(&Engine::GlooCounters::bulk_started))
+      .def_property_readonly("gloo_bulk_live", gloo_counter(&Engine::GlooCounters::bulk_live))
       .def("new_group", &Engine::new_group, py::arg("ranks"))
       .def("new_groups", &Engine::new_groups, py::arg("lists"))
       .def(

@@ -71,14 +71,17 @@ void Exchange::start(ExchangePlan plan, int rank, int size, size_t elem_size, Co
   send_total_.assign(size, 0);
   recv_total_.assign(size, 0);
   bulk_send_.assign(size, 0);
+  bulk_from_.assign(size, 0);
   bsend_.assign(size, nullptr);
   brecv_.assign(size, nullptr);
   scratch_.assign(size, at::Tensor());
   for (int p = 0; p < size; ++p) {
     if (p == rank) continue;
     const Span& s = plan_.send[p];
+    const size_t bulk_min = c.bulk_min(p);
+    bulk_from_[p] = bulk_min != SIZE_MAX;
     if (s.active) {
-      bulk_send_[p] = plan_.bulk && s.len > 0 && s.len >= c.bulk_min(p);
+      bulk_send_[p] = plan_.bulk && s.len > 0 && s.len >= bulk_min;
       send_total_[p] = bulk_send_[p] ? 1 : pieces(s.len);  // a bulk span: one offer
     }
     if (plan_.recv[p].active) recv_total_[p] = pieces(plan_.fold ? plan_.out.len : plan_.recv[p].len);
@@ -193,7 +196,7 @@ at::Tensor Exchange::bytes_of(uint8_t* p, size_t n) const {
 bool Exchange::post_bulk_recvs(Comm& c) {
   bool any = false;
   for (int p = 0; p < size_; ++p) {
-    if (p == rank_ || brecv_[p] || recvd_[p] != 0 || recv_total_[p] == 0) continue;
+    if (p == rank_ || !bulk_from_[p] || brecv_[p] || recvd_[p] != 0 || recv_total_[p] == 0) continue;
     const Message* m = c.peek(p);
     if (m != nullptr && (m->hdr.flags & kMsgBulk) && m->hdr.tag == plan_.tag) {
       take_offer(c, p, *m);

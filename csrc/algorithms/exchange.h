@@ -84,6 +84,7 @@ class Exchange {
   // Bulk transfers by group rank (null: that direction uses ordinary messages), and the
   // scratch a bulk fold receives into.
   std::vector<char> bulk_send_;
+  std::vector<char> bulk_from_;  // the peer's transport has bulk transfers: it may send an offer
   std::vector<std::shared_ptr<Bulk>> bsend_, brecv_;
   std::vector<at::Tensor> scratch_;
   // The storages the spans point into (not the tensors: a tensor can be given new storage,

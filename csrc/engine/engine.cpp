@@ -77,11 +77,11 @@ class OpComm final : public Comm {
   }
   size_t bulk_min(int to) override {
     const int peer = g_.ranks[to];
-    return e_.transport_of(peer)->bulk_min(peer, e_.more_ops_in_flight());
+    return e_.transport_for(peer)->bulk_min(peer, e_.more_ops_in_flight());
   }
   std::shared_ptr<Bulk> send_bulk(int to, uint32_t tag, at::Tensor bytes) override {
     const int peer = g_.ranks[to];
-    Transport* tr = e_.transport_of(peer);
+    Transport* tr = e_.transport_for(peer);
     BulkOffer offer;
     offer.bytes = (uint64_t)bytes.numel();
     auto b = tr->send_bulk(peer, std::move(bytes));
@@ -103,7 +103,7 @@ class OpComm final : public Comm {
                        std::to_string(offer.bytes) + " bytes for op #" + std::to_string(p_.seq) +
                        " of group " + g_.label + ", this rank expects " +
                        std::to_string(bytes.numel()));
-    auto b = e_.transport_of(peer)->recv_bulk(peer, offer.slot, std::move(bytes), with);
+    auto b = e_.transport_for(peer)->recv_bulk(peer, offer.slot, std::move(bytes), with);
     TORCH_INTERNAL_ASSERT(b, "bulk offer from a peer whose transport has no bulk transfers");
     return b;
   }
@@ -228,24 +228,16 @@ void Engine::set_gloo(c10::intrusive_ptr<c10d::Backend> pg) {
   gloo_->set_bulk_hook([this] { return progress_from_transport(); });
 }
 
-uint64_t Engine::gloo_frames_sent() {
+Engine::GlooCounters Engine::gloo_counters() {
   std::lock_guard<std::mutex> lk(mu_);
-  return gloo_ ? gloo_->frames_sent() : 0;
-}
-
-uint64_t Engine::gloo_bulk_started() {
-  std::lock_guard<std::mutex> lk(mu_);
-  return gloo_ ? gloo_->bulk_started() : 0;
-}
-
-uint64_t Engine::gloo_bulk_live() {
-  std::lock_guard<std::mutex> lk(mu_);
-  return gloo_ ? gloo_->bulk_live() : 0;
-}
-
-uint64_t Engine::gloo_closes_sent() {
-  std::lock_guard<std::mutex> lk(mu_);
-  return gloo_ ? gloo_->closes_sent() : 0;
+  GlooCounters c;
+  if (gloo_) {
+    c.frames_sent = gloo_->frames_sent();
+    c.closes_sent = gloo_->closes_sent();
+    c.bulk_started = gloo_->bulk_started();
+    c.bulk_live = gloo_->bulk_live();
+  }
+  return c;
 }
 
 Transport* Engine::transport_for(int peer) {

@@ -122,12 +122,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Fails every pending op, stops the background thread and unmaps the transport.
   void shutdown();
   bool is_shut_down() const { return shut_down_.load(); }
-  // Frames sent through the Gloo transport so far (0 on a one-host job).
-  uint64_t gloo_frames_sent();
-  uint64_t gloo_bulk_started();
-  uint64_t gloo_bulk_live();
-  // Peers that shutdown asked to confirm they had read our last frames (0 on a one-host job).
-  uint64_t gloo_closes_sent();
+  // What tests check the Gloo transport by (all 0 on a one-host job): frames sent, peers that
+  // shutdown asked to confirm they had read our last frames, bulk transfers started, and bulk
+  // transfers not over yet.
+  struct GlooCounters {
+    uint64_t frames_sent = 0, closes_sent = 0, bulk_started = 0, bulk_live = 0;
+  };
+  GlooCounters gloo_counters();
 
   // The job's store (set by the Python layer after the rendezvous) and the CUDA path made
   // lazily at the first CUDA op: both only matter off the CPU hot path.
@@ -149,7 +150,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // `discard`: the message is dropped unused (an offer in it is drained).
   void pop_for(GroupState& g, Pending& p, int peer, bool discard = false);
   bool send_for(GroupState& g, Pending& p, int peer, const Header& h, const void* data);
-  Transport* transport_of(int peer) { return transport_for(peer); }
+  Transport* transport_for(int peer);
   // The progress pass a Gloo thread runs when bulk transfers end or a frame arrives
   // (set_gloo); false if another thread holds the lock (the caller rings the doorbell then).
   bool progress_from_transport();
@@ -182,7 +183,6 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void drive(Work* w, Clock::time_point user_deadline, bool has_deadline);
   void bg_main();
   void ensure_bg_thread();
-  Transport* transport_for(int peer);
 
   EngineOptions opts_;
   const uint64_t serial_;

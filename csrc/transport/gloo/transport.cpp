@@ -285,30 +285,26 @@ size_t GlooTransport::bulk_min(int peer, bool more_ops) {
 
 std::shared_ptr<Bulk> GlooTransport::send_bulk(int peer, at::Tensor bytes) {
   if (!peers_[peer]->started) connect(peer);
-  const uint64_t slot = bulk_next_[peer]++;
-  c10::intrusive_ptr<c10d::Work> w;
-  if (!stop_ && !peers_[peer]->dead) {
-    try {
-      std::vector<at::Tensor> v{bytes};
-      w = pg_->send(v, peer, bulk_tag(slot));
-    } catch (const std::exception& e) {
-      mark_dead(peer, "Gloo send failed: " + what_of(e));
-    }
-  }
-  return watch_bulk(peer, true, std::move(w), std::move(bytes), slot, nullptr);
+  return start_bulk(peer, true, bulk_next_[peer]++, std::move(bytes), nullptr);
 }
 
 std::shared_ptr<Bulk> GlooTransport::recv_bulk(int peer, uint64_t slot, at::Tensor bytes, Bulk* with) {
+  return start_bulk(peer, false, slot, std::move(bytes), with);
+}
+
+std::shared_ptr<Bulk> GlooTransport::start_bulk(int peer, bool send, uint64_t slot, at::Tensor bytes,
+                                                Bulk* with) {
   c10::intrusive_ptr<c10d::Work> w;
   if (!stop_ && !peers_[peer]->dead) {
     try {
       std::vector<at::Tensor> v{bytes};
-      w = pg_->recv(v, peer, bulk_tag(slot));
+      w = send ? pg_->send(v, peer, bulk_tag(slot)) : pg_->recv(v, peer, bulk_tag(slot));
     } catch (const std::exception& e) {
-      mark_dead(peer, "Gloo receive from rank " + std::to_string(peer) + " failed: " + what_of(e));
+      mark_dead(peer, (send ? "Gloo send to rank " : "Gloo receive from rank ") +
+                          std::to_string(peer) + " failed: " + what_of(e));
     }
   }
-  return watch_bulk(peer, false, std::move(w), std::move(bytes), slot, with);
+  return watch_bulk(peer, send, std::move(w), std::move(bytes), slot, with);
 }
 
 void GlooTransport::drain_bulk(int peer, const Message& m) {

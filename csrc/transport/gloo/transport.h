@@ -170,6 +170,9 @@ class GlooTransport final : public Transport {
   void mark_dead(int peer, const std::string& why);
   c10::intrusive_ptr<c10d::Work> post_recv(int peer, at::Tensor& t, int tag);
   struct BulkXfer;
+  // Posts the Gloo send or receive of a transfer (marking the peer dead if Gloo refuses it)
+  // and hands it to watch_bulk.
+  std::shared_ptr<Bulk> start_bulk(int peer, bool send, uint64_t slot, at::Tensor bytes, Bulk* with);
   // Hands a started transfer to a waiter thread (starting one if none is idle).
   std::shared_ptr<Bulk> watch_bulk(int peer, bool send, c10::intrusive_ptr<c10d::Work> w,
                                    at::Tensor bytes, uint64_t slot, Bulk* with);
