@@ -75,6 +75,10 @@ void Exchange::start(ExchangePlan plan, int rank, int size, size_t elem_size, Co
   bsend_.assign(size, nullptr);
   brecv_.assign(size, nullptr);
   scratch_.assign(size, at::Tensor());
+  // An op's phases reuse one Exchange: nothing of the last phase's fold may carry over.
+  folded_ = fold_total_ = 0;
+  fold_next_ = 0;
+  inplace_ = direct_ = acc_started_ = false;
   for (int p = 0; p < size; ++p) {
     if (p == rank) continue;
     const Span& s = plan_.send[p];
