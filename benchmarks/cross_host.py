@@ -17,6 +17,15 @@ on a small machine often runs both members of a "cross-host" pair on one core, w
 TCP costs much less than between two machines (no cross-CPU wake-ups, data still in cache);
 ``pairs`` forces that case (both members of a pair on one CPU), to show its effect.
 
+Reference (``--reference``, ``Gloo send/recv``): the same bytes moved by plain Gloo point-to-point on one
+world-level process group, with no reduction: per step each member of a pair sends every
+tensor to the other and receives the other's into a buffer (one message per tensor each way,
+all posted at once, then waited for). Any all_reduce over the same transport moves at least
+these bytes, so for large tensors this is about what the transport alone costs: a cell where
+both torch Gloo and fastcomm are near it is bound by the transport, not by either library.
+(For small messages it is no floor: several Gloo messages in flight on one tag and pair take
+milliseconds to complete on this kind of machine.)
+
 Reported: the median over timed steps of the step time divided by the ops in it (µs per op),
 max over ranks, then the median over --repeat launches (fresh processes each). The launches of
 torch Gloo and fastcomm alternate, so a slow spell of a shared machine hits both alike, and a
@@ -24,7 +33,8 @@ batched loop times at least MIN_BATCHED_STEPS steps. Every loop is followed by a
 a wrong result fails the run instead of being timed. Usage, from the repository root:
 
     python benchmarks/cross_host.py [--pairs 1 2] [--sizes 100 2500 262144] [--k 8]
-                                    [--iters 300] [--repeat 3] [--placement hosts|free|pairs]
+                                    [--k 8 [2 ...]] [--iters 300] [--repeat 3]
+                                    [--placement hosts|free|pairs] [--reference]
                                     [--json FILE] [--plot FILE.png]
 """
 from __future__ import annotations
@@ -141,15 +151,51 @@ def _fastcomm_body(store, rank, world, numel, k, iters, warmup, placement):
         fc.shutdown()
 
 
+def _exchange_steps(pg, peer, numel, k, iters, warmup):
+    """Median seconds per message over `iters` steps of k messages each way with `peer`."""
+    src = [torch.ones(numel) for _ in range(k)]
+    dst = [torch.zeros(numel) for _ in range(k)]
+
+    def step():
+        ws = [pg.send([t], peer, 7) for t in src] + [pg.recv([d], peer, 7) for d in dst]
+        for w in ws:
+            w.wait()
+
+    for _ in range(warmup):
+        step()
+    per = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step()
+        per.append((time.perf_counter() - t0) / k)
+    if not all(torch.equal(d, t) for d, t in zip(dst, src)):
+        raise AssertionError("Gloo send/recv delivered wrong bytes")
+    return statistics.median(per)
+
+
+def _exchange_body(store, rank, world, numel, k, iters, warmup, placement):
+    _place(rank, placement)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=STORE_TIMEOUT)
+    try:
+        pg = dist.group.WORLD
+        single = _exchange_steps(pg, rank ^ 1, numel, 1, iters, warmup)
+        batched = _exchange_steps(pg, rank ^ 1, numel, k, _batched_steps(iters, k), warmup)
+        dist.barrier()
+        return single, batched
+    finally:
+        dist.destroy_process_group()
+
+
 BODIES = {"torch Gloo": _gloo_body, "fastcomm": _fastcomm_body}
+REFERENCE = {"Gloo send/recv": _exchange_body}
 
 
-def measure(world, numel, k, iters, repeat, placement, failures):
-    """Every body of BODIES, `repeat` launches each, alternating; a body whose launch fails
+def measure(bodies, world, numel, k, iters, repeat, placement, failures):
+    """Every body of `bodies`, `repeat` launches each, alternating; a body whose launch fails
     gets None (and a line in `failures`)."""
-    runs = {name: ([], []) for name in BODIES}
+    runs = {name: ([], []) for name in bodies}
     for _ in range(repeat):
-        for name, body in BODIES.items():
+        for name, body in bodies.items():
             if runs[name] is None:
                 continue
             try:
@@ -177,16 +223,18 @@ def write_plot(path, results):
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, kind, title in ((axes[0], "single_us", "single op per step"),
-                            (axes[1], "batched_us", f"{results['k']} ops per step, batched")):
-        for name in BODIES:
+                            (axes[1], "batched_us", "k ops per step, batched")):
+        for name in list(BODIES) + list(REFERENCE):
             for pairs in results["pairs"]:
-                pts = [(c["bytes"], c[name][kind]) for c in results["cells"]
-                       if c["pairs"] == pairs and c.get(name)]
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=f"{name}, {pairs} pair(s)")
+                for k in (results["k"][:1] if kind == "single_us" else results["k"]):
+                    pts = [(c["bytes"], c[name][kind]) for c in results["cells"]
+                           if c["pairs"] == pairs and c["k"] == k and c.get(name)]
+                    label = f"{name}, {pairs} pair(s)" + (f", k={k}" if kind == "batched_us" else "")
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", label=label)
         ax.set(xscale="log", yscale="log", xlabel="bytes per all_reduce", ylabel="µs per op",
                title=title)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     save_plot(fig, path)
 
 
@@ -195,16 +243,20 @@ def main():
     ap.add_argument("--pairs", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--sizes", type=int, nargs="+", default=[100, 2500, 262144],
                     help="float32 elements per tensor (100 = the MWE's 10x10)")
-    ap.add_argument("--k", type=int, default=8, help="groups (ops) per batched step")
+    ap.add_argument("--k", type=int, nargs="+", default=[8],
+                    help="groups (ops) per batched step; several values: one row each")
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--placement", choices=["hosts", "free", "pairs"], default="hosts",
                     help="hosts: each simulated host on its own half of the CPUs (default); "
                          "free: the scheduler decides; pairs: both members of a pair on one CPU")
+    ap.add_argument("--reference", action="store_true",
+                    help="also time plain Gloo send/recv of the same bytes (see above)")
     ap.add_argument("--plot", metavar="FILE.png", help="write a plot (needs matplotlib)")
     ap.add_argument("--json", metavar="FILE", help="dump the raw numbers as JSON")
     args = ap.parse_args()
-    if min(args.pairs) < 1 or args.iters < 1 or args.repeat < 1 or args.k < 1:
+    bodies = dict(BODIES, **(REFERENCE if args.reference else {}))
+    if min(args.pairs) < 1 or args.iters < 1 or args.repeat < 1 or min(args.k) < 1:
         ap.error("--pairs, --iters, --repeat and --k must be positive")
     torch.set_num_threads(1)
     t_start = time.monotonic()
@@ -220,33 +272,48 @@ def main():
     print(f"- hosts simulated on this machine (FASTCOMM_HOST_ID), TCP over loopback; placement: "
           f"{where}")
     print(f"- float32 all_reduce, median µs per op over the timed steps (max over ranks), median "
-          f"of {args.repeat} launch(es), torch Gloo and fastcomm launches alternating; batched = "
-          f"{args.k} groups over the same pair per step, at least {MIN_BATCHED_STEPS} steps\n",
-          flush=True)
+          f"of {args.repeat} launch(es), the launches of {', '.join(bodies)} alternating; "
+          f"batched = k groups over the same pair per step (k = "
+          f"{', '.join(map(str, args.k))}), at least {MIN_BATCHED_STEPS} steps\n", flush=True)
     results = {"command": sys.argv, "placement": args.placement, "k": args.k,
                "pairs": args.pairs, "cells": []}
-    failures, rows = [], []
+    failures, rows, ref_rows = [], [], []
+
+    def us(x, kind):
+        return f"{x[kind]:,.0f}" if x else "failed"
+
+    def ratio(num, den, kind):
+        return f"{num[kind] / den[kind]:.1f}x" if num and den else "-"
+
+    def share(x, ref, kind):
+        return f"{x[kind] / ref[kind]:.2f}" if x and ref else "-"
+
     for P in args.pairs:
         for n in args.sizes:
             iters = args.iters if n * 4 <= 65536 else max(20, args.iters // 10)
-            cell = {"pairs": P, "bytes": 4 * n, "iters": iters,
-                    "batched_steps": _batched_steps(iters, args.k)}
-            cell.update(measure(2 * P, n, args.k, iters, args.repeat, args.placement, failures))
-            results["cells"].append(cell)
-            g, f = cell["torch Gloo"], cell["fastcomm"]
-
-            def us(x, kind):
-                return f"{x[kind]:,.0f}" if x else "failed"
-
-            def ratio(kind):
-                return f"{g[kind] / f[kind]:.1f}x" if g and f else "-"
-
-            rows.append([str(P), f"{4 * n:,}", us(g, "single_us"), us(f, "single_us"),
-                         ratio("single_us"), us(g, "batched_us"), us(f, "batched_us"),
-                         ratio("batched_us")])
-    print_table(["pairs", "bytes", "torch Gloo single", "fastcomm single", "ratio",
+            for k in args.k:
+                cell = {"pairs": P, "bytes": 4 * n, "k": k, "iters": iters,
+                        "batched_steps": _batched_steps(iters, k)}
+                cell.update(measure(bodies, 2 * P, n, k, iters, args.repeat, args.placement,
+                                    failures))
+                results["cells"].append(cell)
+                g, f, x = cell["torch Gloo"], cell["fastcomm"], cell.get("Gloo send/recv")
+                rows.append([str(P), f"{4 * n:,}", str(k), us(g, "single_us"), us(f, "single_us"),
+                             ratio(g, f, "single_us"), us(g, "batched_us"), us(f, "batched_us"),
+                             ratio(g, f, "batched_us")])
+                ref_rows.append([str(P), f"{4 * n:,}", str(k), us(x, "single_us"),
+                                 share(g, x, "single_us"), share(f, x, "single_us"),
+                                 us(x, "batched_us"), share(g, x, "batched_us"),
+                                 share(f, x, "batched_us")])
+    print_table(["pairs", "bytes", "k", "torch Gloo single", "fastcomm single", "ratio",
                  "torch Gloo batched (async)", "fastcomm batched (fc.batch)", "ratio"], rows)
     print("\nratio = torch Gloo's time / fastcomm's time (above 1: fastcomm is faster).")
+    if args.reference:
+        print("\nReference: the transport alone (Gloo send/recv of the same bytes, no reduction), "
+              "µs per message, and each library's time divided by it:\n")
+        print_table(["pairs", "bytes", "k", "Gloo send/recv single", "torch Gloo / it",
+                     "fastcomm / it", "Gloo send/recv batched", "torch Gloo / it",
+                     "fastcomm / it"], ref_rows)
     return finish(results, failures, t_start, "Total benchmark time", args.json, args.plot,
                   lambda path: write_plot(path, results))
 
