@@ -5,6 +5,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/extension.h>
 
+#include "algorithms/reduce.h"
 #include "backend/backend.h"
 #include "engine/engine.h"
 #ifdef FASTCOMM_WITH_NCCL
@@ -155,6 +156,9 @@ struct type_caster<BatchArg> {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastcomm native engine";
+  m.def("reduce_kernels", &reduce_kernels,
+        "The build of the reduction loops this process runs: 'avx2' or 'baseline' (picked when "
+        "an engine starts; FASTCOMM_REDUCE_KERNELS=baseline forces the baseline one)");
 #ifdef FASTCOMM_WITH_NCCL
   m.attr("has_nccl") = true;
 #else

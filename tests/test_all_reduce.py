@@ -8,6 +8,7 @@ also return a digest of their result bytes, and the parent checks that every mem
 got bit-identical results."""
 from __future__ import annotations
 
+import platform
 import threading
 
 import pytest
@@ -479,3 +480,40 @@ def _wait_timeout_body(rank, world, flag_dir):
 
 def test_work_wait_with_timeout_leaves_op_pending(tmp_path):
     harness.run(_wait_timeout_body, 2, str(tmp_path), timeout=60)
+
+
+# ---------------------------------------------------------------------------------------------
+# Builds of the reduction loops
+
+
+def _cpu_has_avx2():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return platform.machine() in ("x86_64", "AMD64") and " avx2" in f.read()
+    except OSError:
+        return False
+
+
+def _kernels_sweep_body(rank, world):
+    from fastcomm import _C
+    return _C.reduce_kernels(), sweep_body(rank, world, "pairs")
+
+
+def test_baseline_and_default_kernels_agree_bit_for_bit():
+    """On x86-64 the reduction loops have an AVX2 build picked at run time; every other test
+    runs the build this machine picks. Here the pairs sweep runs once with the baseline build
+    forced (FASTCOMM_REDUCE_KERNELS=baseline) and once with the default: both must be right
+    and give the same bytes in every case, since each element is computed the same way."""
+    runs = {}
+    expect = {"baseline": "baseline", "default": "avx2" if _cpu_has_avx2() else "baseline"}
+    for name, extra in (("baseline", {"FASTCOMM_REDUCE_KERNELS": "baseline"}), ("default", {})):
+        out = harness.run(_kernels_sweep_body, 2, timeout=120, env=dict(RING_ENV, **extra))
+        ran = [k for k, _ in out]
+        assert ran == [expect[name]] * 2, f"{name}: builds run: {ran}"
+        results = [res for _, res in out]
+        failures = [f for res in results for f in res[2]]
+        assert not failures, f"{name}: {len(failures)} wrong results:\n" + "\n".join(failures[:20])
+        assert len(results[0][1]) == len(sweep_cases())
+        runs[name] = results[0][1]
+    diff = [sweep_cases()[i] for i in runs["baseline"] if runs["baseline"][i] != runs["default"][i]]
+    assert not diff, f"the two builds differ in {diff[:10]}"

@@ -3,7 +3,10 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <cstdint>
 #include <type_traits>
 
@@ -16,9 +19,10 @@ using RedOp = c10d::ReduceOp::RedOpType;
 
 // Target-specific builds of the loops. The bodies are plain elementwise loops (each element
 // computed exactly as in the scalar code, so results are bitwise the same on every build); on
-// x86-64 a second build with AVX2 is picked at run time when the CPU has it: a cold fold of a
-// megabyte (the data just came off a socket or out of another process's cache) took 73 us
-// with the baseline SSE2 build and 48 us with AVX2 in a standalone test on the development VM.
+// x86-64 a second build with AVX2 runs where the CPU has it (select_reduce_kernels). A cold
+// fold of a megabyte (the data just came off a socket or out of another process's cache) took
+// 73 us with the baseline SSE2 build and 48 us with AVX2 in a standalone test on the
+// development VM.
 #if defined(__GNUC__) && defined(__x86_64__)
 #define FASTCOMM_HAVE_AVX2_KERNELS 1
 #define FASTCOMM_INLINE __attribute__((always_inline)) inline
@@ -104,14 +108,16 @@ template <typename T, RedOp OP>
 __attribute__((target("avx2"))) void kernel_inplace_avx2(T* dst, const T* src, size_t n) {
   loop_inplace<T, OP>(dst, src, n);
 }
-const bool kAvx2 = __builtin_cpu_supports("avx2");
+// Whether the AVX2 build runs; set by select_reduce_kernels() when an engine starts (relaxed:
+// it is written before the engine's threads exist, and either answer is correct anyway).
+std::atomic<bool> g_avx2{false};
 #endif
 
 template <typename T, RedOp OP>
 void run(T* d, const T* x, const T* y, size_t n) {
   const bool inplace = (x == nullptr);
 #ifdef FASTCOMM_HAVE_AVX2_KERNELS
-  if (kAvx2) {
+  if (g_avx2.load(std::memory_order_relaxed)) {
     if (inplace) kernel_inplace_avx2<T, OP>(d, y, n);
     else kernel_avx2<T, OP>(d, x, y, n);
     return;
@@ -163,6 +169,22 @@ void divide_impl(void* dst, size_t n, int k) {
 }
 
 }  // namespace
+
+void select_reduce_kernels() {
+#ifdef FASTCOMM_HAVE_AVX2_KERNELS
+  __builtin_cpu_init();  // idempotent; needed only if this ever runs before libgcc's constructor
+  const char* e = std::getenv("FASTCOMM_REDUCE_KERNELS");
+  const bool baseline = e && std::strcmp(e, "baseline") == 0;
+  g_avx2.store(!baseline && __builtin_cpu_supports("avx2"), std::memory_order_relaxed);
+#endif
+}
+
+const char* reduce_kernels() {
+#ifdef FASTCOMM_HAVE_AVX2_KERNELS
+  if (g_avx2.load(std::memory_order_relaxed)) return "avx2";
+#endif
+  return "baseline";
+}
 
 void reduce_into(void* dst, const void* src, size_t n, c10::ScalarType dtype, RedOp op) {
   dispatch(dst, nullptr, src, n, dtype, op);

@@ -17,6 +17,13 @@ void reduce_to(void* dst, const void* a, const void* b, size_t n, c10::ScalarTyp
 // dst[i] /= divisor (floating dtypes only; used for AVG).
 void divide_by(void* dst, size_t n, c10::ScalarType dtype, int divisor);
 
+// Picks the build of the loops for this process: on x86-64, the AVX2 one where the CPU has
+// it, unless FASTCOMM_REDUCE_KERNELS=baseline (how the tests cover the baseline build on AVX2
+// machines). Until it is called the baseline build runs; each engine calls it as it starts.
+void select_reduce_kernels();
+// The build select_reduce_kernels() picked: "avx2" or "baseline" (what tests check it by).
+const char* reduce_kernels();
+
 bool dtype_supported(c10::ScalarType dtype);
 // True when folding in any order gives bit-identical results (integers, MIN, MAX).
 bool order_independent(c10::ScalarType dtype, c10d::ReduceOp::RedOpType op);

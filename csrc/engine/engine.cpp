@@ -175,6 +175,7 @@ Engine::Engine(EngineOptions opts) : opts_(std::move(opts)), serial_(++g_engine_
   std::vector<int> local;
   for (int r = 0; r < W; ++r)
     if (opts_.host_of[r] == opts_.host_of[R]) local.push_back(r);
+  select_reduce_kernels();
   shm_ = std::make_unique<ShmTransport>(R, W, opts_.token, local, opts_.pids, opts_.ring_bytes);
   bell_ = shm_->doorbell();
   dead_.assign(W, 0);
