@@ -89,7 +89,11 @@ py::object issue(Engine& e, bool async_op, Batch* batch, Prepare&& prepare) {
     TORCH_CHECK_VALUE(batch->cuda_ops.empty(), "fastcomm.batch: rank ", e.rank(),
                       ": a batch holds CPU ops or CUDA ops, not both (this op's tensor is on the CPU)");
 #endif
-    batch->ops.push_back(prepare());
+    Engine::Prepared prep = [&] {
+      py::gil_scoped_release nogil;  // preparing a send/recv takes the engine lock (new_group)
+      return prepare();
+    }();
+    batch->ops.push_back(std::move(prep));
     return py::none();
   }
   c10::intrusive_ptr<Work> w;
@@ -217,8 +221,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("gloo_closes_sent", gloo_counter(&Engine::GlooCounters::closes_sent))
       .def_property_readonly("gloo_bulk_started", gloo_counter(&Engine::GlooCounters::bulk_started))
       .def_property_readonly("gloo_bulk_live", gloo_counter(&Engine::GlooCounters::bulk_live))
-      .def("new_group", &Engine::new_group, py::arg("ranks"))
-      .def("new_groups", &Engine::new_groups, py::arg("lists"))
+      // The engine lock is taken without the GIL, always: a progress pass holding it may need
+      // the GIL to drop an op's last reference to a tensor Python sees.
+      .def("new_group", &Engine::new_group, py::arg("ranks"), py::call_guard<py::gil_scoped_release>())
+      .def("new_groups", &Engine::new_groups, py::arg("lists"),
+           py::call_guard<py::gil_scoped_release>())
       .def(
           "all_reduce",
           [](Engine& e, const GroupHandle& g, const at::Tensor& t, const py::handle& op, bool async_op,

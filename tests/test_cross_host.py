@@ -336,6 +336,32 @@ def test_torch_distributed_backend_across_hosts(body):
     harness.run(_hosts_only, 4, ALTERNATE, getattr(test_backend, body), init=False, timeout=240)
 
 
+def _groups_while_ops_finish_body(rank, world, iters):
+    """Async all_gathers whose input only the op holds, so the thread that finishes the op (a
+    Gloo thread, or the background thread on one host) drops the last reference to a tensor
+    Python made, which takes the GIL; meanwhile this thread, holding the GIL, makes a group,
+    which takes the engine lock."""
+    n = 1 << 18  # 1 MB: bulk transfers across hosts, finished on a Gloo waiter thread
+    outs = [torch.empty(n) for _ in range(world)]
+    for i in range(iters):
+        w = fc.all_gather(outs, torch.full((n,), float(rank + i)), async_op=True)
+        spin = 0
+        for k in range(2000):  # Python work while the op completes elsewhere
+            spin += k
+        fc.new_group([0, 1])
+        w.wait()
+        for r in range(world):
+            assert torch.equal(outs[r], torch.full((n,), float(r + i))), (i, r)
+    return iters
+
+
+@pytest.mark.parametrize("hosts", [["A", "B"], ["A", "A"]], ids=["cross-host", "one-host"])
+def test_groups_made_while_ops_finish_on_engine_threads(hosts):
+    # Without the fix this deadlocked within seconds (the finishing thread waited for the GIL
+    # while holding the engine lock, the Python thread for the lock while holding the GIL).
+    assert run(_groups_while_ops_finish_body, 2, 150, hosts=hosts, timeout=90) == [150, 150]
+
+
 # ---------------------------------------------------------------------------------------------
 # Same errors as on one host
 

@@ -626,6 +626,7 @@ bool Engine::progress_locked(Done& done) {
       any = true;
     } else if (finished) {
       settle_locked(done, p.work, nullptr);
+      done.gone.push_back(std::move(p));
       g.queue.pop_front();
       ++g.head_seq;
       any = true;
@@ -693,6 +694,7 @@ void Engine::fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, 
   }
   settle_locked(done, p.work, e);
   purge_stash_locked(g, p.seq);  // what peers sent for it and it never read
+  done.gone.push_back(std::move(p));
   g.queue.pop_front();
   ++g.head_seq;
 }
@@ -770,7 +772,7 @@ void Engine::settle_locked(Done& done, const c10::intrusive_ptr<Work>& w, std::e
   bool has_future = false;
   if (!w->settle(e, false, &has_future)) return;
   if (w->is_async()) pending_async_.fetch_sub(1);
-  done.push_back(w);
+  done.works.push_back(w);
   if (has_future) {
     publish_q_.push_back(w);
     publish_pending_.store(true, std::memory_order_relaxed);
@@ -785,18 +787,20 @@ void Engine::settle_locked(Done& done, const c10::intrusive_ptr<Work>& w, std::e
 void Engine::finish(Done& done) {
   if (!done.empty()) {
     bell_.ring_if_sleeping();  // another thread of this process may be asleep waiting for these
-    done.clear();
+    done.works.clear();
   }
+  done.gone.clear();
   if (!publish_pending_.load(std::memory_order_relaxed)) return;
   std::unique_lock<std::mutex> lk(mu_);
   if (publishing_) return;
   publishing_ = true;
   while (!publish_q_.empty()) {
-    Done batch;
+    Works batch;
     batch.swap(publish_q_);
     publish_pending_.store(false, std::memory_order_relaxed);
     lk.unlock();
     for (auto& w : batch) w->publish();
+    batch.clear();  // (a Work may be the last holder of its outputs: dropped without mu_)
     lk.lock();
   }
   publishing_ = false;

@@ -164,8 +164,16 @@ class Engine : public std::enable_shared_from_this<Engine> {
   size_t max_payload() const { return shm_ ? shm_->max_payload() : 0; }
 
  private:
-  // Works that finished in a progress pass; their Futures are completed after the lock drops.
-  using Done = std::vector<c10::intrusive_ptr<Work>>;
+  using Works = std::vector<c10::intrusive_ptr<Work>>;
+  // What a progress pass finished. The Works' Futures are completed after the lock drops; the
+  // ops themselves are destroyed only then too (when `Done` goes out of scope, outside mu_):
+  // an op may hold the last C++ reference to a tensor Python still sees, and dropping that
+  // takes the GIL, which a thread waiting for mu_ may hold (new_group, say).
+  struct Done {
+    Works works;
+    std::vector<Pending> gone;
+    bool empty() const { return works.empty(); }
+  };
 
   void check_member(const GroupHandle& g, const char* api) const;
   void discard_locked(Transport* tr, int peer, const Message& m);
@@ -197,7 +205,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::map<std::vector<int>, uint32_t> instances_;  // how many groups over each rank list
   std::vector<GroupState*> busy_;                   // groups with queued ops
   std::vector<char> dead_;                          // peers known to have exited
-  Done publish_q_;                                  // settled Works whose Futures await completion
+  Works publish_q_;                                 // settled Works whose Futures await completion
   bool publishing_ = false;                         // a thread is completing publish_q_'s Futures
   std::atomic<bool> publish_pending_{false};
   // send/recv channels: one ordered two-member pseudo-group per (group, src, dst, tag).
