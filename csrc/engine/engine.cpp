@@ -605,6 +605,7 @@ bool Engine::send_for(GroupState& g, Pending& p, int peer, const Header& h, cons
 
 bool Engine::progress_locked(Done& done) {
   if (shut_down_) return false;
+  rerun_.store(false);  // this pass sees whatever a refused transport thread had delivered
   bool any = false;
   for (size_t i = 0; i < busy_.size();) {
     GroupState& g = *busy_[i];
@@ -824,8 +825,18 @@ bool Engine::progress_from_transport() {
   Done done;
   {
     std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
-    if (!lk.owns_lock() || shut_down_) return false;
-    progress_locked(done);
+    if (!lk.owns_lock()) {
+      // The holder may be a thread that runs no pass (new_group) or whose pass has already
+      // looked at this peer: a driver woken by the caller's ring could then find the lock
+      // taken and go back to sleep with the delivery unused. The flag keeps drivers from
+      // sleeping, and this thread's own next pass from ending, until a pass has run since.
+      rerun_.store(true);
+      return false;
+    }
+    if (shut_down_) return false;
+    do {
+      progress_locked(done);
+    } while (rerun_.load() && !shut_down_);
   }
   if (done.empty()) return true;
   // Wakes the threads waiting for these Works. Their Futures are completed by a driver (the
@@ -898,9 +909,13 @@ void Engine::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) 
     bell_.begin_sleep();
     const uint32_t tok = bell_.token();
     const bool progressed = try_progress();
-    if (!progressed && !(w && w->done())) bell_.sleep(tok, 5000000);
+    // rerun_ is read after the token: a transport thread sets it before it rings, so either it
+    // is seen here or the ring changes the token and the sleep returns at once.
+    const bool rerun = rerun_.load();
+    if (!progressed && !rerun && !(w && w->done())) bell_.sleep(tok, 5000000);
     bell_.end_sleep();
     if (progressed) idle = 0;
+    else if (rerun) sched_yield();  // the lock holder is about to let go
   }
 }
 

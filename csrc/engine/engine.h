@@ -208,6 +208,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   Works publish_q_;                                 // settled Works whose Futures await completion
   bool publishing_ = false;                         // a thread is completing publish_q_'s Futures
   std::atomic<bool> publish_pending_{false};
+  // A transport thread delivered something but found the lock taken (progress_from_transport);
+  // cleared by the next pass to start. seq_cst: see drive().
+  std::atomic<bool> rerun_{false};
   // send/recv channels: one ordered two-member pseudo-group per (group, src, dst, tag).
   std::map<std::tuple<uint64_t, int, int, int>, GroupHandle> p2p_;
 
