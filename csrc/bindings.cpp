@@ -221,6 +221,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("gloo_closes_sent", gloo_counter(&Engine::GlooCounters::closes_sent))
       .def_property_readonly("gloo_bulk_started", gloo_counter(&Engine::GlooCounters::bulk_started))
       .def_property_readonly("gloo_bulk_live", gloo_counter(&Engine::GlooCounters::bulk_live))
+      .def_property_readonly("gloo_frames_unreaped",
+                             gloo_counter(&Engine::GlooCounters::frames_unreaped))
       // The engine lock is taken without the GIL, always: a progress pass holding it may need
       // the GIL to drop an op's last reference to a tensor Python sees.
       .def("new_group", &Engine::new_group, py::arg("ranks"), py::call_guard<py::gil_scoped_release>())

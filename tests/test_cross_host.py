@@ -362,6 +362,42 @@ def test_groups_made_while_ops_finish_on_engine_threads(hosts):
     assert run(_groups_while_ops_finish_body, 2, 150, hosts=hosts, timeout=90) == [150, 150]
 
 
+def _slow_peer_body(rank, world, iters):
+    """Rank 1 makes its groups, then issues nothing until rank 0 is done: rank 0's send to it
+    waits for rank 1's receive. Meanwhile rank 0 runs `iters` all_reduces with rank 2, one
+    Gloo frame each way per op; their frames must be reaped (and recycled) all along."""
+    from fastcomm import _state
+    store = harness.child_store()
+    g02, g01 = fc.new_groups([[0, 2], [0, 1]])
+    t = torch.ones(64)
+    if rank == 1:
+        store.wait(["fc-test/slow-peer-go"])  # issues nothing before rank 0 is done
+        x = torch.empty(16)
+        fc.recv(x, src=0, group=g01)
+        return bool(torch.equal(x, torch.full((16,), 3.0)))
+    if rank == 2:
+        for _ in range(iters):
+            fc.all_reduce(t, group=g02)
+        fc.barrier(group=g02)
+        return None
+    fc.send(torch.full((16,), 3.0), dst=1, group=g01)  # done locally; its frame waits for rank 1
+    for _ in range(iters):
+        fc.all_reduce(t, group=g02)
+    fc.barrier(group=g02)  # rank 2 has read every frame rank 0 sent it
+    left = _state._engine.gloo_frames_unreaped
+    store.set("fc-test/slow-peer-go", "1")
+    return left
+
+
+def test_a_slow_peer_does_not_hold_back_frames_to_others():
+    # Before receivers started with the group, rank 1's receiver did not exist until its first
+    # op, and every frame rank 0 sent after its frame to rank 1 stayed unreaped: ~2 per op.
+    iters = 2000
+    left, ok, _ = run(_slow_peer_body, 3, iters, hosts=["A", "B", "C"], timeout=90)
+    assert ok
+    assert left < iters // 4, f"{left} frames not reaped after {iters} ops with a live peer"
+
+
 # ---------------------------------------------------------------------------------------------
 # Same errors as on one host
 

@@ -237,6 +237,7 @@ Engine::GlooCounters Engine::gloo_counters() {
     c.closes_sent = gloo_->closes_sent();
     c.bulk_started = gloo_->bulk_started();
     c.bulk_live = gloo_->bulk_live();
+    c.frames_unreaped = gloo_->frames_unreaped();
   }
   return c;
 }
@@ -298,6 +299,13 @@ std::vector<GroupHandle> Engine::new_groups(const std::vector<std::vector<int>>&
     st->rank = (int)(it - ranks.begin());
     st->label = ranks_label(ranks);
     groups_[id] = st;
+    // Receivers for the group's members on other hosts start now, not at the first message:
+    // Gloo sends a frame only once its receiver has posted a receive, and the reaper waits on
+    // frames in order, so a member that is slow to issue its first op would otherwise hold
+    // back the reaping (and the recycling of frames) for every other peer.
+    if (gloo_)
+      for (int r : ranks)
+        if (r != me && !shm_->is_local(r)) gloo_->connect(r);
     h.rank = st->rank;
     h.id = id;
     h.state = st;

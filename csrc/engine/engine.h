@@ -126,7 +126,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // shutdown asked to confirm they had read our last frames, bulk transfers started, and bulk
   // transfers not over yet.
   struct GlooCounters {
-    uint64_t frames_sent = 0, closes_sent = 0, bulk_started = 0, bulk_live = 0;
+    uint64_t frames_sent = 0, closes_sent = 0, bulk_started = 0, bulk_live = 0, frames_unreaped = 0;
   };
   GlooCounters gloo_counters();
 

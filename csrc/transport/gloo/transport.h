@@ -115,6 +115,12 @@ class GlooTransport final : public Transport {
   // Frames handed to Gloo so far (one per peer and flush, more when a flush exceeds
   // frame_max()): what tests check batching by.
   uint64_t frames_sent() const { return frames_sent_; }
+  // Frames sent whose completion the reaper has not seen yet (tests check that one slow peer
+  // does not hold back the others' by this).
+  size_t frames_unreaped() {
+    std::lock_guard<std::mutex> lk(send_mu_);
+    return sends_.size() + (reaping_.work ? 1 : 0);
+  }
   // "closing" frames stop() sent, one per peer it waited for: what tests check the
   // handshake by.
   uint64_t closes_sent() const { return closes_sent_; }
