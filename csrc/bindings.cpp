@@ -93,6 +93,7 @@ py::object issue(Engine& e, bool async_op, Batch* batch, Prepare&& prepare) {
       py::gil_scoped_release nogil;  // preparing a send/recv takes the engine lock (new_group)
       return prepare();
     }();
+    TORCH_CHECK(!batch->posted, "fastcomm: rank ", e.rank(), ": op issued into a batch that was already posted");
     batch->ops.push_back(std::move(prep));
     return py::none();
   }

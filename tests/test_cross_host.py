@@ -389,6 +389,35 @@ def _slow_peer_body(rank, world, iters):
     return left
 
 
+def _receiver_threads():
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass  # a thread that ended meanwhile
+    return names.count("fc_gloo_recv")
+
+
+def _receivers_body(rank, world):
+    before = _receiver_threads()  # after init, which made the world group
+    fc.new_group(range(world))  # another group of the whole world: still none
+    world_too = _receiver_threads()
+    fc.new_group([rank, rank ^ 1])  # a pair across hosts: the receiver for that peer
+    pair = _receiver_threads()
+    fc.new_group([rank, rank ^ 1])  # the same peer again: no second one
+    again = _receiver_threads()
+    return before, world_too, pair, again
+
+
+def test_receivers_start_with_groups_smaller_than_the_world():
+    # One receiver thread per remote peer this rank shares a (non-world) group with, started
+    # when the group is made; none for the world group every job has.
+    res = run(_receivers_body, 4, hosts=EVERY)
+    assert res == [(0, 0, 1, 1)] * 4
+
+
 def test_a_slow_peer_does_not_hold_back_frames_to_others():
     # Before receivers started with the group, rank 1's receiver did not exist until its first
     # op, and every frame rank 0 sent after its frame to rank 1 stayed unreaped: ~2 per op.

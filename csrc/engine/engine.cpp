@@ -284,6 +284,17 @@ std::vector<GroupHandle> Engine::new_groups(const std::vector<std::vector<int>>&
                   ranks_label(ranks), " spans hosts (rank ", r,
                   " is on another host) but this engine has no Gloo transport");
     }
+    // Receivers for the group's members on other hosts start now, not at the first message:
+    // Gloo sends a frame only once its receiver has posted a receive, and the reaper waits on
+    // frames in order, so a member slow to issue its first op would otherwise hold back the
+    // reaping (and recycling) of frames to every other peer. Not for a group of the whole
+    // world: every job has one (init's, torch's default group), and it says nothing about
+    // which peers this rank talks to; a receiver per remote rank of the job would cost a thread
+    // and a window of posted buffers each. Started before the group is registered, so that a
+    // failure to start one (no thread to be had) leaves no half-made group behind.
+    if (gloo_ && (int)ranks.size() < W)
+      for (int r : ranks)
+        if (r != me && !shm_->is_local(r)) gloo_->connect(r);
     // Members agree on the id without talking: it is a function of the rank list and of how
     // many groups over that same list this process made before (members make them in the
     // same order, as with torch.distributed.new_group).
@@ -299,13 +310,6 @@ std::vector<GroupHandle> Engine::new_groups(const std::vector<std::vector<int>>&
     st->rank = (int)(it - ranks.begin());
     st->label = ranks_label(ranks);
     groups_[id] = st;
-    // Receivers for the group's members on other hosts start now, not at the first message:
-    // Gloo sends a frame only once its receiver has posted a receive, and the reaper waits on
-    // frames in order, so a member that is slow to issue its first op would otherwise hold
-    // back the reaping (and the recycling of frames) for every other peer.
-    if (gloo_)
-      for (int r : ranks)
-        if (r != me && !shm_->is_local(r)) gloo_->connect(r);
     h.rank = st->rank;
     h.id = id;
     h.state = st;
@@ -793,14 +797,16 @@ void Engine::settle_locked(Done& done, const c10::intrusive_ptr<Work>& w, std::e
 // the whole queue, again until it is empty), so callbacks of a group's ops run in issue order
 // even when several threads drive; a thread stuck in a callback delays later callbacks but
 // never the Works themselves, whose state was settled under the lock.
-void Engine::finish(Done& done) {
+void Engine::finish(Done& done, bool may_block) {
   if (!done.empty()) {
     bell_.ring_if_sleeping();  // another thread of this process may be asleep waiting for these
     done.works.clear();
   }
   done.gone.clear();
   if (!publish_pending_.load(std::memory_order_relaxed)) return;
-  std::unique_lock<std::mutex> lk(mu_);
+  std::unique_lock<std::mutex> lk(mu_, std::defer_lock);
+  if (may_block) lk.lock();
+  else if (!lk.try_lock()) return;
   if (publishing_) return;
   publishing_ = true;
   while (!publish_q_.empty()) {
@@ -815,7 +821,7 @@ void Engine::finish(Done& done) {
   publishing_ = false;
 }
 
-bool Engine::try_progress() {
+bool Engine::try_progress(bool may_block) {
   Done done;
   bool any;
   {
@@ -823,11 +829,13 @@ bool Engine::try_progress() {
     if (!lk.owns_lock()) return false;
     any = progress_locked(done);
   }
-  finish(done);
+  finish(done, may_block);
   return any;
 }
 
-void Engine::poll() { try_progress(); }
+// Work.is_completed() comes here with the GIL held (torch binds it so): nothing in it may block
+// on mu_, so Futures are left to a driver when another thread holds the lock.
+void Engine::poll() { try_progress(/*may_block=*/false); }
 
 bool Engine::progress_from_transport() {
   Done done;
@@ -842,9 +850,14 @@ bool Engine::progress_from_transport() {
       return false;
     }
     if (shut_down_) return false;
-    do {
+    // Bounded: a peer streaming frames could keep refusing other threads forever, and this
+    // one holds the lock meanwhile (post() and new_group wait on it). Past the bound, the flag
+    // stays set and the caller's ring leaves the rest to a driver, which does not sleep on it.
+    for (int pass = 0; pass < 8; ++pass) {
       progress_locked(done);
-    } while (rerun_.load() && !shut_down_);
+      if (!rerun_.load() || shut_down_) break;
+    }
+    if (rerun_.load()) bell_.ring();
   }
   if (done.empty()) return true;
   // Wakes the threads waiting for these Works. Their Futures are completed by a driver (the

@@ -182,8 +182,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   int group_rank_of(const GroupHandle& g, int global, const char* api, const char* arg) const;
   GroupHandle p2p_channel(const GroupHandle& g, int src, int dst, int tag);
   bool progress_locked(Done& done);
-  bool try_progress();
-  void finish(Done& done);
+  // may_block false: for a caller holding the GIL (poll), which must not wait for mu_.
+  bool try_progress(bool may_block = true);
+  void finish(Done& done, bool may_block = true);
   void settle_locked(Done& done, const c10::intrusive_ptr<Work>& w, std::exception_ptr e);
   void fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, bool tell_peers);
   void health_locked(Done& done);

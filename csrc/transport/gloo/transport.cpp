@@ -160,9 +160,15 @@ std::shared_ptr<GlooOutBuf> GlooTransport::new_frame() {
 void GlooTransport::connect(int peer) {
   Peer& p = *peers_[peer];
   if (p.started || !remote_[peer] || stop_) return;
-  p.started = true;
-  if (!reaper_.joinable()) reaper_ = std::thread([this] { reap_main(); });
+  // Marked started only once its thread exists: if making a thread throws, a later call tries
+  // again instead of leaving the peer without a receiver for good.
+  if (!reaper_.joinable()) {
+    reaper_ = std::thread([this] { reap_main(); });
+    pthread_setname_np(reaper_.native_handle(), "fc_gloo_reap");  // named before connect returns
+  }
   p.thread = std::thread([this, peer] { recv_main(peer); });
+  pthread_setname_np(p.thread.native_handle(), "fc_gloo_recv");
+  p.started = true;
 }
 
 bool GlooTransport::try_send(int peer, const Header& hdr, const void* payload) {
