@@ -533,6 +533,7 @@ c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared> ops, bool async_op) 
     posting_batch_ = ops.size() > 1;
     progress_locked(done);
     posting_batch_ = false;
+    if (rerun_.load()) progress_locked(done);  // a transport thread was refused meanwhile
   }
   finish(done);
   if (async_op && !work->done()) ensure_bg_thread();
@@ -931,12 +932,13 @@ void Engine::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) 
     const uint32_t tok = bell_.token();
     const bool progressed = try_progress();
     // rerun_ is read after the token: a transport thread sets it before it rings, so either it
-    // is seen here or the ring changes the token and the sleep returns at once.
+    // is seen here or the ring changes the token and the sleep returns at once. While it is
+    // set, a delivery may be waiting for a pass that the lock holder will not run: sleep only
+    // a short slice then (not a spin: on a busy core that would take the holder's time).
     const bool rerun = rerun_.load();
-    if (!progressed && !rerun && !(w && w->done())) bell_.sleep(tok, 5000000);
+    if (!progressed && !(w && w->done())) bell_.sleep(tok, rerun ? 50000 : 5000000);
     bell_.end_sleep();
     if (progressed) idle = 0;
-    else if (rerun) sched_yield();  // the lock holder is about to let go
   }
 }
 
