@@ -162,6 +162,23 @@ def _work_api_body(rank, world):
     return out
 
 
+def _future_after_polling_body(rank, world):
+    g = fc.new_group([0, 1])
+    for i in range(100):
+        t = torch.full((1000,), float(rank + i))
+        w = fc.all_reduce(t, group=g, async_op=True)
+        fut = w.get_future()
+        while not w.is_completed():  # the op may finish inside is_completed(), GIL held
+            pass
+        res = fut.wait()  # its Future is then completed by another thread
+        assert torch.equal(res[0], torch.full((1000,), float(1 + 2 * i))), i
+    return True
+
+
+def test_future_of_an_op_finished_by_is_completed():
+    assert harness.run(_future_after_polling_body, 2, timeout=60, env=RING_ENV) == [True, True]
+
+
 def test_async_work_api():
     res = harness.run(_work_api_body, 2, timeout=60, env=RING_ENV)
     assert res[0] == res[1]

@@ -804,10 +804,14 @@ void Engine::finish(Done& done, bool may_block) {
     done.works.clear();
   }
   done.gone.clear();
+  // A caller that must not wait for mu_ leaves the Futures to a driver: the background thread,
+  // woken here if it is ticking (it is while async ops were pending).
   if (!publish_pending_.load(std::memory_order_relaxed)) return;
-  std::unique_lock<std::mutex> lk(mu_, std::defer_lock);
-  if (may_block) lk.lock();
-  else if (!lk.try_lock()) return;
+  if (!may_block) {
+    bg_cv_.notify_one();
+    return;
+  }
+  std::unique_lock<std::mutex> lk(mu_);
   if (publishing_) return;
   publishing_ = true;
   while (!publish_q_.empty()) {
@@ -835,7 +839,7 @@ bool Engine::try_progress(bool may_block) {
 }
 
 // Work.is_completed() comes here with the GIL held (torch binds it so): nothing in it may block
-// on mu_, so Futures are left to a driver when another thread holds the lock.
+// on mu_, so it leaves Futures to a driver.
 void Engine::poll() { try_progress(/*may_block=*/false); }
 
 bool Engine::progress_from_transport() {
@@ -845,15 +849,15 @@ bool Engine::progress_from_transport() {
     if (!lk.owns_lock()) {
       // The holder may be a thread that runs no pass (new_group) or whose pass has already
       // looked at this peer: a driver woken by the caller's ring could then find the lock
-      // taken and go back to sleep with the delivery unused. The flag keeps drivers from
-      // sleeping, and this thread's own next pass from ending, until a pass has run since.
+      // taken and go back to sleep with the delivery unused. The flag keeps drivers to short
+      // sleeps, and this thread's own next pass from ending, until a pass has run since.
       rerun_.store(true);
       return false;
     }
     if (shut_down_) return false;
     // Bounded: a peer streaming frames could keep refusing other threads forever, and this
     // one holds the lock meanwhile (post() and new_group wait on it). Past the bound, the flag
-    // stays set and the caller's ring leaves the rest to a driver, which does not sleep on it.
+    // stays set and the ring leaves the rest to a driver, which sleeps only short slices then.
     for (int pass = 0; pass < 8; ++pass) {
       progress_locked(done);
       if (!rerun_.load() || shut_down_) break;
