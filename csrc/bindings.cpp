@@ -80,8 +80,9 @@ c10::intrusive_ptr<Work> post_ops(Engine& e, std::vector<Engine::Prepared> ops, 
 }
 
 // Common tail of every collective binding: queue into the batch, or post and (for a blocking
-// call) wait, with the GIL released.
-template <typename Prepare>
+// call) wait, with the GIL released. kTakesLock: preparing takes the engine lock (send/recv
+// find their channel), which is never waited for with the GIL held, even into a batch.
+template <bool kTakesLock = false, typename Prepare>
 py::object issue(Engine& e, bool async_op, Batch* batch, Prepare&& prepare) {
   if (batch != nullptr) {
     TORCH_CHECK(!batch->posted, "fastcomm: rank ", e.rank(), ": op issued into a batch that was already posted");
@@ -89,12 +90,16 @@ py::object issue(Engine& e, bool async_op, Batch* batch, Prepare&& prepare) {
     TORCH_CHECK_VALUE(batch->cuda_ops.empty(), "fastcomm.batch: rank ", e.rank(),
                       ": a batch holds CPU ops or CUDA ops, not both (this op's tensor is on the CPU)");
 #endif
-    Engine::Prepared prep = [&] {
-      py::gil_scoped_release nogil;  // preparing a send/recv takes the engine lock (new_group)
-      return prepare();
-    }();
-    TORCH_CHECK(!batch->posted, "fastcomm: rank ", e.rank(), ": op issued into a batch that was already posted");
-    batch->ops.push_back(std::move(prep));
+    if constexpr (kTakesLock) {
+      Engine::Prepared prep = [&] {
+        py::gil_scoped_release nogil;
+        return prepare();
+      }();
+      TORCH_CHECK(!batch->posted, "fastcomm: rank ", e.rank(), ": op issued into a batch that was already posted");
+      batch->ops.push_back(std::move(prep));
+    } else {
+      batch->ops.push_back(prepare());
+    }
     return py::none();
   }
   c10::intrusive_ptr<Work> w;
@@ -293,7 +298,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](Engine& e, const GroupHandle& g, const at::Tensor& t, int dst, int tag, bool async_op,
              BatchArg batch) {
             FASTCOMM_CUDA_DISPATCH(t, prepare_p2p(g, t, dst, true));
-            return issue(e, async_op, batch, [&] { return e.prepare_p2p(g, t, dst, tag, true); });
+            return issue<true>(e, async_op, batch, [&] { return e.prepare_p2p(g, t, dst, tag, true); });
           },
           py::arg("group"), py::arg("tensor"), py::arg("dst"), py::arg("tag"), py::arg("async_op"),
           py::arg("batch"))
@@ -302,7 +307,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](Engine& e, const GroupHandle& g, const at::Tensor& t, int src, int tag, bool async_op,
              BatchArg batch) {
             FASTCOMM_CUDA_DISPATCH(t, prepare_p2p(g, t, src, false));
-            return issue(e, async_op, batch, [&] { return e.prepare_p2p(g, t, src, tag, false); });
+            return issue<true>(e, async_op, batch, [&] { return e.prepare_p2p(g, t, src, tag, false); });
           },
           py::arg("group"), py::arg("tensor"), py::arg("src"), py::arg("tag"), py::arg("async_op"),
           py::arg("batch"))

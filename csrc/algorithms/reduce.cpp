@@ -63,35 +63,28 @@ FASTCOMM_INLINE A fmax_nan(A a, A b) {
   return b > a ? b : a;
 }
 
+// One element of the reduction, in the arithmetic type.
+template <RedOp OP, typename A>
+FASTCOMM_INLINE A combine(A x, A y) {
+  if constexpr (OP == RedOp::SUM || OP == RedOp::AVG) return x + y;
+  else if constexpr (OP == RedOp::PRODUCT) return x * y;
+  else if constexpr (OP == RedOp::MIN) return fmin_nan<A>(x, y);
+  else return fmax_nan<A>(x, y);
+}
+
 template <typename T, RedOp OP>
 FASTCOMM_INLINE void loop(T* __restrict dst, const T* __restrict a, const T* __restrict b, size_t n) {
   using A = typename Acc<T>::type;
-  for (size_t i = 0; i < n; ++i) {
-    const A x = static_cast<A>(a[i]);
-    const A y = static_cast<A>(b[i]);
-    A r;
-    if constexpr (OP == RedOp::SUM || OP == RedOp::AVG) r = x + y;
-    else if constexpr (OP == RedOp::PRODUCT) r = x * y;
-    else if constexpr (OP == RedOp::MIN) r = fmin_nan<A>(x, y);
-    else r = fmax_nan<A>(x, y);
-    dst[i] = static_cast<T>(r);
-  }
+  for (size_t i = 0; i < n; ++i)
+    dst[i] = static_cast<T>(combine<OP, A>(static_cast<A>(a[i]), static_cast<A>(b[i])));
 }
 
 // In-place form kept separate so the compiler sees no aliasing between dst and src.
 template <typename T, RedOp OP>
 FASTCOMM_INLINE void loop_inplace(T* __restrict dst, const T* __restrict src, size_t n) {
   using A = typename Acc<T>::type;
-  for (size_t i = 0; i < n; ++i) {
-    const A x = static_cast<A>(dst[i]);
-    const A y = static_cast<A>(src[i]);
-    A r;
-    if constexpr (OP == RedOp::SUM || OP == RedOp::AVG) r = x + y;
-    else if constexpr (OP == RedOp::PRODUCT) r = x * y;
-    else if constexpr (OP == RedOp::MIN) r = fmin_nan<A>(x, y);
-    else r = fmax_nan<A>(x, y);
-    dst[i] = static_cast<T>(r);
-  }
+  for (size_t i = 0; i < n; ++i)
+    dst[i] = static_cast<T>(combine<OP, A>(static_cast<A>(dst[i]), static_cast<A>(src[i])));
 }
 
 template <typename T, RedOp OP>

@@ -618,7 +618,9 @@ bool Engine::send_for(GroupState& g, Pending& p, int peer, const Header& h, cons
 
 bool Engine::progress_locked(Done& done) {
   if (shut_down_) return false;
-  rerun_.store(false);  // this pass sees whatever a refused transport thread had delivered
+  // This pass sees whatever a refused transport thread had delivered. (Read first: a store on
+  // every pass would be a locked instruction on the hot path for a flag that is rarely set.)
+  if (rerun_.load()) rerun_.store(false);
   bool any = false;
   for (size_t i = 0; i < busy_.size();) {
     GroupState& g = *busy_[i];
