@@ -4,12 +4,15 @@ reduction, result digests, and a check that a call raises the right exception.
 The suites check every result against a reference computed locally: each rank regenerates the
 inputs of every member of its group from (global rank, case seed) with ``gen`` and folds them
 with ``fold``, left to right in group-rank order (the order the engine promises), in the
-tensor's own dtype."""
+tensor's own dtype; all_reduce over a group the engine runs hierarchically (``all_reduce_ref``)
+folds each host's members first."""
 from __future__ import annotations
 
 import hashlib
+import os
 
 import torch
+from torch.distributed import ReduceOp
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
            "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
@@ -46,6 +49,32 @@ def fold(inputs, op):
     if op == "AVG":
         acc = acc / len(inputs)
     return acc
+
+
+# Each global rank's host, when a test simulates several (test_cross_host sets it in every rank
+# before running a body); None: one host.
+HOSTS = None
+
+
+def all_reduce_ref(inputs, ranks, op, fold=fold):
+    """What all_reduce promises members ``ranks`` (sorted global ranks) with these inputs: the
+    left fold in group-rank order; but over a group that spans hosts with several members on
+    one of them, which runs hierarchically (csrc/algorithms/collectives.cpp), each host's
+    members folded in group-rank order first, then those partials in the order of each host's
+    lowest rank, AVG summed and divided once by the group size. ``fold`` takes op names or
+    ReduceOps, as ``op`` is given."""
+    hosts = None
+    if HOSTS is not None and os.environ.get("FASTCOMM_HIERARCHICAL") != "0":
+        hosts = [HOSTS[r] for r in ranks]
+    order = list(dict.fromkeys(hosts or []))
+    if len(order) < 2 or len(order) == len(ranks):
+        return fold(inputs, op)
+    named = isinstance(op, str)
+    avg = op == ("AVG" if named else ReduceOp.AVG)
+    inner = ("SUM" if named else ReduceOp.SUM) if avg else op
+    partials = [fold([x for x, h in zip(inputs, hosts) if h == host], inner) for host in order]
+    out = fold(partials, inner)
+    return out / len(inputs) if avg else out
 
 
 def digest(t):

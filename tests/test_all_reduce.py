@@ -16,7 +16,7 @@ import torch
 from torch.distributed import ReduceOp
 
 import harness
-from _helpers import digest, fold, gen
+from _helpers import all_reduce_ref, digest, fold, gen
 
 import fastcomm as fc
 
@@ -85,7 +85,7 @@ def sweep_body(rank, world, shape):
     for i, (op, dt, n, kind) in enumerate(sweep_cases()):
         t = gen(rank, i, dt, n, op, kind)
         fc.all_reduce(t, op=OPS[op], group=g)
-        ref = fold([gen(r, i, dt, n, op, kind) for r in ranks], op)
+        ref = all_reduce_ref([gen(r, i, dt, n, op, kind) for r in ranks], ranks, op)
         what = f"rank {rank}, group {ranks}, case #{i} {op} {dt} numel={n} {kind}"
         err = check_result(t, ref, op, kind, what)
         if err:

@@ -19,7 +19,7 @@ import torch
 from torch.distributed import ReduceOp
 
 import harness
-from _helpers import digest, fold, gen  # noqa: F401  (test_batch imports them from here)
+from _helpers import all_reduce_ref, digest, fold, gen  # noqa: F401  (test_batch imports them from here)
 
 import fastcomm as fc
 
@@ -168,7 +168,7 @@ def issue(kind, g, ranks, me, seed, dt, n, op=None, vkind="int", async_op=False,
         w = fc.all_reduce(t, op=OPS[op], group=g, async_op=async_op)
 
         def check():
-            ref = fold([gen(r, seed, dt, n, op=op, kind=vkind) for r in ranks], op)
+            ref = all_reduce_ref([gen(r, seed, dt, n, op=op, kind=vkind) for r in ranks], ranks, op)
             return same(t, ref, what), digest(t)
 
     else:

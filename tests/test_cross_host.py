@@ -10,7 +10,10 @@ the same references, the same errors and the same fault behaviour as on one host
 Layouts: ALTERNATE puts even ranks on host A and odd ranks on host B, so every pair [0, 1],
 [2, 3], every ring neighbour pair and the reduce-scatter partners cross hosts, while triples
 and the world are mixed. SPLIT puts [0, 1] on A and [2, 3] on B; EVERY gives each rank a host
-of its own (everything through Gloo).
+of its own (everything through Gloo); THREE puts ranks 0 and 2 on A, 1 and 3 on hosts of their
+own. A group over several hosts with several members on one (the mixed triples, the world on
+ALTERNATE, SPLIT and THREE) runs all_reduce and barrier hierarchically, and the references
+fold in that order (_helpers.all_reduce_ref).
 
 A last test runs two ranks in real network namespaces joined by a veth pair; it skips, with
 the reason, where namespaces cannot be made (not root, no `ip`, no CAP_NET_ADMIN)."""
@@ -36,7 +39,8 @@ import test_batch
 import test_collectives as tc
 import test_errors
 import test_faults
-from _helpers import expect
+import _helpers
+from _helpers import all_reduce_ref, expect, gen
 
 import fastcomm as fc
 
@@ -44,10 +48,12 @@ RING_ENV = {"FASTCOMM_SHM_RING_BYTES": "65536"}  # max_payload ~16 KiB: multi-pi
 ALTERNATE = ["A", "B", "A", "B"]
 SPLIT = ["A", "A", "B", "B"]
 EVERY = ["A", "B", "C", "D"]
+THREE = ["A", "B", "A", "C"]  # three hosts, two members on one
 
 
 def _on_hosts(rank, world, hosts, timeout, body, *args):
     os.environ["FASTCOMM_HOST_ID"] = f"host-{hosts[rank]}"
+    _helpers.HOSTS = hosts
     harness.init_child(rank, world, timeout=timeout)
     try:
         return body(rank, world, *args)
@@ -186,14 +192,75 @@ def test_all_reduce_every_op_and_dtype_as_bulk_transfers():
         tc.check_members_identical(results)
 
 
-@pytest.mark.parametrize("hosts", [ALTERNATE, SPLIT])
+@pytest.mark.parametrize("hosts", [ALTERNATE, SPLIT, THREE])
 def test_all_reduce_every_op_and_dtype_across_hosts(hosts):
-    # Pairs ([0, 1], [2, 3]) and the world, one-shot and reduce-scatter + all-gather paths.
+    # Pairs ([0, 1], [2, 3]) and the world, one-shot and reduce-scatter + all-gather paths;
+    # on THREE the world runs hierarchically with three leaders, whose phase between hosts is
+    # itself a reduce-scatter + all-gather above the threshold.
     for shape in ("pair", "world"):
         results = run(tc._rsag_body, 4, shape, [0, 1, 7, 1001, 30_001], list(tc.OPS),
                       list(tc.DTYPES), hosts=hosts,
                       env={**RING_ENV, "FASTCOMM_RSAG_THRESHOLD": "1024"})
         tc.check_members_identical(results)
+
+
+def _hierarchy_body(rank, world, hosts):
+    """All-reduces over the world (every dtype's path is the same; float32 randn shows the
+    fold order), then a barrier; returns the Gloo frames this rank sent and any wrong result."""
+    from fastcomm import _state
+
+    e = _state._engine
+    ranks = list(range(world))
+    g = fc.new_group(ranks)
+    fc.barrier(group=g)
+    failures = []
+    before = e.gloo_frames_sent
+    for i, n in enumerate([0, 1, 7, 1001, 70_001]):
+        for op in ("SUM", "AVG", "MAX"):
+            t = gen(rank, i, "float32", n, kind="randn")
+            fc.all_reduce(t, op=tc.OPS[op], group=g)
+            ref = all_reduce_ref([gen(r, i, "float32", n, kind="randn") for r in ranks], ranks, op)
+            err = tc.same(t, ref, f"rank {rank} n={n} {op}")
+            if err:
+                failures.append(err)
+    fc.barrier(group=g)
+    return e.gloo_frames_sent - before, failures
+
+
+@pytest.mark.parametrize("hosts", [SPLIT, THREE, ["A", "A", "A", "B"]])
+@pytest.mark.parametrize("hierarchical", ["1", "0"])
+def test_mixed_groups_cross_hosts_only_through_leaders(hosts, hierarchical):
+    # Each host's lowest rank leads it: with the hierarchy on, only leaders send anything
+    # through Gloo (members reach their leader through shared memory); off, every member
+    # talks to every member on another host. Results follow each form's fold order exactly.
+    res = run(_hierarchy_body, 4, hosts, hosts=hosts, env={**RING_ENV, "FASTCOMM_HIERARCHICAL": hierarchical})
+    leaders = {hosts.index(h) for h in hosts}
+    for rank, (frames, failures) in enumerate(res):
+        assert not failures, failures[:5]
+        if hierarchical == "1" and rank not in leaders:
+            assert frames == 0, f"rank {rank} (not a leader) sent {frames} Gloo frames"
+        else:
+            assert frames > 0, f"rank {rank} sent no Gloo frames"
+
+
+def _disagree_body(rank, world, hosts, dissenter):
+    os.environ["FASTCOMM_HOST_ID"] = f"host-{hosts[rank]}"
+    if rank == dissenter:
+        os.environ["FASTCOMM_HIERARCHICAL"] = "0"
+    harness.init_child(rank, world, timeout=30.0)
+    try:
+        g = fc.new_group(list(range(world)))
+        expect(dist.DistBackendError, lambda: fc.all_reduce(torch.ones(10), group=g),
+               "different algorithms", "FASTCOMM_HIERARCHICAL")
+    finally:
+        fc.shutdown()
+
+
+@pytest.mark.parametrize("dissenter", [0, 1])
+def test_members_disagreeing_on_the_hierarchy_fail_the_op(dissenter):
+    # FASTCOMM_HIERARCHICAL=0 on one rank only (a leader, or a member it leads): every member
+    # fails the op with an error saying why, none waits for its timeout.
+    harness.run(_disagree_body, 4, SPLIT, dissenter, init=False, timeout=60, env=RING_ENV)
 
 
 def test_overlapping_groups_async_across_hosts():
@@ -326,6 +393,7 @@ def test_mismatched_batches_across_hosts():
 
 def _hosts_only(rank, world, hosts, body):
     os.environ["FASTCOMM_HOST_ID"] = f"host-{hosts[rank]}"
+    _helpers.HOSTS = hosts
     return body(rank, world)
 
 

@@ -5,7 +5,10 @@
 //  - groups of 2, and small messages in any group: one-shot, a single exchange in which every
 //    member sends its data to every other and folds what it receives;
 //  - larger messages in groups of 3+: reduce-scatter then all-gather, so each member reduces
-//    1/k of the data and the bytes each one sends stay ~2x the tensor instead of (k-1)x.
+//    1/k of the data and the bytes each one sends stay ~2x the tensor instead of (k-1)x;
+//  - all_reduce and barrier in a group that spans hosts with several members on at least one
+//    host: hierarchical (make_hierarchical below), so that only one member per host talks
+//    across hosts.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -91,10 +94,115 @@ size_t rsag_threshold() {
   return v;
 }
 
+// Hierarchical all_reduce (and barrier, the same with no data) over a group spread across
+// hosts. A message between hosts costs far more than one inside a host (a Gloo frame over TCP
+// and a thread hand-off on each side, against a shared-memory ring), and the flat one-shot
+// sends one from every member to every member on another host. Here:
+//  0. each host's members send their data to the host's leader over shared memory, and the
+//     leader folds them into its tensor (AVG is summed here, divided once in the next phase);
+//  1. the leaders all-reduce those host partials among themselves over Gloo: one-shot, or, for
+//     large spans among 3+ leaders, a reduce-scatter (1) and an all-gather (2) over chunks of
+//     the tensor, one per leader;
+//  last. each leader copies the result to its host's members.
+// So one message crosses between each pair of hosts per op instead of one per pair of members,
+// and members that do not lead talk to no other host at all. Every leader folds the same host
+// partials in the same order, and the other members receive a leader's bytes, so all members
+// get identical results (rounded in host order, not in the flat fold's member order).
+// Mismatches are still caught: every member's header reaches its leader, every leader's
+// reaches the other leaders, and whoever detects one tells the whole group. The tags are kept
+// apart from the flat algorithms' so that members which disagree on the algorithm
+// (FASTCOMM_HIERARCHICAL set differently) fail the op instead of folding the wrong pieces.
+constexpr uint32_t kHierTag = 0x100;
+
+std::unique_ptr<Op> make_hierarchical(OpDesc d, const at::Tensor& t, bool reduce, RedOp op, int rank,
+                                      int size, std::shared_ptr<const HostLayout> hosts) {
+  const HostLayout& L = *hosts;
+  const int my_leader = L.leader[rank];
+  const bool leading = my_leader == rank;
+  std::vector<int> locals;  // the members this rank leads, besides itself
+  for (int q = 0; leading && q < size; ++q)
+    if (q != rank && L.leader[q] == rank) locals.push_back(q);
+  const int H = (int)L.leaders.size();
+  const int li = (int)(std::find(L.leaders.begin(), L.leaders.end(), rank) - L.leaders.begin());
+  uint8_t* base = t.defined() ? bytes(t) : nullptr;
+  const size_t total = t.defined() ? nbytes(t) : 0;
+  const size_t es = t.defined() ? t.element_size() : 1;
+  const size_t n = t.defined() ? (size_t)t.numel() : 0;
+  const bool split = reduce && H >= 3 && total >= rsag_threshold();
+  const int phases = split ? 4 : 3;
+  auto leader_chunk = [=](int j) {
+    auto [b, e] = chunk(n, H, j);
+    return Span::of(base + b * es, (e - b) * es);
+  };
+  const c10::ScalarType dtype = d.dtype;
+  auto fold_into = [=](ExchangePlan& p, Span out, RedOp rop, int divisor) {
+    p.fold = true;
+    p.out = out;
+    p.own = out.ptr;
+    p.dtype = dtype;
+    p.op = rop;
+    p.avg_divisor = divisor;
+  };
+  std::vector<at::Tensor> outputs;
+  if (t.defined()) outputs.push_back(t);
+  return std::make_unique<PhasedOp>(d, outputs, std::vector<at::Tensor>{}, rank, size, phases, es,
+      [=](int phase) {
+        ExchangePlan p = blank_plan(size);
+        p.tag = kHierTag + phase;
+        const Span all = Span::of(base, total);
+        const Span none = Span::of(nullptr, 0);
+        if (phase == 0) {  // members to their leader
+          if (!leading) {
+            p.send[my_leader] = all;
+          } else {
+            for (int q : locals) {
+              if (reduce) p.recv[q].active = true;
+              else p.recv[q] = none;
+            }
+            if (reduce && !locals.empty()) fold_into(p, all, op == RedOp::AVG ? RedOp::SUM : op, 1);
+          }
+          return p;
+        }
+        if (phase == phases - 1) {  // leaders to their members
+          if (leading) {
+            for (int q : locals) p.send[q] = all;
+          } else {
+            p.recv[my_leader] = all;
+          }
+          return p;
+        }
+        if (!leading) return p;  // the leaders' phases: nothing for the others
+        for (int j = 0; j < H; ++j) {
+          const int q = L.leaders[j];
+          if (q == rank) continue;
+          if (!split) {
+            p.send[q] = all;
+            if (reduce) p.recv[q].active = true;
+            else p.recv[q] = none;
+          } else if (phase == 1) {  // reduce-scatter: leader j folds chunk j
+            p.send[q] = leader_chunk(j);
+            p.recv[q].active = true;
+          } else {  // all-gather of the folded chunks
+            p.send[q] = leader_chunk(li);
+            p.recv[q] = leader_chunk(j);
+          }
+        }
+        if (reduce && !split) {
+          fold_into(p, all, op, size);
+          p.send_aliases_out = true;
+        } else if (split && phase == 1) {
+          fold_into(p, leader_chunk(li), op, size);
+        }
+        return p;
+      });
+}
+
 }  // namespace
 
-std::unique_ptr<Op> make_all_reduce(const at::Tensor& t, RedOp op, int rank, int size) {
+std::unique_ptr<Op> make_all_reduce(const at::Tensor& t, RedOp op, int rank, int size,
+                                    std::shared_ptr<const HostLayout> hosts) {
   OpDesc d{OpKind::kAllReduce, t.scalar_type(), op, (uint64_t)t.numel(), -1};
+  if (hosts) return make_hierarchical(d, t, true, op, rank, size, std::move(hosts));
   const size_t es = t.element_size();
   uint8_t* base = bytes(t);
   const size_t total = nbytes(t);
@@ -219,8 +327,9 @@ std::unique_ptr<Op> make_reduce_scatter(const at::Tensor& out, const std::vector
       });
 }
 
-std::unique_ptr<Op> make_barrier(int rank, int size) {
+std::unique_ptr<Op> make_barrier(int rank, int size, std::shared_ptr<const HostLayout> hosts) {
   OpDesc d{OpKind::kBarrier, c10::ScalarType::Byte, RedOp::SUM, 0, -1};
+  if (hosts) return make_hierarchical(d, at::Tensor(), false, RedOp::SUM, rank, size, std::move(hosts));
   return std::make_unique<PhasedOp>(d, std::vector<at::Tensor>{}, std::vector<at::Tensor>{}, rank, size, 1, 1,
       [=](int) {
         ExchangePlan p = blank_plan(size);

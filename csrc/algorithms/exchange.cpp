@@ -156,9 +156,8 @@ bool Exchange::step(Comm& c) {
           break;
         }
         const size_t off = recvd_[p] * piece_;
-        TORCH_INTERNAL_ASSERT(m->hdr.tag == plan_.tag && m->hdr.offset == off &&
-                                  off + m->hdr.len <= std::max(d.len, off),
-                              "exchange: unexpected piece from group rank ", p);
+        if (!(m->hdr.tag == plan_.tag && m->hdr.offset == off && off + m->hdr.len <= std::max(d.len, off)))
+          unexpected(c, p, *m, off);
         if (m->hdr.len) std::memcpy(d.ptr + off, m->data, m->hdr.len);
         c.pop(p);
         ++recvd_[p];
@@ -210,9 +209,23 @@ bool Exchange::post_bulk_recvs(Comm& c) {
   return any;
 }
 
+// The headers of the peer's messages already agree with this op (same collective, dtype,
+// size, op and root: the engine checked), so a piece that does not fit this rank's plan means
+// the members picked different algorithms, which only settings that must be equal on every rank
+// decide. A typed error, so that the op fails on every member (and says why) rather than
+// asserting.
+void Exchange::unexpected(const Comm& c, int p, const Message& m, size_t off) const {
+  throw_comm_error("fastcomm: group rank " + std::to_string(p) + " sent a piece (phase tag " +
+                   std::to_string(m.hdr.tag) + ", offset " + std::to_string(m.hdr.offset) + ", " +
+                   std::to_string(m.hdr.len) + " bytes) where group rank " + std::to_string(c.rank()) +
+                   " expects phase tag " + std::to_string(plan_.tag) + ", offset " + std::to_string(off) +
+                   ": the members run different algorithms for this op; FASTCOMM_HIERARCHICAL and "
+                   "FASTCOMM_RSAG_THRESHOLD must be the same on every rank");
+}
+
 void Exchange::take_offer(Comm& c, int p, const Message& m) {
-  TORCH_INTERNAL_ASSERT(!brecv_[p] && recvd_[p] == 0 && m.hdr.tag == plan_.tag && m.hdr.offset == 0,
-                        "exchange: unexpected bulk offer from group rank ", p);
+  TORCH_INTERNAL_ASSERT(!brecv_[p] && recvd_[p] == 0, "exchange: second bulk offer from group rank ", p);
+  if (!(m.hdr.tag == plan_.tag && m.hdr.offset == 0)) unexpected(c, p, m, 0);
   at::Tensor dst;
   if (plan_.fold) {
     scratch_[p] = scratch_pool().get(plan_.out.len);
@@ -262,8 +275,7 @@ bool Exchange::fold_piece(Comm& c) {
       take_offer(c, r, *m);
       return false;
     }
-    TORCH_INTERNAL_ASSERT(m->hdr.tag == plan_.tag && m->hdr.offset == off && m->hdr.len == len,
-                          "exchange: unexpected piece from group rank ", r, " in a fold");
+    if (!(m->hdr.tag == plan_.tag && m->hdr.offset == off && m->hdr.len == len)) unexpected(c, r, *m, off);
     fold_from(m->data, acc, n);
     c.pop(r);
     ++recvd_[r];  // (only post_bulk_recvs reads it in a fold: this peer sends pieces)

@@ -71,6 +71,7 @@ class Exchange {
   void fold_from(const uint8_t* src, uint8_t* dst, size_t n);
   bool post_bulk_recvs(Comm& c);
   void take_offer(Comm& c, int p, const Message& m);
+  [[noreturn]] void unexpected(const Comm& c, int p, const Message& m, size_t off) const;
   at::Tensor bytes_of(uint8_t* p, size_t n) const;
 
   ExchangePlan plan_;

@@ -3,6 +3,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
@@ -29,6 +30,9 @@ struct GroupState {
   uint64_t head_seq = 0;  // seq of the oldest unfinished op; older messages are stale
   std::deque<Engine::Pending> queue;
   bool busy = false;
+  // Set when the group spans hosts with several members on one of them: all_reduce and
+  // barrier then run hierarchically (algorithms/collectives.cpp).
+  std::shared_ptr<const HostLayout> hosts;
 };
 
 namespace {
@@ -184,6 +188,10 @@ Engine::Engine(EngineOptions opts) : opts_(std::move(opts)), serial_(++g_engine_
   const bool oversubscribed = (int)local.size() > usable_cpus();
   spin_ns_ = opts_.spin_ns >= 0 ? opts_.spin_ns : (oversubscribed ? 2000 : 200000);
   yield_ns_ = opts_.yield_ns >= 0 ? opts_.yield_ns : (oversubscribed ? 20000 : 2000000);
+  // Must be the same on every rank (members would otherwise run different algorithms; the op
+  // fails then, see collectives.cpp).
+  const char* hier = std::getenv("FASTCOMM_HIERARCHICAL");
+  hierarchical_ = !(hier && std::string(hier) == "0");
 }
 
 Engine::~Engine() {
@@ -309,6 +317,7 @@ std::vector<GroupHandle> Engine::new_groups(const std::vector<std::vector<int>>&
     st->ranks = ranks;
     st->rank = (int)(it - ranks.begin());
     st->label = ranks_label(ranks);
+    st->hosts = host_layout(ranks);
     groups_[id] = st;
     h.rank = st->rank;
     h.id = id;
@@ -316,6 +325,22 @@ std::vector<GroupHandle> Engine::new_groups(const std::vector<std::vector<int>>&
     out.push_back(std::move(h));
   }
   return out;
+}
+
+std::shared_ptr<const HostLayout> Engine::host_layout(const std::vector<int>& ranks) const {
+  if (!hierarchical_) return nullptr;
+  auto L = std::make_shared<HostLayout>();
+  L->leader.resize(ranks.size());
+  std::unordered_map<int, int> leader_of_host;  // host index -> its lowest group rank
+  for (int i = 0; i < (int)ranks.size(); ++i) {
+    auto it = leader_of_host.emplace(opts_.host_of[ranks[i]], i).first;
+    L->leader[i] = it->second;
+    if (it->second == i) L->leaders.push_back(i);
+  }
+  // One host: no Gloo at all; a member per host: nothing to gather first, the flat exchange is
+  // already one message per pair of hosts.
+  if (L->leaders.size() < 2 || L->leaders.size() == ranks.size()) return nullptr;
+  return L;
 }
 
 void Engine::check_member(const GroupHandle& g, const char* api) const {
@@ -383,7 +408,7 @@ Engine::Prepared Engine::prepare_all_reduce(const GroupHandle& g, const at::Tens
   check_member(g, "all_reduce");
   check_tensor(t, opts_.rank, g, "all_reduce", "tensor");
   check_reduce_op(g, "all_reduce", op, t.scalar_type());
-  return {g, make_all_reduce(t, op, g.rank, (int)g.ranks.size()), c10d::OpType::ALLREDUCE};
+  return {g, make_all_reduce(t, op, g.rank, (int)g.ranks.size(), g.state->hosts), c10d::OpType::ALLREDUCE};
 }
 
 Engine::Prepared Engine::prepare_broadcast(const GroupHandle& g, const at::Tensor& t, int src) {
@@ -445,7 +470,7 @@ Engine::Prepared Engine::prepare_reduce_scatter_tensor(const GroupHandle& g, con
 
 Engine::Prepared Engine::prepare_barrier(const GroupHandle& g) {
   check_member(g, "barrier");
-  return {g, make_barrier(g.rank, (int)g.ranks.size()), c10d::OpType::BARRIER};
+  return {g, make_barrier(g.rank, (int)g.ranks.size(), g.state->hosts), c10d::OpType::BARRIER};
 }
 
 Engine::Prepared Engine::prepare_p2p(const GroupHandle& g, const at::Tensor& t, int peer, int tag,

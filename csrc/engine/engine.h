@@ -176,6 +176,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   };
 
   void check_member(const GroupHandle& g, const char* api) const;
+  // The group's layout over hosts when its all_reduce and barrier should run hierarchically,
+  // else null.
+  std::shared_ptr<const HostLayout> host_layout(const std::vector<int>& ranks) const;
   void discard_locked(Transport* tr, int peer, const Message& m);
   void purge_stash_locked(GroupState& g, uint64_t seq);
   void check_reduce_op(const GroupHandle& g, const char* api, RedOp op, c10::ScalarType dt) const;
@@ -248,6 +251,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::atomic<bool> bg_deep_{false};  // the background thread sleeps until rung, not ticking
   int64_t spin_ns_;
   int64_t yield_ns_;
+  bool hierarchical_ = true;  // FASTCOMM_HIERARCHICAL=0 turns the hierarchical collectives off
 };
 
 }  // namespace fastcomm
