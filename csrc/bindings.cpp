@@ -223,6 +223,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("world_size", &Engine::world_size)
       .def_property_readonly("timeout_ms", &Engine::timeout_ms)
       .def_property_readonly("is_shut_down", &Engine::is_shut_down)
+      .def_property_readonly("stalled_sleeps", &Engine::stalled_sleeps)
       .def_property_readonly("gloo_frames_sent", gloo_counter(&Engine::GlooCounters::frames_sent))
       .def_property_readonly("gloo_closes_sent", gloo_counter(&Engine::GlooCounters::closes_sent))
       .def_property_readonly("gloo_bulk_started", gloo_counter(&Engine::GlooCounters::bulk_started))

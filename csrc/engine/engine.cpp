@@ -556,9 +556,13 @@ c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared> ops, bool async_op) 
     }
     // Eager first step: small ops' sends leave now, before the caller even waits.
     posting_batch_ = ops.size() > 1;
+    const size_t stashed = stash_msgs_;
     progress_locked(done);
     posting_batch_ = false;
-    if (rerun_.load()) progress_locked(done);  // a transport thread was refused meanwhile
+    // Once more if a transport thread was refused meanwhile, or if the pass stashed messages
+    // (maybe of an op it had already stepped: left there, a driver asleep for it would not
+    // know; see progress_from_transport).
+    if (rerun_.load() || stash_msgs_ > stashed) progress_locked(done);
   }
   finish(done);
   if (async_op && !work->done()) ensure_bg_thread();
@@ -853,12 +857,13 @@ void Engine::finish(Done& done, bool may_block) {
   publishing_ = false;
 }
 
-bool Engine::try_progress(bool may_block) {
+bool Engine::try_progress(bool may_block, bool wait_lock) {
   Done done;
   bool any;
   {
-    std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
-    if (!lk.owns_lock()) return false;
+    std::unique_lock<std::mutex> lk(mu_, std::defer_lock);
+    if (wait_lock) lk.lock();
+    else if (!lk.try_lock()) return false;
     any = progress_locked(done);
   }
   finish(done, may_block);
@@ -882,14 +887,20 @@ bool Engine::progress_from_transport() {
       return false;
     }
     if (shut_down_) return false;
-    // Bounded: a peer streaming frames could keep refusing other threads forever, and this
-    // one holds the lock meanwhile (post() and new_group wait on it). Past the bound, the flag
-    // stays set and the ring leaves the rest to a driver, which sleeps only short slices then.
+    // Passes repeat while a thread was refused meanwhile (rerun_), and while they make
+    // progress or stash messages: a pass can leave work for the next one (an op stepped late
+    // in the pass reads past, and stashes, a message of an op stepped earlier), and nobody
+    // rings for that, so a driver asleep would wait out its slice. Bounded: a peer streaming
+    // frames could keep refusing other threads forever, and this one holds the lock meanwhile
+    // (post() and new_group wait on it). Past the bound, the ring leaves the rest to a driver
+    // (which, with rerun_ set, sleeps only short slices).
+    bool more = false;
     for (int pass = 0; pass < 8; ++pass) {
-      progress_locked(done);
-      if (!rerun_.load() || shut_down_) break;
+      const size_t stashed = stash_msgs_;
+      more = progress_locked(done) || stash_msgs_ > stashed || rerun_.load();
+      if (!more || shut_down_) break;
     }
-    if (rerun_.load()) bell_.ring();
+    if (more) bell_.ring();
   }
   if (done.empty()) return true;
   // Wakes the threads waiting for these Works. Their Futures are completed by a driver (the
@@ -911,6 +922,7 @@ void Engine::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) 
   auto idle_since = Clock::now();
   auto last_health = idle_since;
   uint32_t idle = 0;
+  bool ran_out = false;  // the last sleep lasted its whole slice, nobody rang meanwhile
   for (;;) {
     if (w ? w->done() : (shut_down_ || pending_async_.load() == 0 || fg_drivers_.load() > 0)) {
       // A pass on a Gloo waiter thread (progress_from_transport) may have settled Works
@@ -919,7 +931,11 @@ void Engine::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) 
       finish(none);
       return;
     }
+    const bool stalled = ran_out;
+    ran_out = false;
     if (try_progress()) {
+      // Work that nobody rang for: a lost wake-up (see stalled_sleeps()).
+      if (stalled) stalled_sleeps_.fetch_add(1, std::memory_order_relaxed);
       idle = 0;
       continue;
     }
@@ -961,13 +977,24 @@ void Engine::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) 
     }
     bell_.begin_sleep();
     const uint32_t tok = bell_.token();
-    const bool progressed = try_progress();
+    // The last look before sleeping waits for the lock instead of giving up when another
+    // thread holds it: that thread (a Gloo thread's pass, say) may have looked at the rings
+    // before the event this thread was just woken for (a peer freed ring space: nobody rings
+    // again for it), so skipping the pass here slept a whole slice with work to do; seen as
+    // 5 ms stalls per op when a host's leader streamed 1 MB to a member on the same CPU.
+    const bool progressed = try_progress(/*may_block=*/true, /*wait_lock=*/true);
     // rerun_ is read after the token: a transport thread sets it before it rings, so either it
     // is seen here or the ring changes the token and the sleep returns at once. While it is
     // set, a delivery may be waiting for a pass that the lock holder will not run: sleep only
     // a short slice then (not a spin: on a busy core that would take the holder's time).
     const bool rerun = rerun_.load();
-    if (!progressed && !(w && w->done())) bell_.sleep(tok, rerun ? 50000 : 5000000);
+    if (!progressed && !(w && w->done())) {
+      const int64_t slice = rerun ? 50000 : 5000000;
+      const auto t0 = Clock::now();
+      bell_.sleep(tok, slice);
+      // (A short slice, taken while rerun_ was set, is expected to end with work waiting.)
+      ran_out = !rerun && bell_.token() == tok && Clock::now() - t0 >= std::chrono::nanoseconds(slice);
+    }
     bell_.end_sleep();
     if (progressed) idle = 0;
   }

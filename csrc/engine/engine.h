@@ -129,6 +129,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
     uint64_t frames_sent = 0, closes_sent = 0, bulk_started = 0, bulk_live = 0, frames_unreaped = 0;
   };
   GlooCounters gloo_counters();
+  // Sleeps of a driver that ran their whole slice with nobody ringing, after which there was
+  // work to do: wake-ups the protocol lost (each costs up to a slice, 5 ms). 0 in a healthy
+  // job whatever the timing (a peer's death or an op's deadline, which nobody rings for, is
+  // noticed by the health check, not counted here); what tests check the protocol by.
+  uint64_t stalled_sleeps() const { return stalled_sleeps_.load(std::memory_order_relaxed); }
 
   // The job's store (set by the Python layer after the rendezvous) and the CUDA path made
   // lazily at the first CUDA op: both only matter off the CPU hot path.
@@ -186,7 +191,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   GroupHandle p2p_channel(const GroupHandle& g, int src, int dst, int tag);
   bool progress_locked(Done& done);
   // may_block false: for a caller holding the GIL (poll), which must not wait for mu_.
-  bool try_progress(bool may_block = true);
+  // wait_lock: take mu_ even if another thread holds it (else give up at once).
+  bool try_progress(bool may_block = true, bool wait_lock = false);
   void finish(Done& done, bool may_block = true);
   void settle_locked(Done& done, const c10::intrusive_ptr<Work>& w, std::exception_ptr e);
   void fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, bool tell_peers);
@@ -251,6 +257,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::atomic<bool> bg_deep_{false};  // the background thread sleeps until rung, not ticking
   int64_t spin_ns_;
   int64_t yield_ns_;
+  std::atomic<uint64_t> stalled_sleeps_{0};
   bool hierarchical_ = true;  // FASTCOMM_HIERARCHICAL=0 turns the hierarchical collectives off
 };
 

@@ -1,0 +1,230 @@
+#!/usr/bin/env python
+"""Mixed groups: one group over several hosts with several members per host, fastcomm's
+hierarchical all_reduce vs its flat one vs torch Gloo.
+
+Hosts are simulated on this machine with FASTCOMM_HOST_ID (``--hosts AABB``: ranks 0 and 1 on
+host A, 2 and 3 on host B). Each host gets its own share of the CPUs, as separate machines
+would (``--placement free`` leaves it to the scheduler). Three forms of the same all_reduce over
+the group of all ranks:
+
+- torch Gloo: ``dist.all_reduce`` on the world group (every byte over TCP, inside a host too);
+- fastcomm, flat (``FASTCOMM_HIERARCHICAL=0``): every member exchanges with every other, over
+  shared memory inside a host and over Gloo between hosts;
+- fastcomm, hierarchical (the default): each host's members reduce into the host's lowest rank
+  over shared memory, those leaders all-reduce over Gloo, and each copies the result back.
+
+Two loops per size: one all_reduce per step, and k groups over the same ranks with one
+all_reduce each per step (torch: async_op=True, then wait for all; fastcomm: one ``fc.batch``).
+Reported: the median step time divided by the ops in it (µs per op), max over ranks, median
+over --repeat launches, the forms' launches alternating. Every loop ends with a checked op.
+
+    python benchmarks/mixed_groups.py [--hosts AABB] [--sizes 100 2500 262144] [--k 8]
+                                      [--iters 300] [--repeat 3] [--placement hosts|free]
+                                      [--json FILE] [--plot FILE.png]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _launch import (STORE_TIMEOUT, JobError, finish, print_header, print_table,  # noqa: E402
+                     pyplot_or_none, run_job, save_plot)
+
+
+def host_cpus(rank, hosts, placement):
+    """Under placement "hosts", the CPUs of rank's simulated host: the machine's CPUs dealt out
+    to the hosts in order of first appearance (a host may get one CPU of several, or share one
+    when there are more hosts than CPUs); else None (any CPU)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if placement != "hosts":
+        return None
+    order = list(dict.fromkeys(hosts))
+    i, H = order.index(hosts[rank]), len(order)
+    if len(cpus) >= H:
+        per = len(cpus) // H
+        return set(cpus[i * per:(i + 1) * per])
+    return {cpus[i % len(cpus)]}
+
+
+def _steps(all_reduce, groups, numel, rank, world, iters, warmup, batch=None):
+    """Median seconds per op over `iters` steps of one all_reduce per group, then a checked
+    step (every rank contributes rank + 1 + i on group i)."""
+    k = len(groups)
+
+    def step(ts):
+        if batch is not None:
+            with batch() as b:
+                for t, g in zip(ts, groups):
+                    all_reduce(t, group=g)
+            b.wait()
+        elif k > 1:
+            for w in [all_reduce(t, group=g, async_op=True) for t, g in zip(ts, groups)]:
+                w.wait()
+        else:
+            all_reduce(ts[0], group=groups[0])
+
+    ts = [torch.zeros(numel) for _ in groups]  # zeros: sums stay 0 however many steps
+    for _ in range(warmup):
+        step(ts)
+    per = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step(ts)
+        per.append((time.perf_counter() - t0) / k)
+    ts = [torch.full((numel,), float(rank + 1 + i)) for i in range(k)]
+    step(ts)
+    for i, t in enumerate(ts):
+        exp = float(sum(r + 1 + i for r in range(world)))
+        if not torch.equal(t, torch.full_like(t, exp)):
+            raise AssertionError(f"wrong all_reduce result {t[:3]} != {exp}")
+    return statistics.median(per)
+
+
+MIN_BATCHED_STEPS = 20
+
+
+def _gloo_body(store, rank, world, hosts, numel, k, iters, warmup, placement):
+    cpus = host_cpus(rank, hosts, placement)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=STORE_TIMEOUT)
+    try:
+        groups = [dist.new_group(list(range(world))) for _ in range(k)]
+        single = _steps(dist.all_reduce, groups[:1], numel, rank, world, iters, warmup)
+        batched = _steps(dist.all_reduce, groups, numel, rank, world, max(MIN_BATCHED_STEPS, iters // k), warmup)
+        dist.barrier()
+        return single, batched
+    finally:
+        dist.destroy_process_group()
+
+
+def _fastcomm_body(store, rank, world, hosts, numel, k, iters, warmup, placement, hierarchical):
+    cpus = host_cpus(rank, hosts, placement)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    os.environ["FASTCOMM_HOST_ID"] = "bench-host-" + hosts[rank]
+    os.environ["FASTCOMM_HIERARCHICAL"] = "1" if hierarchical else "0"
+    import fastcomm as fc
+
+    fc.init(store=store, rank=rank, world_size=world, timeout=STORE_TIMEOUT)
+    try:
+        groups = fc.new_groups([list(range(world))] * k)
+        single = _steps(fc.all_reduce, groups[:1], numel, rank, world, iters, warmup)
+        batched = _steps(fc.all_reduce, groups, numel, rank, world, max(MIN_BATCHED_STEPS, iters // k), warmup,
+                         batch=fc.batch)
+        fc.barrier()
+        return single, batched
+    finally:
+        fc.shutdown()
+
+
+def _flat(store, rank, world, *args):
+    return _fastcomm_body(store, rank, world, *args, hierarchical=False)
+
+
+def _hier(store, rank, world, *args):
+    return _fastcomm_body(store, rank, world, *args, hierarchical=True)
+
+
+BODIES = {"torch Gloo": _gloo_body, "fastcomm flat": _flat, "fastcomm hierarchical": _hier}
+
+
+def measure(hosts, numel, k, iters, repeat, placement, failures):
+    runs = {name: ([], []) for name in BODIES}
+    for _ in range(repeat):
+        for name, body in BODIES.items():
+            if runs[name] is None:
+                continue
+            try:
+                res = run_job(body, len(hosts), hosts, numel, k, iters, max(5, iters // 10), placement,
+                              timeout=600)
+            except JobError as e:
+                runs[name] = None
+                failures.append(f"{name}, {numel} elements: {e}")
+                continue
+            runs[name][0].append(max(r[0] for r in res))
+            runs[name][1].append(max(r[1] for r in res))
+    return {name: None if r is None else {
+        "single_us": statistics.median(r[0]) * 1e6, "batched_us": statistics.median(r[1]) * 1e6,
+        "single_runs_us": [x * 1e6 for x in r[0]], "batched_runs_us": [x * 1e6 for x in r[1]]}
+        for name, r in runs.items()}
+
+
+def write_plot(path, results):
+    plt = pyplot_or_none(path)
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, kind, title in ((axes[0], "single_us", "one all_reduce per step"),
+                            (axes[1], "batched_us", f"k = {results['k']} per step")):
+        for name in BODIES:
+            pts = [(c["bytes"], c[name][kind]) for c in results["cells"] if c.get(name)]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set(xscale="log", yscale="log", xlabel="bytes per all_reduce", ylabel="µs per op", title=title)
+        ax.legend(fontsize=7)
+    save_plot(fig, path)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hosts", default="AABB", help="one letter per rank: its host")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[100, 2500, 262144],
+                    help="float32 elements per tensor")
+    ap.add_argument("--k", type=int, default=8, help="groups (ops) per batched step")
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--placement", choices=["hosts", "free"], default="hosts")
+    ap.add_argument("--plot", metavar="FILE.png", help="write a plot (needs matplotlib)")
+    ap.add_argument("--json", metavar="FILE", help="dump the raw numbers as JSON")
+    args = ap.parse_args()
+    hosts = list(args.hosts)
+    if len(hosts) < 2 or args.iters < 1 or args.repeat < 1 or args.k < 1:
+        ap.error("--hosts needs 2+ ranks; --iters, --repeat and --k must be positive")
+    torch.set_num_threads(1)
+    t_start = time.monotonic()
+
+    print_header("Mixed groups: fastcomm hierarchical vs flat vs torch Gloo")
+    where = ", ".join(f"host {h}: ranks {[r for r in range(len(hosts)) if hosts[r] == h]}"
+                      + (f" on CPUs {sorted(host_cpus(hosts.index(h), hosts, args.placement))}"
+                         if args.placement == "hosts" else "")
+                      for h in dict.fromkeys(hosts))
+    print(f"- hosts simulated on this machine (FASTCOMM_HOST_ID), TCP over loopback; {where}")
+    print(f"- float32 all_reduce over all {len(hosts)} ranks, median µs per op (max over ranks), "
+          f"median of {args.repeat} launch(es), forms alternating; batched = {args.k} groups "
+          f"over the same ranks per step\n", flush=True)
+    results = {"command": sys.argv, "hosts": args.hosts, "placement": args.placement, "k": args.k,
+               "cells": []}
+    failures, rows = [], []
+
+    def us(x, kind):
+        return f"{x[kind]:,.0f}" if x else "failed"
+
+    def ratio(num, den, kind):
+        return f"{num[kind] / den[kind]:.1f}x" if num and den else "-"
+
+    for n in args.sizes:
+        iters = args.iters if n * 4 <= 65536 else max(20, args.iters // 10)
+        cell = {"bytes": 4 * n, "iters": iters}
+        cell.update(measure(hosts, n, args.k, iters, args.repeat, args.placement, failures))
+        results["cells"].append(cell)
+        g, f, h = cell["torch Gloo"], cell["fastcomm flat"], cell["fastcomm hierarchical"]
+        for kind, label in (("single_us", "single"), ("batched_us", f"batched, k={args.k}")):
+            rows.append([f"{4 * n:,}", label, us(g, kind), us(f, kind), us(h, kind),
+                         ratio(g, h, kind), ratio(f, h, kind)])
+    print_table(["bytes", "loop", "torch Gloo", "fastcomm flat", "fastcomm hierarchical",
+                 "torch / hier.", "flat / hier."], rows)
+    print("\nratios above 1: the hierarchical form is faster.")
+    return finish(results, failures, t_start, "Total benchmark time", args.json, args.plot,
+                  lambda path: write_plot(path, results))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
