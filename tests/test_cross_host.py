@@ -243,6 +243,13 @@ def test_mixed_groups_cross_hosts_only_through_leaders(hosts, hierarchical):
             assert frames > 0, f"rank {rank} sent no Gloo frames"
 
 
+@pytest.mark.parametrize("hosts", [ALTERNATE, SPLIT])
+def test_barrier_orders_writes_before_reads_across_hosts(tmp_path, hosts):
+    # The world and the triple run the hierarchical barrier on both layouts (members to their
+    # leader, leaders among themselves, leaders back): still nobody leaves before all entered.
+    assert run(tc._barrier_body, 4, str(tmp_path), hosts=hosts) == [36, 36, 36, 24]
+
+
 def _disagree_body(rank, world, hosts, dissenter):
     os.environ["FASTCOMM_HOST_ID"] = f"host-{hosts[rank]}"
     if rank == dissenter:
