@@ -184,10 +184,12 @@ def test_send_then_recv_both_ways_with_bulk_on():
     run(_send_both_ways_body, 2, 300_001, hosts=["A", "B"], env=BULK_ENV, timeout=60)
 
 
-def test_all_reduce_every_op_and_dtype_as_bulk_transfers():
+@pytest.mark.parametrize("hosts", [SPLIT, THREE])
+def test_all_reduce_every_op_and_dtype_as_bulk_transfers(hosts):
+    # On THREE the world's leaders reduce-scatter and all-gather their chunks as bulk transfers.
     for shape in ("pair", "world"):
         results = run(tc._rsag_body, 4, shape, [0, 1, 7, 1001, 30_001], list(tc.OPS),
-                      list(tc.DTYPES), hosts=SPLIT,
+                      list(tc.DTYPES), hosts=hosts,
                       env={**BULK_ENV, "FASTCOMM_RSAG_THRESHOLD": "1024"})
         tc.check_members_identical(results)
 
@@ -250,24 +252,58 @@ def test_barrier_orders_writes_before_reads_across_hosts(tmp_path, hosts):
     assert run(tc._barrier_body, 4, str(tmp_path), hosts=hosts) == [36, 36, 36, 24]
 
 
-def _disagree_body(rank, world, hosts, dissenter):
+def _hier_mismatch_body(rank, world, case):
+    """A member of a hierarchical world group issues something else; every member must fail
+    the op on the mismatch (or a member's notice of it), none by its timeout."""
+    g = fc.new_group(list(range(world)))
+    if case == "broadcast_to_remote_member":
+        # SPLIT: rank 1 (a member on A) broadcasts from rank 3 (a member on B): its only
+        # message goes to rank 3, whose all_reduce reads only its leader, rank 2.
+        if rank == 1:
+            op = lambda: fc.broadcast(torch.ones(10), src=3, group=g)  # noqa: E731
+        else:
+            op = lambda: fc.all_reduce(torch.ones(10), group=g)  # noqa: E731
+    else:  # "full_ring": AAAB, rank 2 issues another size; rank 1's span fills its ring to the
+        # leader, which fails on rank 2's message before it reads the rest of rank 1's
+        n = 7 if rank == 2 else 100_000
+        op = lambda: fc.all_reduce(torch.ones(n), group=g)  # noqa: E731
+    msg = expect(dist.DistBackendError, op, f"rank {rank}")
+    assert "timed out" not in msg, f"rank {rank} failed by its timeout: {msg}"
+    assert "mismatched collectives" in msg, msg
+    fc.barrier(group=g)  # and the group works on
+    return msg
+
+
+@pytest.mark.parametrize("case,hosts", [("broadcast_to_remote_member", SPLIT),
+                                        ("full_ring", ["A", "A", "A", "B"])])
+def test_mismatch_in_a_hierarchical_group_fails_every_member(case, hosts):
+    run(_hier_mismatch_body, 4, case, hosts=hosts, op_timeout=60.0)
+
+
+def _disagree_body(rank, world, hosts, dissenter, var, value):
     os.environ["FASTCOMM_HOST_ID"] = f"host-{hosts[rank]}"
     if rank == dissenter:
-        os.environ["FASTCOMM_HIERARCHICAL"] = "0"
+        os.environ[var] = value
     harness.init_child(rank, world, timeout=30.0)
     try:
         g = fc.new_group(list(range(world)))
-        expect(dist.DistBackendError, lambda: fc.all_reduce(torch.ones(10), group=g),
-               "different algorithms", "FASTCOMM_HIERARCHICAL")
+        msg = expect(dist.DistBackendError, lambda: fc.all_reduce(torch.ones(10), group=g),
+                     "different algorithms", "FASTCOMM_HIERARCHICAL")
+        assert "timed out" not in msg, msg
     finally:
         fc.shutdown()
 
 
-@pytest.mark.parametrize("dissenter", [0, 1])
-def test_members_disagreeing_on_the_hierarchy_fail_the_op(dissenter):
-    # FASTCOMM_HIERARCHICAL=0 on one rank only (a leader, or a member it leads): every member
-    # fails the op with an error saying why, none waits for its timeout.
-    harness.run(_disagree_body, 4, SPLIT, dissenter, init=False, timeout=60, env=RING_ENV)
+@pytest.mark.parametrize("hosts,dissenter,var,value", [
+    (SPLIT, 0, "FASTCOMM_HIERARCHICAL", "0"),      # a leader runs the flat form
+    (SPLIT, 1, "FASTCOMM_HIERARCHICAL", "0"),      # a member it leads does
+    (THREE, 2, "FASTCOMM_RSAG_THRESHOLD", "1"),    # with 3 leaders, a member splits the
+    (THREE, 1, "FASTCOMM_RSAG_THRESHOLD", "1"),    # leaders' phase, or a leader alone does
+])
+def test_members_disagreeing_on_the_algorithm_fail_the_op(hosts, dissenter, var, value):
+    # A setting that picks the algorithm differs on one rank: every member fails the op with
+    # an error saying why, none waits for its timeout.
+    harness.run(_disagree_body, 4, hosts, dissenter, var, value, init=False, timeout=60, env=RING_ENV)
 
 
 def test_overlapping_groups_async_across_hosts():

@@ -109,10 +109,15 @@ size_t rsag_threshold() {
 // partials in the same order, and the other members receive a leader's bytes, so all members
 // get identical results (rounded in host order, not in the flat fold's member order).
 // Mismatches are still caught: every member's header reaches its leader, every leader's
-// reaches the other leaders, and whoever detects one tells the whole group. The tags are kept
-// apart from the flat algorithms' so that members which disagree on the algorithm
-// (FASTCOMM_HIERARCHICAL set differently) fail the op instead of folding the wrong pieces.
+// reaches the other leaders, and whoever detects one tells the whole group; a member that
+// issued another collective may have sent its messages elsewhere (a broadcast to a member of
+// another host), so a phase that cannot move also looks at every member's next message
+// (ExchangePlan::watch_all). The tags are kept apart from the flat algorithms' and carry the
+// form of the leaders' phase, so that members which disagree on the algorithm
+// (FASTCOMM_HIERARCHICAL or FASTCOMM_RSAG_THRESHOLD set differently) fail the op from phase 0
+// on instead of folding the wrong pieces.
 constexpr uint32_t kHierTag = 0x100;
+constexpr uint32_t kHierSplitTag = 0x10;
 
 std::unique_ptr<Op> make_hierarchical(OpDesc d, const at::Tensor& t, bool reduce, RedOp op, int rank,
                                       int size, std::shared_ptr<const HostLayout> hosts) {
@@ -148,7 +153,10 @@ std::unique_ptr<Op> make_hierarchical(OpDesc d, const at::Tensor& t, bool reduce
   return std::make_unique<PhasedOp>(d, outputs, std::vector<at::Tensor>{}, rank, size, phases, es,
       [=](int phase) {
         ExchangePlan p = blank_plan(size);
-        p.tag = kHierTag + phase;
+        // The form is in the tag too (members that disagree on FASTCOMM_RSAG_THRESHOLD differ
+        // from phase 0 on, where every member's message reaches its leader).
+        p.tag = kHierTag + (split ? kHierSplitTag : 0) + phase;
+        p.watch_all = true;
         const Span all = Span::of(base, total);
         const Span none = Span::of(nullptr, 0);
         if (phase == 0) {  // members to their leader

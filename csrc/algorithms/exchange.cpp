@@ -170,12 +170,20 @@ bool Exchange::step(Comm& c) {
     const bool waiting = (bsend_[p] && !bsend_[p]->done()) || (brecv_[p] && !brecv_[p]->done());
     finished = finished && !waiting && sent_[p] == send_total_[p] &&
                (plan_.fold || recvd_[p] == recv_total_[p]);
-    // A peer whose op failed never posts the receive of our bulk send; it tells us in an abort
-    // message, which check_abort() turns into this op's error. (No other message of this
-    // exchange comes from a peer once its offer is read, and a later phase's is left alone.)
-    if (waiting) c.check_abort(p);
+    // A peer whose op failed never posts the receive of our bulk send, nor reads the rest of a
+    // span that filled its ring; it tells us in an abort message, which check_abort() turns
+    // into this op's error. (No other message of this exchange comes from a peer once its
+    // offer is read, and a later phase's is left alone.)
+    if (waiting || sent_[p] < send_total_[p]) c.check_abort(p);
   }
-  if (finished && (!plan_.fold || folded_ == fold_total_)) {
+  finished = finished && (!plan_.fold || folded_ == fold_total_);
+  if (!finished && !any && plan_.watch_all) {
+    // Stuck: look at every member's next message of this op, not only this phase's peers',
+    // for an abort or a different collective (see ExchangePlan::watch_all).
+    for (int p = 0; p < size_; ++p)
+      if (p != rank_) c.check_abort(p);
+  }
+  if (finished) {
     done_ = true;
     for (auto& t : scratch_) scratch_pool().put(std::move(t));
     bsend_.assign(size_, nullptr);
@@ -224,8 +232,8 @@ void Exchange::unexpected(const Comm& c, int p, const Message& m, size_t off) co
 }
 
 void Exchange::take_offer(Comm& c, int p, const Message& m) {
-  TORCH_INTERNAL_ASSERT(!brecv_[p] && recvd_[p] == 0, "exchange: second bulk offer from group rank ", p);
   if (!(m.hdr.tag == plan_.tag && m.hdr.offset == 0)) unexpected(c, p, m, 0);
+  TORCH_INTERNAL_ASSERT(!brecv_[p] && recvd_[p] == 0, "exchange: second bulk offer from group rank ", p);
   at::Tensor dst;
   if (plan_.fold) {
     scratch_[p] = scratch_pool().get(plan_.out.len);

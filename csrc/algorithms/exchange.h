@@ -54,6 +54,12 @@ struct ExchangePlan {
   // receiver has posted its receive, and a send must be able to complete on its own (two
   // ranks that both send, then both receive, must not deadlock), as it does through frames.
   bool bulk = true;
+  // While the exchange cannot move, also check the members it neither sends to nor receives
+  // from in this phase for an abort or a mismatched collective. A phase of a hierarchical op
+  // talks to a few members only; a member that issued a different collective may have sent
+  // its only message to someone who never reads it, and without this every member would wait
+  // for its timeout instead of failing on the mismatch.
+  bool watch_all = false;
 };
 
 class Exchange {

@@ -665,7 +665,9 @@ bool Engine::progress_locked(Done& done) {
       err = std::current_exception();
     }
     any |= stepped;
-    if (!stepped && !finished && !err) drop_stale_locked(g);
+    // What was dropped may have hidden a message this op (already stepped) can use now: that
+    // counts as progress, so the caller runs another pass instead of sleeping.
+    if (!stepped && !finished && !err) any |= drop_stale_locked(g);
     if (err) {
       fail_front_locked(g, err, done, true);
       any = true;
@@ -695,7 +697,8 @@ bool Engine::progress_locked(Done& done) {
 // peer, but an op that must send first can be stuck behind a full ring whose owner is stuck the
 // same way, each waiting for the other to read. So a group whose front op cannot move also
 // drops whatever stale messages sit at the head of its peers' rings.
-void Engine::drop_stale_locked(GroupState& g) {
+bool Engine::drop_stale_locked(GroupState& g) {
+  bool any = false;
   for (int r : g.ranks) {
     if (r == opts_.rank) continue;
     Transport* tr = transport_for(r);
@@ -703,8 +706,10 @@ void Engine::drop_stale_locked(GroupState& g) {
       auto git = groups_.find(m->hdr.group);
       if (git == groups_.end() || m->hdr.seq >= git->second->head_seq) break;
       discard_locked(tr, r, *m);
+      any = true;
     }
   }
+  return any;
 }
 
 void Engine::fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, bool tell_peers) {
@@ -744,6 +749,22 @@ void Engine::fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, 
   ++g.head_seq;
 }
 
+// A dead member dooms every queued op of the group. The other members are not told: each
+// finds out itself (health_locked looks at every member of a busy group, whether or not its
+// ops talk to it), and a notice could reach one before it saw the death itself.
+void Engine::fail_dead_group_locked(GroupState& g, int dead, Done& done) {
+  while (!g.queue.empty()) {
+    const Pending& p = g.queue.front();
+    std::string msg = "fastcomm: rank " + std::to_string(opts_.rank) + ", group " + g.label + ": " +
+                      describe(p.op->desc()) + " (op #" + std::to_string(p.seq) + ") failed: rank " +
+                      std::to_string(dead) + " (pid " + std::to_string(opts_.pids[dead]) + ") has exited";
+    if (gloo_ && !shm_->is_local(dead)) msg += " (" + gloo_->death_reason(dead) + ")";
+    fail_front_locked(g, std::make_exception_ptr(c10::DistBackendError(
+                             {__func__, __FILE__, (uint32_t)__LINE__}, msg)),
+                      done, false);
+  }
+}
+
 // Slow path, run while waiting: peers that exited and ops past their deadline.
 //
 // A peer may exit right after sending what our ops still need (its last op done, it shuts
@@ -757,11 +778,16 @@ void Engine::health_locked(Done& done) {
   if (shut_down_) return;
   std::vector<int> newly_dead;
   for (GroupState* g : busy_)
-    for (int r : g->ranks)
-      if (r != opts_.rank && !dead_[r] && !transport_for(r)->peer_alive(r)) {
+    for (int r : g->ranks) {
+      if (r == opts_.rank || dead_[r]) continue;
+      // A remote peer's death shows as a failed receive, so it needs a receiver even when this
+      // rank's ops never read from it (a hierarchical op's member, or leader, on another host).
+      if (gloo_ && !shm_->is_local(r)) gloo_->connect(r);
+      if (!transport_for(r)->peer_alive(r)) {
         dead_[r] = 1;
         newly_dead.push_back(r);
       }
+    }
   if (!newly_dead.empty()) {
     for (int pass = 0; pass < 256 && progress_locked(done); ++pass) {
     }
@@ -780,26 +806,22 @@ void Engine::health_locked(Done& done) {
     Pending& p = g.queue.front();
     std::string msg;
     if (dead >= 0) {
-      msg = "fastcomm: rank " + std::to_string(opts_.rank) + ", group " + g.label + ": " +
-            describe(p.op->desc()) + " (op #" + std::to_string(p.seq) + ") failed: rank " +
-            std::to_string(dead) + " (pid " + std::to_string(opts_.pids[dead]) + ") has exited";
-      if (gloo_ && !shm_->is_local(dead)) msg += " (" + gloo_->death_reason(dead) + ")";
+      fail_dead_group_locked(g, dead, done);
     } else if (now >= p.deadline) {
       msg = "fastcomm: rank " + std::to_string(opts_.rank) + ", group " + g.label + ": " +
             describe(p.op->desc()) + " (op #" + std::to_string(p.seq) + ") timed out after " +
             std::to_string(opts_.timeout_ms) +
             " ms; a member stalled or issued this group's collectives in a different order";
     }
-    if (msg.empty()) {
+    if (dead < 0 && msg.empty()) {
       ++i;
       continue;
     }
-    auto e = std::make_exception_ptr(
-        c10::DistBackendError({__func__, __FILE__, (uint32_t)__LINE__}, msg));
-    // A dead member dooms every queued op of the group; a timeout only the one that stalled.
-    do {
-      fail_front_locked(g, e, done, dead < 0);
-    } while (dead >= 0 && !g.queue.empty());
+    if (dead < 0) {  // a timeout fails only the op that stalled
+      fail_front_locked(g, std::make_exception_ptr(c10::DistBackendError(
+                                 {__func__, __FILE__, (uint32_t)__LINE__}, msg)),
+                        done, true);
+    }
     if (g.queue.empty()) {
       g.busy = false;
       busy_[i] = busy_.back();
@@ -923,6 +945,7 @@ void Engine::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) 
   auto last_health = idle_since;
   uint32_t idle = 0;
   bool ran_out = false;  // the last sleep lasted its whole slice, nobody rang meanwhile
+  uint32_t slept_on = 0;  // ... on this token
   for (;;) {
     if (w ? w->done() : (shut_down_ || pending_async_.load() == 0 || fg_drivers_.load() > 0)) {
       // A pass on a Gloo waiter thread (progress_from_transport) may have settled Works
@@ -934,8 +957,9 @@ void Engine::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) 
     const bool stalled = ran_out;
     ran_out = false;
     if (try_progress()) {
-      // Work that nobody rang for: a lost wake-up (see stalled_sleeps()).
-      if (stalled) stalled_sleeps_.fetch_add(1, std::memory_order_relaxed);
+      // Work that nobody rang for, not even since the sleep ended: a lost wake-up (see
+      // stalled_sleeps()).
+      if (stalled && bell_.token() == slept_on) stalled_sleeps_.fetch_add(1, std::memory_order_relaxed);
       idle = 0;
       continue;
     }
@@ -994,6 +1018,7 @@ void Engine::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) 
       bell_.sleep(tok, slice);
       // (A short slice, taken while rerun_ was set, is expected to end with work waiting.)
       ran_out = !rerun && bell_.token() == tok && Clock::now() - t0 >= std::chrono::nanoseconds(slice);
+      slept_on = tok;
     }
     bell_.end_sleep();
     if (progressed) idle = 0;
