@@ -589,6 +589,30 @@ def test_dead_rank_on_other_host_only_breaks_its_groups(tmp_path):
     assert res[3] is None and res[2] is not None
 
 
+def _hier_death_body(rank, world, victim):
+    g = fc.new_group(list(range(world)))
+    for i in range(3):
+        t = torch.full((1000,), float(rank + i))
+        fc.all_reduce(t, group=g)
+        assert torch.equal(t, torch.full((1000,), float(sum(range(world)) + world * i)))
+    if rank == victim:
+        test_faults.die("sigkill")
+    # Every survivor fails the next ops on the dead rank, naming it, whether it talks to the
+    # victim in a hierarchical op (its leader, its member) or never does (the other host).
+    msgs = []
+    for n in (10, 100_000):
+        msgs.append(test_faults.expect_backend_error(
+            lambda: fc.all_reduce(torch.ones(n), group=g), f"rank {rank}", f"rank {victim}", "exited"))
+    return msgs
+
+
+@pytest.mark.parametrize("victim", [2, 3])  # SPLIT: rank 2 leads host B, rank 3 is its member
+def test_dead_member_of_a_hierarchical_group(victim):
+    res = run(_hier_death_body, 4, victim, hosts=SPLIT, op_timeout=test_faults.OP_TIMEOUT,
+              allow_fail=(victim,), timeout=60)
+    assert res[victim] is None and all(res[r] for r in range(4) if r != victim)
+
+
 def test_dead_peer_fails_every_queued_async_op_across_hosts(tmp_path):
     res = run(test_faults._queued_death_body, 2, str(tmp_path), op_timeout=test_faults.OP_TIMEOUT,
               allow_fail=(1,), timeout=60)
