@@ -5,7 +5,8 @@
 order or raises ``JobError``. Each launch rendezvouses through its own TCPStore on a free port,
 has a hard timeout, and every child is joined or killed before it returns.
 
-The rest formats the reports: machine description, Markdown tables, the JSON dump, the plot's
+``all_reduce_steps`` is the timed loop the all_reduce benchmarks share (one op per group per
+step, then a checked step). The rest formats the reports: machine description, Markdown tables, the JSON dump, the plot's
 matplotlib import, and the end-of-run check that no child process was left behind."""
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import os
 import platform
 import shlex
 import signal
+import statistics
 import sys
 import time
 import traceback
@@ -29,6 +31,52 @@ import torch.distributed as dist
 _ctx = mp.get_context("fork")
 
 STORE_TIMEOUT = timedelta(seconds=60)
+
+
+# Fewest timed steps of a batched loop (a median of a handful of steps is mostly noise).
+MIN_BATCHED_STEPS = 20
+
+
+def batched_steps(iters, k):
+    return max(MIN_BATCHED_STEPS, iters // k)
+
+
+def all_reduce_steps(all_reduce, groups, numel, rank, members, iters, warmup, batch=None,
+                     async_wait=False):
+    """Median seconds per op over `iters` steps of one float32 all_reduce of `numel` elements
+    per group, then a checked step (each member r contributes r + 1 + i on group i; `members`:
+    the global ranks of every group). `batch`: issue each step inside fastcomm's batch;
+    `async_wait`: issue every op with async_op=True, then wait for all."""
+    k = len(groups)
+
+    def step(ts):
+        if batch is not None:
+            with batch() as b:
+                for t, g in zip(ts, groups):
+                    all_reduce(t, group=g)
+            b.wait()
+        elif async_wait:
+            for w in [all_reduce(t, group=g, async_op=True) for t, g in zip(ts, groups)]:
+                w.wait()
+        else:
+            for t, g in zip(ts, groups):
+                all_reduce(t, group=g)
+
+    ts = [torch.zeros(numel) for _ in groups]  # zeros: sums stay 0 however many steps
+    for _ in range(warmup):
+        step(ts)
+    per = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step(ts)
+        per.append((time.perf_counter() - t0) / k)
+    ts = [torch.full((numel,), float(rank + 1 + i)) for i in range(k)]
+    step(ts)
+    for i, t in enumerate(ts):
+        exp = float(sum(r + 1 + i for r in members))
+        if not torch.equal(t, torch.full_like(t, exp)):
+            raise AssertionError(f"wrong all_reduce result {t[:3]} != {exp}")
+    return statistics.median(per)
 
 
 class JobError(RuntimeError):

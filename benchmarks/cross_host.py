@@ -49,8 +49,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _launch import (STORE_TIMEOUT, JobError, finish, print_header, print_table,  # noqa: E402
-                     pyplot_or_none, run_job, save_plot)
+from _launch import (MIN_BATCHED_STEPS, STORE_TIMEOUT, JobError, all_reduce_steps,  # noqa: E402
+                     batched_steps, finish, print_header, print_table, pyplot_or_none, run_job,
+                     save_plot)
 
 
 def host_cpus(rank, placement):
@@ -72,51 +73,6 @@ def _place(rank, placement):
         os.sched_setaffinity(0, cpus)  # threads made from here on (Gloo's, fastcomm's) inherit it
 
 
-def _run_steps(all_reduce, groups, numel, rank, iters, warmup, batch=None, async_wait=False):
-    """Median seconds per op over `iters` steps of one all_reduce per group, then a checked
-    step. `batch`: issue the step inside fastcomm's batch; `async_wait`: issue every op with
-    async_op=True, then wait for all."""
-    k = len(groups)
-
-    def step(ts):
-        if batch is not None:
-            with batch() as b:
-                for t, g in zip(ts, groups):
-                    all_reduce(t, group=g)
-            b.wait()
-        elif async_wait:
-            for w in [all_reduce(t, group=g, async_op=True) for t, g in zip(ts, groups)]:
-                w.wait()
-        else:
-            for t, g in zip(ts, groups):
-                all_reduce(t, group=g)
-
-    ts = [torch.zeros(numel) for _ in groups]  # zeros: sums stay 0 however many steps
-    for _ in range(warmup):
-        step(ts)
-    per = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        step(ts)
-        per.append((time.perf_counter() - t0) / k)
-    lo = 2 * (rank // 2)
-    ts = [torch.full((numel,), float(rank + 1 + i)) for i in range(k)]
-    step(ts)
-    for i, t in enumerate(ts):
-        exp = float((lo + 1 + i) + (lo + 2 + i))
-        if not torch.equal(t, torch.full_like(t, exp)):
-            raise AssertionError(f"wrong all_reduce result {t[:3]} != {exp}")
-    return statistics.median(per)
-
-
-# Fewest timed steps of a batched loop (a median of a handful of steps is mostly noise).
-MIN_BATCHED_STEPS = 20
-
-
-def _batched_steps(iters, k):
-    return max(MIN_BATCHED_STEPS, iters // k)
-
-
 def _gloo_body(store, rank, world, numel, k, iters, warmup, placement):
     _place(rank, placement)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=STORE_TIMEOUT)
@@ -124,8 +80,9 @@ def _gloo_body(store, rank, world, numel, k, iters, warmup, placement):
         # torch requires every rank to create every group, members or not.
         pairs = [[dist.new_group([2 * i, 2 * i + 1]) for _ in range(k)] for i in range(world // 2)]
         mine = pairs[rank // 2]
-        single = _run_steps(dist.all_reduce, mine[:1], numel, rank, iters, warmup)
-        batched = _run_steps(dist.all_reduce, mine, numel, rank, _batched_steps(iters, k), warmup,
+        pair = [2 * (rank // 2), 2 * (rank // 2) + 1]
+        single = all_reduce_steps(dist.all_reduce, mine[:1], numel, rank, pair, iters, warmup)
+        batched = all_reduce_steps(dist.all_reduce, mine, numel, rank, pair, batched_steps(iters, k), warmup,
                              async_wait=True)
         dist.barrier()
         return single, batched
@@ -142,8 +99,8 @@ def _fastcomm_body(store, rank, world, numel, k, iters, warmup, placement):
     try:
         lo = 2 * (rank // 2)
         mine = fc.new_groups([[lo, lo + 1]] * k)  # only the two members call this
-        single = _run_steps(fc.all_reduce, mine[:1], numel, rank, iters, warmup)
-        batched = _run_steps(fc.all_reduce, mine, numel, rank, _batched_steps(iters, k), warmup,
+        single = all_reduce_steps(fc.all_reduce, mine[:1], numel, rank, [lo, lo + 1], iters, warmup)
+        batched = all_reduce_steps(fc.all_reduce, mine, numel, rank, [lo, lo + 1], batched_steps(iters, k), warmup,
                              batch=fc.batch)
         fc.barrier()
         return single, batched
@@ -179,7 +136,7 @@ def _exchange_body(store, rank, world, numel, k, iters, warmup, placement):
     try:
         pg = dist.group.WORLD
         single = _exchange_steps(pg, rank ^ 1, numel, 1, iters, warmup)
-        batched = _exchange_steps(pg, rank ^ 1, numel, k, _batched_steps(iters, k), warmup)
+        batched = _exchange_steps(pg, rank ^ 1, numel, k, batched_steps(iters, k), warmup)
         dist.barrier()
         return single, batched
     finally:
@@ -293,7 +250,7 @@ def main():
             iters = args.iters if n * 4 <= 65536 else max(20, args.iters // 10)
             for k in args.k:
                 cell = {"pairs": P, "bytes": 4 * n, "k": k, "iters": iters,
-                        "batched_steps": _batched_steps(iters, k)}
+                        "batched_steps": batched_steps(iters, k)}
                 cell.update(measure(bodies, 2 * P, n, k, iters, args.repeat, args.placement,
                                     failures))
                 results["cells"].append(cell)

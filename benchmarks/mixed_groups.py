@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _launch import (STORE_TIMEOUT, JobError, finish, print_header, print_table,  # noqa: E402
-                     pyplot_or_none, run_job, save_plot)
+from _launch import (STORE_TIMEOUT, JobError, all_reduce_steps, batched_steps,  # noqa: E402
+                     finish, print_header, print_table, pyplot_or_none, run_job, save_plot)
 
 
 def host_cpus(rank, hosts, placement):
@@ -53,43 +53,6 @@ def host_cpus(rank, hosts, placement):
     return {cpus[i % len(cpus)]}
 
 
-def _steps(all_reduce, groups, numel, rank, world, iters, warmup, batch=None):
-    """Median seconds per op over `iters` steps of one all_reduce per group, then a checked
-    step (every rank contributes rank + 1 + i on group i)."""
-    k = len(groups)
-
-    def step(ts):
-        if batch is not None:
-            with batch() as b:
-                for t, g in zip(ts, groups):
-                    all_reduce(t, group=g)
-            b.wait()
-        elif k > 1:
-            for w in [all_reduce(t, group=g, async_op=True) for t, g in zip(ts, groups)]:
-                w.wait()
-        else:
-            all_reduce(ts[0], group=groups[0])
-
-    ts = [torch.zeros(numel) for _ in groups]  # zeros: sums stay 0 however many steps
-    for _ in range(warmup):
-        step(ts)
-    per = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        step(ts)
-        per.append((time.perf_counter() - t0) / k)
-    ts = [torch.full((numel,), float(rank + 1 + i)) for i in range(k)]
-    step(ts)
-    for i, t in enumerate(ts):
-        exp = float(sum(r + 1 + i for r in range(world)))
-        if not torch.equal(t, torch.full_like(t, exp)):
-            raise AssertionError(f"wrong all_reduce result {t[:3]} != {exp}")
-    return statistics.median(per)
-
-
-MIN_BATCHED_STEPS = 20
-
-
 def _gloo_body(store, rank, world, hosts, numel, k, iters, warmup, placement):
     cpus = host_cpus(rank, hosts, placement)
     if cpus:
@@ -97,8 +60,10 @@ def _gloo_body(store, rank, world, hosts, numel, k, iters, warmup, placement):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=STORE_TIMEOUT)
     try:
         groups = [dist.new_group(list(range(world))) for _ in range(k)]
-        single = _steps(dist.all_reduce, groups[:1], numel, rank, world, iters, warmup)
-        batched = _steps(dist.all_reduce, groups, numel, rank, world, max(MIN_BATCHED_STEPS, iters // k), warmup)
+        everyone = range(world)
+        single = all_reduce_steps(dist.all_reduce, groups[:1], numel, rank, everyone, iters, warmup)
+        batched = all_reduce_steps(dist.all_reduce, groups, numel, rank, everyone, batched_steps(iters, k),
+                                   warmup, async_wait=True)
         dist.barrier()
         return single, batched
     finally:
@@ -116,9 +81,10 @@ def _fastcomm_body(store, rank, world, hosts, numel, k, iters, warmup, placement
     fc.init(store=store, rank=rank, world_size=world, timeout=STORE_TIMEOUT)
     try:
         groups = fc.new_groups([list(range(world))] * k)
-        single = _steps(fc.all_reduce, groups[:1], numel, rank, world, iters, warmup)
-        batched = _steps(fc.all_reduce, groups, numel, rank, world, max(MIN_BATCHED_STEPS, iters // k), warmup,
-                         batch=fc.batch)
+        everyone = range(world)
+        single = all_reduce_steps(fc.all_reduce, groups[:1], numel, rank, everyone, iters, warmup)
+        batched = all_reduce_steps(fc.all_reduce, groups, numel, rank, everyone, batched_steps(iters, k),
+                                   warmup, batch=fc.batch)
         fc.barrier()
         return single, batched
     finally:

@@ -749,22 +749,6 @@ void Engine::fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, 
   ++g.head_seq;
 }
 
-// A dead member dooms every queued op of the group. The other members are not told: each
-// finds out itself (health_locked looks at every member of a busy group, whether or not its
-// ops talk to it), and a notice could reach one before it saw the death itself.
-void Engine::fail_dead_group_locked(GroupState& g, int dead, Done& done) {
-  while (!g.queue.empty()) {
-    const Pending& p = g.queue.front();
-    std::string msg = "fastcomm: rank " + std::to_string(opts_.rank) + ", group " + g.label + ": " +
-                      describe(p.op->desc()) + " (op #" + std::to_string(p.seq) + ") failed: rank " +
-                      std::to_string(dead) + " (pid " + std::to_string(opts_.pids[dead]) + ") has exited";
-    if (gloo_ && !shm_->is_local(dead)) msg += " (" + gloo_->death_reason(dead) + ")";
-    fail_front_locked(g, std::make_exception_ptr(c10::DistBackendError(
-                             {__func__, __FILE__, (uint32_t)__LINE__}, msg)),
-                      done, false);
-  }
-}
-
 // Slow path, run while waiting: peers that exited and ops past their deadline.
 //
 // A peer may exit right after sending what our ops still need (its last op done, it shuts
@@ -806,22 +790,28 @@ void Engine::health_locked(Done& done) {
     Pending& p = g.queue.front();
     std::string msg;
     if (dead >= 0) {
-      fail_dead_group_locked(g, dead, done);
+      msg = "fastcomm: rank " + std::to_string(opts_.rank) + ", group " + g.label + ": " +
+            describe(p.op->desc()) + " (op #" + std::to_string(p.seq) + ") failed: rank " +
+            std::to_string(dead) + " (pid " + std::to_string(opts_.pids[dead]) + ") has exited";
+      if (gloo_ && !shm_->is_local(dead)) msg += " (" + gloo_->death_reason(dead) + ")";
     } else if (now >= p.deadline) {
       msg = "fastcomm: rank " + std::to_string(opts_.rank) + ", group " + g.label + ": " +
             describe(p.op->desc()) + " (op #" + std::to_string(p.seq) + ") timed out after " +
             std::to_string(opts_.timeout_ms) +
             " ms; a member stalled or issued this group's collectives in a different order";
     }
-    if (dead < 0 && msg.empty()) {
+    if (msg.empty()) {
       ++i;
       continue;
     }
-    if (dead < 0) {  // a timeout fails only the op that stalled
-      fail_front_locked(g, std::make_exception_ptr(c10::DistBackendError(
-                                 {__func__, __FILE__, (uint32_t)__LINE__}, msg)),
-                        done, true);
-    }
+    auto e = std::make_exception_ptr(
+        c10::DistBackendError({__func__, __FILE__, (uint32_t)__LINE__}, msg));
+    // A dead member dooms every queued op of the group; a timeout only the one that stalled.
+    // Other members are not told of a death: each finds out itself (the look above covers
+    // every member of a busy group), and a notice could reach one before its own look did.
+    do {
+      fail_front_locked(g, e, done, dead < 0);
+    } while (dead >= 0 && !g.queue.empty());
     if (g.queue.empty()) {
       g.busy = false;
       busy_[i] = busy_.back();

@@ -196,9 +196,6 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void finish(Done& done, bool may_block = true);
   void settle_locked(Done& done, const c10::intrusive_ptr<Work>& w, std::exception_ptr e);
   void fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, bool tell_peers);
-  // Fails every queued op of a group with a member known dead (the group stays in busy_; the
-  // caller removes it).
-  void fail_dead_group_locked(GroupState& g, int dead, Done& done);
   void health_locked(Done& done);
   // Drops messages of finished ops at the head of the group's peers' streams; true if any.
   bool drop_stale_locked(GroupState& g);
