@@ -603,6 +603,11 @@ def _hier_death_body(rank, world, victim):
     for n in (10, 100_000):
         msgs.append(test_faults.expect_backend_error(
             lambda: fc.all_reduce(torch.ones(n), group=g), f"rank {rank}", f"rank {victim}", "exited"))
+    # No survivor leaves before all have checked: one that exits early would be a second dead
+    # member for the others' ops.
+    store = harness.child_store()
+    store.set(f"fc-test/hier-death-done-{rank}", "1")
+    store.wait([f"fc-test/hier-death-done-{r}" for r in range(world) if r != victim])
     return msgs
 
 
