@@ -554,9 +554,16 @@ void GlooTransport::recv_main(int peer) {
         }
         p.ready.fetch_add(1, std::memory_order_release);
       }
-      // Posted again only once the frame is handed over: a peer that sent its last frames and
-      // left makes posting fail, and what already arrived (this frame, and any others the
-      // window completed) must still reach the engine before the peer is declared dead.
+      // First the pass that uses the frame, on this thread as a bulk waiter's is (a driver
+      // asleep for it would cost a wake-up), or, if another thread is in a pass, a ring. Only
+      // then the receive that replaces it: posting goes through Gloo (and its lock on the
+      // connection, which the loop thread holds while it moves data), and in a traced case on
+      // a busy machine it took over 2 ms, which a driver asleep for this frame waited out too.
+      // The rest of the window stays posted meanwhile, so the sender need not wait for this one.
+      if (!(words[0] > kLenWords && bulk_hook_ && !stop_ && bulk_hook_())) bell_.ring();
+      // Posting fails once the peer has left (it sent its last frames and closed); what had
+      // arrived by then (this frame, and any others the window completed) still reaches the
+      // engine before the peer is declared dead.
       bool stopping = false;
       if (can_post) {
         try {
@@ -566,9 +573,6 @@ void GlooTransport::recv_main(int peer) {
           why = "Gloo receive from rank " + std::to_string(peer) + " failed: " + what_of(e);
         }
       }
-      // Then the pass that uses the frame, on this thread as a bulk waiter does (a driver
-      // asleep for it would cost a wake-up), or, if another thread is in a pass, a ring.
-      if (!(words[0] > kLenWords && bulk_hook_ && !stop_ && bulk_hook_())) bell_.ring();
       if (stopping) break;
     }
   } catch (const std::exception& e) {
