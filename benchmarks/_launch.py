@@ -87,6 +87,33 @@ class JobError(RuntimeError):
 # Launching local ranks
 # --------------------------------------------------------------------------------------------
 
+def alternate_launches(bodies, world, args, repeat, label, failures):
+    """Times every body of `bodies` (each returning (single, batched) seconds per op per rank)
+    over `repeat` fresh launches of `world` ranks with `args`, the bodies alternating, so a slow
+    spell of a shared machine hits them alike. Per body: the medians (µs, max over ranks per
+    launch) and the launches' values; None for a body whose launch failed (with a line naming
+    `label` in `failures`)."""
+    runs = {name: ([], []) for name in bodies}
+    for _ in range(repeat):
+        for name, body in bodies.items():
+            if runs[name] is None:
+                continue
+            try:
+                # Hard limit per launch: generous for the slowest cell (torch Gloo, 1 MB x k ops
+                # per step on an oversubscribed machine), short of letting a hang stall the run.
+                res = run_job(body, world, *args, timeout=600)
+            except JobError as e:
+                runs[name] = None
+                failures.append(f"{name}, {label}: {e}")
+                continue
+            runs[name][0].append(max(r[0] for r in res))
+            runs[name][1].append(max(r[1] for r in res))
+    return {name: None if r is None else {
+        "single_us": statistics.median(r[0]) * 1e6, "batched_us": statistics.median(r[1]) * 1e6,
+        "single_runs_us": [x * 1e6 for x in r[0]], "batched_runs_us": [x * 1e6 for x in r[1]]}
+        for name, r in runs.items()}
+
+
 def _child(body, rank, world, conn, args):
     try:
         torch.set_num_threads(1)

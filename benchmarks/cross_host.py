@@ -49,9 +49,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _launch import (MIN_BATCHED_STEPS, STORE_TIMEOUT, JobError, all_reduce_steps,  # noqa: E402
-                     batched_steps, finish, print_header, print_table, pyplot_or_none, run_job,
-                     save_plot)
+from _launch import (MIN_BATCHED_STEPS, STORE_TIMEOUT, all_reduce_steps,  # noqa: E402
+                     alternate_launches, batched_steps, finish, print_header, print_table,
+                     pyplot_or_none, save_plot)
 
 
 def host_cpus(rank, placement):
@@ -148,30 +148,8 @@ REFERENCE = {"Gloo send/recv": _exchange_body}
 
 
 def measure(bodies, world, numel, k, iters, repeat, placement, failures):
-    """Every body of `bodies`, `repeat` launches each, alternating; a body whose launch fails
-    gets None (and a line in `failures`)."""
-    runs = {name: ([], []) for name in bodies}
-    for _ in range(repeat):
-        for name, body in bodies.items():
-            if runs[name] is None:
-                continue
-            try:
-                # Hard limit per launch: generous for the slowest cell (torch Gloo, 256 KiB x k
-                # ops per step on an oversubscribed machine), short of letting a hang stall the run.
-                res = run_job(body, world, numel, k, iters, max(5, iters // 10), placement,
-                              timeout=600)
-            except JobError as e:
-                runs[name] = None
-                failures.append(f"{name}, {world // 2} pair(s), {numel} elements: {e}")
-                continue
-            runs[name][0].append(max(r[0] for r in res))
-            runs[name][1].append(max(r[1] for r in res))
-    out = {}
-    for name, r in runs.items():
-        out[name] = None if r is None else {
-            "single_us": statistics.median(r[0]) * 1e6, "batched_us": statistics.median(r[1]) * 1e6,
-            "single_runs_us": [x * 1e6 for x in r[0]], "batched_runs_us": [x * 1e6 for x in r[1]]}
-    return out
+    return alternate_launches(bodies, world, (numel, k, iters, max(5, iters // 10), placement),
+                              repeat, f"{world // 2} pair(s), {numel} elements", failures)
 
 
 def write_plot(path, results):

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -34,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _launch import (STORE_TIMEOUT, JobError, all_reduce_steps, batched_steps,  # noqa: E402
-                     finish, print_header, print_table, pyplot_or_none, run_job, save_plot)
+from _launch import (STORE_TIMEOUT, all_reduce_steps, alternate_launches,  # noqa: E402
+                     batched_steps, finish, print_header, print_table, pyplot_or_none, save_plot)
 
 
 def host_cpus(rank, hosts, placement):
@@ -103,24 +102,8 @@ BODIES = {"torch Gloo": _gloo_body, "fastcomm flat": _flat, "fastcomm hierarchic
 
 
 def measure(hosts, numel, k, iters, repeat, placement, failures):
-    runs = {name: ([], []) for name in BODIES}
-    for _ in range(repeat):
-        for name, body in BODIES.items():
-            if runs[name] is None:
-                continue
-            try:
-                res = run_job(body, len(hosts), hosts, numel, k, iters, max(5, iters // 10), placement,
-                              timeout=600)
-            except JobError as e:
-                runs[name] = None
-                failures.append(f"{name}, {numel} elements: {e}")
-                continue
-            runs[name][0].append(max(r[0] for r in res))
-            runs[name][1].append(max(r[1] for r in res))
-    return {name: None if r is None else {
-        "single_us": statistics.median(r[0]) * 1e6, "batched_us": statistics.median(r[1]) * 1e6,
-        "single_runs_us": [x * 1e6 for x in r[0]], "batched_runs_us": [x * 1e6 for x in r[1]]}
-        for name, r in runs.items()}
+    return alternate_launches(BODIES, len(hosts), (hosts, numel, k, iters, max(5, iters // 10), placement),
+                              repeat, f"{numel} elements", failures)
 
 
 def write_plot(path, results):
