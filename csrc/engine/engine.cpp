@@ -947,8 +947,8 @@ void Engine::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) 
     const bool stalled = ran_out;
     ran_out = false;
     if (try_progress()) {
-      // Work that nobody rang for, not even since the sleep ended: a lost wake-up (see
-      // stalled_sleeps()).
+      // Work that nobody rang for, not even since the sleep ended: a lost wake-up, or work
+      // that came as the slice ended (see stalled_sleeps()).
       if (stalled && bell_.token() == slept_on) stalled_sleeps_.fetch_add(1, std::memory_order_relaxed);
       idle = 0;
       continue;

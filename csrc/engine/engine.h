@@ -130,9 +130,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   };
   GlooCounters gloo_counters();
   // Sleeps of a driver that ran their whole slice with nobody ringing, after which there was
-  // work to do: wake-ups the protocol lost (each costs up to a slice, 5 ms). 0 in a healthy
-  // job whatever the timing (a peer's death or an op's deadline, which nobody rings for, is
-  // noticed by the health check, not counted here); what tests check the protocol by.
+  // work to do: wake-ups the protocol lost (each costs up to a slice, 5 ms), but also work
+  // that came just before the slice ended, its ring still on the way (a peer's death or an
+  // op's deadline, which nobody rings for, is noticed by the health check, not counted here).
+  // A diagnostic: timing makes it nonzero now and then, so no test asserts on it.
   uint64_t stalled_sleeps() const { return stalled_sleeps_.load(std::memory_order_relaxed); }
 
   // The job's store (set by the Python layer after the rendezvous) and the CUDA path made
