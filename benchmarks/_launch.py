@@ -114,6 +114,22 @@ def alternate_launches(bodies, world, args, repeat, label, failures):
         for name, r in runs.items()}
 
 
+
+def us_cell(x, kind):
+    """A body's median from alternate_launches as a table cell (µs), or "failed"."""
+    return f"{x[kind]:,.0f}" if x else "failed"
+
+
+def ratio_cell(num, den, kind):
+    """num's median over den's, and in how many launches den was the faster one: launch i of
+    every body ran back to back, so launch i of each is a fair pair even when the machine's
+    speed drifts over the run, and the count shows whether a ratio near 1 is a lead or noise."""
+    if not num or not den:
+        return "-"
+    pairs = list(zip(num[kind.replace("_us", "_runs_us")], den[kind.replace("_us", "_runs_us")]))
+    won = sum(1 for a, b in pairs if b < a)
+    return f"{num[kind] / den[kind]:.1f}x ({won}/{len(pairs)})"
+
 def _child(body, rank, world, conn, args):
     try:
         torch.set_num_threads(1)

@@ -51,7 +51,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _launch import (MIN_BATCHED_STEPS, STORE_TIMEOUT, all_reduce_steps,  # noqa: E402
                      alternate_launches, batched_steps, finish, print_header, print_table,
-                     pyplot_or_none, save_plot)
+                     pyplot_or_none, ratio_cell, save_plot, us_cell)
 
 
 def host_cpus(rank, placement):
@@ -214,11 +214,6 @@ def main():
                "pairs": args.pairs, "cells": []}
     failures, rows, ref_rows = [], [], []
 
-    def us(x, kind):
-        return f"{x[kind]:,.0f}" if x else "failed"
-
-    def ratio(num, den, kind):
-        return f"{num[kind] / den[kind]:.1f}x" if num and den else "-"
 
     def share(x, ref, kind):
         return f"{x[kind] / ref[kind]:.2f}" if x and ref else "-"
@@ -233,16 +228,19 @@ def main():
                                     failures))
                 results["cells"].append(cell)
                 g, f, x = cell["torch Gloo"], cell["fastcomm"], cell.get("Gloo send/recv")
-                rows.append([str(P), f"{4 * n:,}", str(k), us(g, "single_us"), us(f, "single_us"),
-                             ratio(g, f, "single_us"), us(g, "batched_us"), us(f, "batched_us"),
-                             ratio(g, f, "batched_us")])
-                ref_rows.append([str(P), f"{4 * n:,}", str(k), us(x, "single_us"),
+                rows.append([str(P), f"{4 * n:,}", str(k),
+                             us_cell(g, "single_us"), us_cell(f, "single_us"),
+                             ratio_cell(g, f, "single_us"),
+                             us_cell(g, "batched_us"), us_cell(f, "batched_us"),
+                             ratio_cell(g, f, "batched_us")])
+                ref_rows.append([str(P), f"{4 * n:,}", str(k), us_cell(x, "single_us"),
                                  share(g, x, "single_us"), share(f, x, "single_us"),
-                                 us(x, "batched_us"), share(g, x, "batched_us"),
+                                 us_cell(x, "batched_us"), share(g, x, "batched_us"),
                                  share(f, x, "batched_us")])
     print_table(["pairs", "bytes", "k", "torch Gloo single", "fastcomm single", "ratio",
                  "torch Gloo batched (async)", "fastcomm batched (fc.batch)", "ratio"], rows)
-    print("\nratio = torch Gloo's time / fastcomm's time (above 1: fastcomm is faster).")
+    print("\nratio = torch Gloo's time / fastcomm's time (above 1: fastcomm is faster); in "
+          "brackets, the launches in which fastcomm was the faster, of those run.")
     if args.reference:
         print("\nReference: the transport alone (Gloo send/recv of the same bytes, no reduction), "
               "µs per message, and each library's time divided by it:\n")

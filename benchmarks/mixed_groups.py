@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _launch import (STORE_TIMEOUT, all_reduce_steps, alternate_launches,  # noqa: E402
-                     batched_steps, finish, print_header, print_table, pyplot_or_none, save_plot)
+                     batched_steps, finish, print_header, print_table, pyplot_or_none,
+                     ratio_cell, save_plot, us_cell)
 
 
 def host_cpus(rank, hosts, placement):
@@ -153,11 +154,6 @@ def main():
                "cells": []}
     failures, rows = [], []
 
-    def us(x, kind):
-        return f"{x[kind]:,.0f}" if x else "failed"
-
-    def ratio(num, den, kind):
-        return f"{num[kind] / den[kind]:.1f}x" if num and den else "-"
 
     for n in args.sizes:
         iters = args.iters if n * 4 <= 65536 else max(20, args.iters // 10)
@@ -166,11 +162,12 @@ def main():
         results["cells"].append(cell)
         g, f, h = cell["torch Gloo"], cell["fastcomm flat"], cell["fastcomm hierarchical"]
         for kind, label in (("single_us", "single"), ("batched_us", f"batched, k={args.k}")):
-            rows.append([f"{4 * n:,}", label, us(g, kind), us(f, kind), us(h, kind),
-                         ratio(g, h, kind), ratio(f, h, kind)])
+            rows.append([f"{4 * n:,}", label, us_cell(g, kind), us_cell(f, kind),
+                         us_cell(h, kind), ratio_cell(g, h, kind), ratio_cell(f, h, kind)])
     print_table(["bytes", "loop", "torch Gloo", "fastcomm flat", "fastcomm hierarchical",
                  "torch / hier.", "flat / hier."], rows)
-    print("\nratios above 1: the hierarchical form is faster.")
+    print("\nratios above 1: the hierarchical form is faster; in brackets, the launches in which "
+          "it was the faster, of those run.")
     return finish(results, failures, t_start, "Total benchmark time", args.json, args.plot,
                   lambda path: write_plot(path, results))
 
