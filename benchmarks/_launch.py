@@ -114,7 +114,6 @@ def alternate_launches(bodies, world, args, repeat, label, failures):
         for name, r in runs.items()}
 
 
-
 def us_cell(x, kind):
     """A body's median from alternate_launches as a table cell (µs), or "failed"."""
     return f"{x[kind]:,.0f}" if x else "failed"
@@ -129,6 +128,7 @@ def ratio_cell(num, den, kind):
     pairs = list(zip(num[kind.replace("_us", "_runs_us")], den[kind.replace("_us", "_runs_us")]))
     won = sum(1 for a, b in pairs if b < a)
     return f"{num[kind] / den[kind]:.1f}x ({won}/{len(pairs)})"
+
 
 def _child(body, rank, world, conn, args):
     try:

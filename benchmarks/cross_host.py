@@ -214,7 +214,6 @@ def main():
                "pairs": args.pairs, "cells": []}
     failures, rows, ref_rows = [], [], []
 
-
     def share(x, ref, kind):
         return f"{x[kind] / ref[kind]:.2f}" if x and ref else "-"
 

@@ -154,7 +154,6 @@ def main():
                "cells": []}
     failures, rows = [], []
 
-
     for n in args.sizes:
         iters = args.iters if n * 4 <= 65536 else max(20, args.iters // 10)
         cell = {"bytes": 4 * n, "iters": iters}
