@@ -56,11 +56,10 @@ class Group:
         return f"fastcomm.Group(ranks={self.ranks}, rank={self.rank()})"
 
 
-def _host_identity() -> str:
+def _host_identity(settings: _C.Settings) -> str:
     """Ranks with equal identities share /dev/shm and can see each other's pids."""
-    override = os.environ.get("FASTCOMM_HOST_ID")
-    if override:
-        return override
+    if settings.host_id:
+        return settings.host_id
     parts = [socket.gethostname()]
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -86,11 +85,6 @@ def _to_timedelta(timeout) -> timedelta:
     if isinstance(timeout, timedelta):
         return timeout
     return timedelta(seconds=float(timeout))
-
-
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    return int(v) if v else default
 
 
 def init(timeout=None, store: Optional[dist.Store] = None, rank: Optional[int] = None,
@@ -128,8 +122,9 @@ def _rendezvous(store: dist.Store, rank: int, world: int, timeout: timedelta) ->
     if rank == 0:
         store.set("token", secrets.token_hex(16))
     token = store.get("token").decode()
-    ring_bytes = _env_int("FASTCOMM_SHM_RING_BYTES", 1 << 20)
-    store.set(f"peer/{rank}", f"{os.getpid()}\n{ring_bytes}\n{_host_identity()}")
+    settings = _C.Settings.from_env()  # every FASTCOMM_* variable, parsed once
+    ring_bytes = settings.ring_bytes
+    store.set(f"peer/{rank}", f"{os.getpid()}\n{ring_bytes}\n{_host_identity(settings)}")
     keys = [f"peer/{r}" for r in range(world)]
     store.wait(keys, timeout)
     infos = [v.decode().split("\n", 2) for v in store.multi_get(keys)]
@@ -145,12 +140,8 @@ def _rendezvous(store: dist.Store, rank: int, world: int, timeout: timedelta) ->
     host_of = [host_index.setdefault(host, len(host_index)) for _, _, host in infos]
     local = [r for r in range(world) if host_of[r] == host_of[rank]]
 
-    engine = _C.Engine(
-        rank, world, token, host_of, pids,
-        ring_bytes=ring_bytes,
-        timeout_ms=int(timeout.total_seconds() * 1000),
-        spin_ns=_env_int("FASTCOMM_SPIN_NS", -1),
-        yield_ns=_env_int("FASTCOMM_YIELD_NS", -1))
+    engine = _C.Engine(rank, world, token, host_of, pids,
+                       timeout_ms=int(timeout.total_seconds() * 1000), settings=settings)
     try:
         store.set(f"created/{rank}", "1")
         store.wait([f"created/{r}" for r in local], timeout)

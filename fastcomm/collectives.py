@@ -14,6 +14,13 @@ from torch.distributed import ReduceOp
 from . import _C, _state
 from .work import Work
 
+_K = _C.op_kinds  # every op enters the engine through Engine.issue(kind, ...)
+_ALL_REDUCE, _BROADCAST, _BARRIER = _K["all_reduce"], _K["broadcast"], _K["barrier"]
+_ALL_GATHER, _ALL_GATHER_INTO_TENSOR = _K["all_gather"], _K["all_gather_into_tensor"]
+_REDUCE_SCATTER, _REDUCE_SCATTER_TENSOR = _K["reduce_scatter"], _K["reduce_scatter_tensor"]
+_SEND, _RECV = _K["send"], _K["recv"]
+
+
 class _Local(threading.local):
     # A class-level default: looking it up never raises, so the per-op check costs no
     # exception (and no garbage for the cyclic GC) on the hot path.
@@ -52,7 +59,7 @@ def _global_rank(group, rank, group_rank, api: str, arg: str) -> int:
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False) -> Optional[Work]:
     """Reduces ``tensor`` in place across ``group`` (default: all ranks)."""
     e, h = _handle(group, "all_reduce")
-    return _wrap(e.all_reduce(h, tensor, op, async_op, _tls.batch))
+    return _wrap(e.issue(_ALL_REDUCE, h, tensor, None, None, op, -1, 0, async_op, _tls.batch))
 
 
 def broadcast(tensor: torch.Tensor, src: Optional[int] = None, group=None, async_op: bool = False,
@@ -60,7 +67,7 @@ def broadcast(tensor: torch.Tensor, src: Optional[int] = None, group=None, async
     """Copies ``tensor`` from global rank ``src`` (or group rank ``group_src``) to all members."""
     e, h = _handle(group, "broadcast")
     src = _global_rank(group, src, group_src, "broadcast", "src")
-    return _wrap(e.broadcast(h, tensor, src, async_op, _tls.batch))
+    return _wrap(e.issue(_BROADCAST, h, tensor, None, None, None, src, 0, async_op, _tls.batch))
 
 
 def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = False) -> Optional[Work]:
@@ -69,33 +76,36 @@ def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = F
     if isinstance(tensor_list, torch.Tensor):
         return all_gather_into_tensor(tensor_list, tensor, group, async_op)
     e, h = _handle(group, "all_gather")
-    return _wrap(e.all_gather(h, list(tensor_list), tensor, async_op, _tls.batch))
+    return _wrap(e.issue(_ALL_GATHER, h, tensor, None, list(tensor_list), None, -1, 0, async_op,
+                          _tls.batch))
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
                            async_op: bool = False) -> Optional[Work]:
     e, h = _handle(group, "all_gather_into_tensor")
-    return _wrap(e.all_gather_into_tensor(h, output_tensor, input_tensor, async_op,
-                                          _tls.batch))
+    return _wrap(e.issue(_ALL_GATHER_INTO_TENSOR, h, input_tensor, output_tensor, None, None, -1, 0,
+                         async_op, _tls.batch))
 
 
 def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op=ReduceOp.SUM, group=None,
                    async_op: bool = False) -> Optional[Work]:
     """Member i receives the reduction over members of their ``input_list[i]``."""
     e, h = _handle(group, "reduce_scatter")
-    return _wrap(e.reduce_scatter(h, output, list(input_list), op, async_op, _tls.batch))
+    return _wrap(e.issue(_REDUCE_SCATTER, h, None, output, list(input_list), op, -1, 0, async_op,
+                          _tls.batch))
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
                           async_op: bool = False) -> Optional[Work]:
     """Like reduce_scatter, with the inputs concatenated in one tensor of ``size() * numel``."""
     e, h = _handle(group, "reduce_scatter_tensor")
-    return _wrap(e.reduce_scatter_tensor(h, output, input, op, async_op, _tls.batch))
+    return _wrap(e.issue(_REDUCE_SCATTER_TENSOR, h, input, output, None, op, -1, 0, async_op,
+                          _tls.batch))
 
 
 def barrier(group=None, async_op: bool = False) -> Optional[Work]:
     e, h = _handle(group, "barrier")
-    return _wrap(e.barrier(h, async_op, _tls.batch))
+    return _wrap(e.issue(_BARRIER, h, None, None, None, None, -1, 0, async_op, _tls.batch))
 
 
 def isend(tensor: torch.Tensor, dst: Optional[int] = None, group=None, tag: int = 0,
@@ -104,21 +114,21 @@ def isend(tensor: torch.Tensor, dst: Optional[int] = None, group=None, tag: int 
     source, group and tag on ``dst``."""
     e, h = _handle(group, "isend")
     dst = _global_rank(group, dst, group_dst, "isend", "dst")
-    return _wrap(e.send(h, tensor, dst, tag, True, _tls.batch))
+    return _wrap(e.issue(_SEND, h, tensor, None, None, None, dst, tag, True, _tls.batch))
 
 
 def irecv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0,
           group_src: Optional[int] = None) -> Optional[Work]:
     e, h = _handle(group, "irecv")
     src = _global_rank(group, src, group_src, "irecv", "src")
-    return _wrap(e.recv(h, tensor, src, tag, True, _tls.batch))
+    return _wrap(e.issue(_RECV, h, tensor, None, None, None, src, tag, True, _tls.batch))
 
 
 def send(tensor: torch.Tensor, dst: Optional[int] = None, group=None, tag: int = 0,
          group_dst: Optional[int] = None) -> None:
     e, h = _handle(group, "send")
     dst = _global_rank(group, dst, group_dst, "send", "dst")
-    e.send(h, tensor, dst, tag, False, _tls.batch)
+    e.issue(_SEND, h, tensor, None, None, None, dst, tag, False, _tls.batch)
 
 
 def recv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0,
@@ -126,7 +136,7 @@ def recv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int =
     """Receives into ``tensor``; returns the sender's global rank, as torch does."""
     e, h = _handle(group, "recv")
     src = _global_rank(group, src, group_src, "recv", "src")
-    e.recv(h, tensor, src, tag, False, _tls.batch)
+    e.issue(_RECV, h, tensor, None, None, None, src, tag, False, _tls.batch)
     return src
 
 
@@ -197,6 +207,6 @@ def all_reduce_many(tensors: Sequence[torch.Tensor], groups: Sequence, op=Reduce
         return None
     ops = _C.Batch()
     for t, g in zip(tensors, groups):
-        e.all_reduce(_handle(g, "all_reduce_many")[1], t, op, False, ops)
+        e.issue(_ALL_REDUCE, _handle(g, "all_reduce_many")[1], t, None, None, op, -1, 0, False, ops)
     e.post_batch(ops, False)
     return None

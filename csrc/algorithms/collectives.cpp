@@ -15,12 +15,11 @@
 
 #include "algorithms/exchange.h"
 #include "algorithms/op.h"
+#include "algorithms/request.h"
 #include "common/errors.h"
 
 namespace fastcomm {
 namespace {
-
-using RedOp = c10d::ReduceOp::RedOpType;
 
 uint8_t* bytes(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 size_t nbytes(const at::Tensor& t) { return t.numel() * t.element_size(); }
@@ -86,42 +85,18 @@ std::pair<size_t, size_t> chunk(size_t n, int k, int r) {
   return {n * (size_t)r / (size_t)k, n * (size_t)(r + 1) / (size_t)k};
 }
 
-size_t rsag_threshold() {
-  static const size_t v = [] {
-    const char* e = std::getenv("FASTCOMM_RSAG_THRESHOLD");
-    return e && *e ? (size_t)std::atoll(e) : (size_t)256 * 1024;
-  }();
-  return v;
-}
-
 // Hierarchical all_reduce (and barrier, the same with no data) over a group spread across
-// hosts. A message between hosts costs far more than one inside a host (a Gloo frame over TCP
-// and a thread hand-off on each side, against a shared-memory ring), and the flat one-shot
-// sends one from every member to every member on another host. Here:
-//  0. each host's members send their data to the host's leader over shared memory, and the
-//     leader folds them into its tensor (AVG is summed here, divided once in the next phase);
-//  1. the leaders all-reduce those host partials among themselves over Gloo: one-shot, or, for
-//     large spans among 3+ leaders, a reduce-scatter (1) and an all-gather (2) over chunks of
-//     the tensor, one per leader;
-//  last. each leader copies the result to its host's members.
-// So one message crosses between each pair of hosts per op instead of one per pair of members,
-// and members that do not lead talk to no other host at all. Every leader folds the same host
-// partials in the same order, and the other members receive a leader's bytes, so all members
-// get identical results (rounded in host order, not in the flat fold's member order).
-// Mismatches are still caught: every member's header reaches its leader, every leader's
-// reaches the other leaders, and whoever detects one tells the whole group; a member that
-// issued another collective may have sent its messages elsewhere (a broadcast to a member of
-// another host), so a phase that cannot move also looks at every member's next message
-// (ExchangePlan::watch_all). The tags are kept apart from the flat algorithms' and carry the
-// form of the leaders' phase, so that members which disagree on the algorithm
-// (FASTCOMM_HIERARCHICAL or FASTCOMM_RSAG_THRESHOLD set differently) fail the op from phase 0
-// on instead of folding the wrong pieces.
+// hosts: members fold into their host's leader over shared memory (phase 0), leaders all-reduce
+// the host partials over Gloo (one-shot, or reduce-scatter + all-gather among 3+ leaders for
+// large spans), leaders copy the result back (last phase). Only leaders talk across hosts.
+// Tags carry the leaders' form, so members that disagree on the settings fail from phase 0
+// (docs/design.md).
 constexpr uint32_t kHierTag = 0x100;
 constexpr uint32_t kHierSplitTag = 0x10;
 
-std::unique_ptr<Op> make_hierarchical(OpDesc d, const at::Tensor& t, bool reduce, RedOp op, int rank,
-                                      int size, std::shared_ptr<const HostLayout> hosts) {
-  const HostLayout& L = *hosts;
+std::unique_ptr<Op> make_hierarchical(OpDesc d, const at::Tensor& t, bool reduce, RedOp op, const GroupView& g) {
+  const int rank = g.rank, size = g.size();
+  const HostLayout& L = *g.hosts;
   const int my_leader = L.leader[rank];
   const bool leading = my_leader == rank;
   std::vector<int> locals;  // the members this rank leads, besides itself
@@ -133,7 +108,7 @@ std::unique_ptr<Op> make_hierarchical(OpDesc d, const at::Tensor& t, bool reduce
   const size_t total = t.defined() ? nbytes(t) : 0;
   const size_t es = t.defined() ? t.element_size() : 1;
   const size_t n = t.defined() ? (size_t)t.numel() : 0;
-  const bool split = reduce && H >= 3 && total >= rsag_threshold();
+  const bool split = reduce && H >= 3 && total >= g.rsag_threshold;
   const int phases = split ? 4 : 3;
   auto leader_chunk = [=](int j) {
     auto [b, e] = chunk(n, H, j);
@@ -205,16 +180,16 @@ std::unique_ptr<Op> make_hierarchical(OpDesc d, const at::Tensor& t, bool reduce
       });
 }
 
-}  // namespace
-
-std::unique_ptr<Op> make_all_reduce(const at::Tensor& t, RedOp op, int rank, int size,
-                                    std::shared_ptr<const HostLayout> hosts) {
+std::unique_ptr<Op> make_all_reduce(const OpRequest& r, const GroupView& g) {
+  const at::Tensor& t = r.tensor;
+  const RedOp op = r.redop;
+  const int rank = g.rank, size = g.size();
   OpDesc d{OpKind::kAllReduce, t.scalar_type(), op, (uint64_t)t.numel(), -1};
-  if (hosts) return make_hierarchical(d, t, true, op, rank, size, std::move(hosts));
+  if (g.hosts) return make_hierarchical(d, t, true, op, g);
   const size_t es = t.element_size();
   uint8_t* base = bytes(t);
   const size_t total = nbytes(t);
-  if (size >= 3 && total >= rsag_threshold()) {
+  if (size >= 3 && total >= g.rsag_threshold) {
     const size_t n = t.numel();
     auto span_of = [=](int r) {
       auto [b, e] = chunk(n, size, r);
@@ -335,9 +310,10 @@ std::unique_ptr<Op> make_reduce_scatter(const at::Tensor& out, const std::vector
       });
 }
 
-std::unique_ptr<Op> make_barrier(int rank, int size, std::shared_ptr<const HostLayout> hosts) {
+std::unique_ptr<Op> make_barrier(const OpRequest&, const GroupView& g) {
+  const int rank = g.rank, size = g.size();
   OpDesc d{OpKind::kBarrier, c10::ScalarType::Byte, RedOp::SUM, 0, -1};
-  if (hosts) return make_hierarchical(d, at::Tensor(), false, RedOp::SUM, rank, size, std::move(hosts));
+  if (g.hosts) return make_hierarchical(d, at::Tensor(), false, RedOp::SUM, g);
   return std::make_unique<PhasedOp>(d, std::vector<at::Tensor>{}, std::vector<at::Tensor>{}, rank, size, 1, 1,
       [=](int) {
         ExchangePlan p = blank_plan(size);
@@ -363,6 +339,121 @@ std::unique_ptr<Op> make_p2p(const at::Tensor& t, bool sending, int peer_rank, i
         else p.recv[peer_rank] = Span::of(base, len);
         return p;
       });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Each kind's checks (beyond check_request's) and how its request becomes an algorithm.
+
+void check_nothing(const OpRequest&, const GroupView&) {}
+
+void check_all_reduce(const OpRequest& r, const GroupView& g) {
+  check_tensor(r.tensor, g, r.kind, "tensor");
+  check_reduce_op(r.redop, r.tensor.scalar_type(), g, r.kind);
+}
+
+void check_broadcast(const OpRequest& r, const GroupView& g) {
+  check_tensor(r.tensor, g, r.kind, "tensor");
+  g.group_rank_of(r.peer, "broadcast", "src");
+}
+
+std::unique_ptr<Op> lower_broadcast(const OpRequest& r, const GroupView& g) {
+  return make_broadcast(r.tensor, g.group_rank_of(r.peer, "broadcast", "src"), g.rank, g.size());
+}
+
+void check_all_gather(const OpRequest& r, const GroupView& g) {
+  check_tensor(r.tensor, g, r.kind, "tensor");
+  TORCH_CHECK_VALUE(r.list.size() == g.ranks.size(), "fastcomm.all_gather: rank ", g.global_rank, ", group ",
+                    g.label(), ": argument 'tensor_list' has ", r.list.size(), " tensors, expected ",
+                    g.ranks.size());
+  for (size_t i = 0; i < r.list.size(); ++i)
+    check_like(r.list[i], r.tensor, r.tensor.numel(), g, r.kind, "tensor_list[" + std::to_string(i) + "]");
+}
+
+std::unique_ptr<Op> lower_all_gather(const OpRequest& r, const GroupView& g) {
+  return make_all_gather(r.list, r.tensor, g.rank, g.size());
+}
+
+// One block of `whole` per member (chunk() of an empty tensor yields a single chunk).
+std::vector<at::Tensor> blocks(const at::Tensor& whole, int k) {
+  auto flat = whole.reshape({-1});
+  if (flat.numel() == 0) return std::vector<at::Tensor>(k, flat);
+  return flat.chunk(k);
+}
+
+void check_all_gather_into_tensor(const OpRequest& r, const GroupView& g) {
+  check_tensor(r.tensor, g, r.kind, "input_tensor");
+  check_like(r.output, r.tensor, r.tensor.numel() * g.size(), g, r.kind, "output_tensor");
+}
+
+std::unique_ptr<Op> lower_all_gather_into_tensor(const OpRequest& r, const GroupView& g) {
+  return make_all_gather(blocks(r.output, g.size()), r.tensor, g.rank, g.size());
+}
+
+void check_reduce_scatter(const OpRequest& r, const GroupView& g) {
+  check_tensor(r.output, g, r.kind, "output");
+  check_reduce_op(r.redop, r.output.scalar_type(), g, r.kind);
+  TORCH_CHECK_VALUE(r.list.size() == g.ranks.size(), "fastcomm.reduce_scatter: rank ", g.global_rank,
+                    ", group ", g.label(), ": argument 'input_list' has ", r.list.size(),
+                    " tensors, expected ", g.ranks.size());
+  for (size_t i = 0; i < r.list.size(); ++i)
+    check_like(r.list[i], r.output, r.output.numel(), g, r.kind, "input_list[" + std::to_string(i) + "]");
+}
+
+std::unique_ptr<Op> lower_reduce_scatter(const OpRequest& r, const GroupView& g) {
+  return make_reduce_scatter(r.output, r.list, r.redop, g.rank, g.size());
+}
+
+void check_reduce_scatter_tensor(const OpRequest& r, const GroupView& g) {
+  check_tensor(r.output, g, r.kind, "output");
+  check_reduce_op(r.redop, r.output.scalar_type(), g, r.kind);
+  check_like(r.tensor, r.output, r.output.numel() * g.size(), g, r.kind, "input");
+}
+
+std::unique_ptr<Op> lower_reduce_scatter_tensor(const OpRequest& r, const GroupView& g) {
+  return make_reduce_scatter(r.output, blocks(r.tensor, g.size()), r.redop, g.rank, g.size());
+}
+
+void check_p2p(const OpRequest& r, const GroupView& g) {
+  const char* api = op_kind_name(r.kind);
+  const char* arg = r.kind == OpKind::kSend ? "dst" : "src";
+  check_tensor(r.tensor, g, r.kind, "tensor");
+  g.group_rank_of(r.peer, api, arg);
+  TORCH_CHECK_VALUE(r.peer != g.global_rank, "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(),
+                    ": argument '", arg, "' is this rank itself");
+}
+
+std::unique_ptr<Op> lower_p2p(const OpRequest& r, const GroupView& channel) {
+  const int peer_rank = channel.ranks[0] == r.peer ? 0 : 1;
+  return make_p2p(r.tensor, r.kind == OpKind::kSend, peer_rank, channel.rank);
+}
+
+}  // namespace
+
+const CollectiveSpec& collective_spec(OpKind k) {
+  static const CollectiveSpec all_reduce{check_all_reduce, make_all_reduce, false};
+  static const CollectiveSpec broadcast{check_broadcast, lower_broadcast, false};
+  static const CollectiveSpec all_gather{check_all_gather, lower_all_gather, false};
+  static const CollectiveSpec all_gather_into_tensor{check_all_gather_into_tensor, lower_all_gather_into_tensor,
+                                                   false};
+  static const CollectiveSpec reduce_scatter{check_reduce_scatter, lower_reduce_scatter, false};
+  static const CollectiveSpec reduce_scatter_tensor{check_reduce_scatter_tensor, lower_reduce_scatter_tensor,
+                                                   false};
+  static const CollectiveSpec barrier{check_nothing, make_barrier, false};
+  static const CollectiveSpec p2p{check_p2p, lower_p2p, true};
+  switch (k) {
+    case OpKind::kAllReduce: return all_reduce;
+    case OpKind::kBroadcast: return broadcast;
+    case OpKind::kAllGather: return all_gather;
+    case OpKind::kAllGatherIntoTensor: return all_gather_into_tensor;
+    case OpKind::kReduceScatter: return reduce_scatter;
+    case OpKind::kReduceScatterTensor: return reduce_scatter_tensor;
+    case OpKind::kBarrier: return barrier;
+    case OpKind::kSend:
+    case OpKind::kRecv: return p2p;
+    case OpKind::kNone:
+    case OpKind::kCount: break;
+  }
+  TORCH_CHECK_VALUE(false, "fastcomm: unknown op kind ", (int)k);
 }
 
 }  // namespace fastcomm

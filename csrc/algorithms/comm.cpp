@@ -6,15 +6,26 @@ namespace fastcomm {
 
 const char* op_kind_name(OpKind k) {
   switch (k) {
-    case OpKind::kAllReduce: return "all_reduce";
-    case OpKind::kBroadcast: return "broadcast";
-    case OpKind::kAllGather: return "all_gather";
-    case OpKind::kReduceScatter: return "reduce_scatter";
-    case OpKind::kBarrier: return "barrier";
-    case OpKind::kSend: return "send/recv";
-    case OpKind::kRecv: return "recv";
+#define FASTCOMM_OP_KIND_NAME(kind, name, type) \
+  case OpKind::kind:                            \
+    return name;
+    FASTCOMM_OP_KINDS(FASTCOMM_OP_KIND_NAME)
+#undef FASTCOMM_OP_KIND_NAME
+    default:
+      return "unknown op";
   }
-  return "unknown op";
+}
+
+c10d::OpType op_kind_type(OpKind k) {
+  switch (k) {
+#define FASTCOMM_OP_KIND_TYPE(kind, name, type) \
+  case OpKind::kind:                            \
+    return c10d::OpType::type;
+    FASTCOMM_OP_KINDS(FASTCOMM_OP_KIND_TYPE)
+#undef FASTCOMM_OP_KIND_TYPE
+    default:
+      return c10d::OpType::UNKNOWN;
+  }
 }
 
 const char* redop_name(uint8_t op) {
@@ -34,7 +45,9 @@ const char* redop_name(uint8_t op) {
 
 std::string describe(const OpDesc& d) {
   std::ostringstream os;
-  os << op_kind_name(d.kind) << "(dtype=" << c10::toString(d.dtype) << ", numel=" << d.numel;
+  // Both sides of a send/recv pair describe it as a send.
+  os << (d.kind == OpKind::kSend ? "send/recv" : op_kind_name(d.kind));
+  os << "(dtype=" << c10::toString(d.dtype) << ", numel=" << d.numel;
   if (d.kind == OpKind::kAllReduce || d.kind == OpKind::kReduceScatter) os << ", op=" << redop_name(d.redop);
   if (d.root >= 0) os << ", root=" << d.root;
   os << ")";

@@ -9,19 +9,10 @@
 #include <cstdint>
 #include <string>
 
+#include "algorithms/op_kind.h"
 #include "transport/transport.h"
 
 namespace fastcomm {
-
-enum class OpKind : uint8_t {
-  kAllReduce = 1,
-  kBroadcast = 2,
-  kAllGather = 3,
-  kReduceScatter = 4,
-  kBarrier = 5,
-  kSend = 6,
-  kRecv = 7,
-};
 
 // The part of an op that every member must agree on; travels in every message header.
 struct OpDesc {
@@ -32,7 +23,6 @@ struct OpDesc {
   int32_t root = -1;
 };
 
-const char* op_kind_name(OpKind k);
 const char* redop_name(uint8_t op);
 std::string describe(const OpDesc& d);
 

@@ -1,24 +1,10 @@
 #pragma once
-// Exchange: the one building block every small-group algorithm is made of. In one exchange,
-// each member sends one byte span to each other member (possibly empty, possibly nothing at
-// all) and receives one span from each. Spans travel in pieces of at most the transport's
-// payload, so any size flows through bounded rings. What happens to received bytes is either:
-//  - copy: each peer's span lands in its own destination (broadcast, all_gather, p2p), in any
-//    order, as pieces arrive;
-//  - fold: every peer's span is reduced into one output in group-rank order, including this
-//    rank's own contribution at its position, so all members round identically
-//    (all_reduce, reduce_scatter).
-// An empty span still sends one zero-length message: the header tells the receiver which
-// collective the sender issued, which is how mismatches are caught on every member.
-//
-// Where the transport to a peer offers bulk transfers (Gloo) and a span is large, the span
-// instead travels whole as one bulk transfer, straight from the sender's memory into the
-// receiver's destination (copy) or into a scratch buffer it folds from (fold); only a small
-// offer goes through the ordinary messages. That skips the copy into and out of the
-// transport's frames and the per-piece messages. The receiver learns which form a peer chose
-// from its first message, so members need not agree on the threshold. The op's memory is
-// read by a bulk send until it completes, so an in-place fold waits for its own bulk sends,
-// and the exchange is done only once they are over.
+// Exchange: the building block of every small-group algorithm. Each member sends one byte span
+// to each other member and receives one from each, in pieces of at most the transport's
+// payload. Received bytes are copied to their destination, or folded into one output in
+// group-rank order (this rank's own span at its place), so all members round identically. An
+// empty span still sends one message: its header is how mismatched collectives are caught.
+// Large spans may travel as bulk transfers where the transport has them (docs/design.md).
 #include <c10/core/ScalarType.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 

@@ -36,17 +36,4 @@ struct HostLayout {
   std::vector<int> leaders;  // the leaders, ascending
 };
 
-// Constructors of the collectives (algorithms/collectives.cpp). Ranks are group ranks; the
-// engine has validated every argument before calling them.
-std::unique_ptr<Op> make_all_reduce(const at::Tensor& t, c10d::ReduceOp::RedOpType op, int rank,
-                                    int size, std::shared_ptr<const HostLayout> hosts = nullptr);
-std::unique_ptr<Op> make_broadcast(const at::Tensor& t, int root, int rank, int size);
-std::unique_ptr<Op> make_all_gather(const std::vector<at::Tensor>& outs, const at::Tensor& in,
-                                    int rank, int size);
-std::unique_ptr<Op> make_reduce_scatter(const at::Tensor& out, const std::vector<at::Tensor>& ins,
-                                        c10d::ReduceOp::RedOpType op, int rank, int size);
-std::unique_ptr<Op> make_barrier(int rank, int size, std::shared_ptr<const HostLayout> hosts = nullptr);
-// One side of a send/recv pair over a two-member channel where this process is `rank`.
-std::unique_ptr<Op> make_p2p(const at::Tensor& t, bool sending, int peer_rank, int rank);
-
 }  // namespace fastcomm

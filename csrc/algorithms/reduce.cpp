@@ -163,11 +163,9 @@ void divide_impl(void* dst, size_t n, int k) {
 
 }  // namespace
 
-void select_reduce_kernels() {
+void select_reduce_kernels(bool baseline) {
 #ifdef FASTCOMM_HAVE_AVX2_KERNELS
   __builtin_cpu_init();  // idempotent; needed only if this ever runs before libgcc's constructor
-  const char* e = std::getenv("FASTCOMM_REDUCE_KERNELS");
-  const bool baseline = e && std::strcmp(e, "baseline") == 0;
   g_avx2.store(!baseline && __builtin_cpu_supports("avx2"), std::memory_order_relaxed);
 #endif
 }

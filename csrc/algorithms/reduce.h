@@ -18,9 +18,9 @@ void reduce_to(void* dst, const void* a, const void* b, size_t n, c10::ScalarTyp
 void divide_by(void* dst, size_t n, c10::ScalarType dtype, int divisor);
 
 // Picks the build of the loops for this process: on x86-64, the AVX2 one where the CPU has
-// it, unless FASTCOMM_REDUCE_KERNELS=baseline (how the tests cover the baseline build on AVX2
-// machines). Until it is called the baseline build runs; each engine calls it as it starts.
-void select_reduce_kernels();
+// it, unless `baseline` (how the tests cover the baseline build on AVX2 machines). Until it is
+// called the baseline build runs; each engine calls it as it starts.
+void select_reduce_kernels(bool baseline = false);
 // The build select_reduce_kernels() picked: "avx2" or "baseline" (what tests check it by).
 const char* reduce_kernels();
 

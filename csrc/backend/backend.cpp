@@ -37,112 +37,137 @@ const at::Tensor& FastcommBackend::single(const std::vector<at::Tensor>& v, cons
   return v[0];
 }
 
-c10::intrusive_ptr<c10d::Work> FastcommBackend::run(std::vector<Engine::Prepared> ops, bool async_op) {
-  c10::intrusive_ptr<Work> w = engine_->post(std::move(ops), async_op);
-  // Blocking call: drive the op to completion on this thread (the GIL is not held here). The
-  // error, if any, stays in the Work: torch's Python layer calls wait() next, which raises it.
-  if (!async_op) engine_->wait(*w, std::chrono::milliseconds(0));
-  return w;
+c10::intrusive_ptr<c10d::Work> FastcommBackend::run(std::vector<OpRequest> reqs, bool async_op) {
+  std::vector<Engine::Prepared> ops;
+  ops.reserve(reqs.size());
+  for (auto& r : reqs) ops.push_back(engine_->prepare(std::move(r), group_));
+  // The error, if any, stays in the Work: torch's Python layer calls wait() next, which raises it.
+  return engine_->run(std::move(ops), async_op, /*rethrow=*/false);
 }
 
-c10::intrusive_ptr<c10d::Work> FastcommBackend::run(Engine::Prepared op, bool async_op) {
-  std::vector<Engine::Prepared> ops;
-  ops.push_back(std::move(op));
-  return run(std::move(ops), async_op);
+c10::intrusive_ptr<c10d::Work> FastcommBackend::run(OpRequest req, bool async_op) {
+  std::vector<OpRequest> reqs;
+  reqs.push_back(std::move(req));
+  return run(std::move(reqs), async_op);
 }
+
+namespace {
+OpRequest request(OpKind k, at::Tensor tensor, RedOp op = c10d::ReduceOp::SUM) {
+  OpRequest r;
+  r.kind = k;
+  r.tensor = std::move(tensor);
+  r.redop = op;
+  return r;
+}
+}  // namespace
 
 c10::intrusive_ptr<c10d::Work> FastcommBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                           const c10d::BroadcastOptions& opts) {
   const at::Tensor& t = single(tensors, "broadcast", "tensors");
-  TORCH_CHECK_VALUE(opts.rootTensor == 0, "fastcomm backend: broadcast: rank ", engine_->rank(),
-                    ", group ", group_.label(), ": rootTensor must be 0, got ", opts.rootTensor);
-  const int src = global_rank(opts.rootRank, "broadcast", "rootRank");
-  return run(engine_->prepare_broadcast(group_, t, src), opts.asyncOp);
+  TORCH_CHECK_VALUE(opts.rootTensor == 0, "fastcomm backend: broadcast: rank ", engine_->rank(), ", group ",
+                    group_.label(), ": rootTensor must be 0, got ", opts.rootTensor);
+  OpRequest r = request(OpKind::kBroadcast, t);
+  r.peer = global_rank(opts.rootRank, "broadcast", "rootRank");
+  return run(std::move(r), opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> FastcommBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
   const at::Tensor& t = single(tensors, "allreduce", "tensors");
-  return run(engine_->prepare_all_reduce(group_, t, opts.reduceOp.op_), opts.asyncOp);
+  return run(request(OpKind::kAllReduce, t, opts.reduceOp.op_), opts.asyncOp);
 }
 
-c10::intrusive_ptr<c10d::Work> FastcommBackend::allreduce_coalesced(
-    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  std::vector<Engine::Prepared> ops;
-  ops.reserve(tensors.size());
-  for (const auto& t : tensors) ops.push_back(engine_->prepare_all_reduce(group_, t, opts.reduceOp.op_));
-  return run(std::move(ops), opts.asyncOp);
+c10::intrusive_ptr<c10d::Work> FastcommBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                                    const c10d::AllreduceCoalescedOptions& opts) {
+  std::vector<OpRequest> reqs;
+  reqs.reserve(tensors.size());
+  for (const auto& t : tensors) reqs.push_back(request(OpKind::kAllReduce, t, opts.reduceOp.op_));
+  return run(std::move(reqs), opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> FastcommBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                           std::vector<at::Tensor>& inputs,
                                                           const c10d::AllgatherOptions& opts) {
   const at::Tensor& in = single(inputs, "allgather", "inputTensors");
-  TORCH_CHECK_VALUE(outputs.size() == 1, "fastcomm backend: allgather: rank ", engine_->rank(),
-                    ", group ", group_.label(), ": argument 'outputTensors' must hold exactly one list, got ",
-                    outputs.size());
-  return run(engine_->prepare_all_gather(group_, outputs[0], in), opts.asyncOp);
+  TORCH_CHECK_VALUE(outputs.size() == 1, "fastcomm backend: allgather: rank ", engine_->rank(), ", group ",
+                    group_.label(), ": argument 'outputTensors' must hold exactly one list, got ", outputs.size());
+  OpRequest r = request(OpKind::kAllGather, in);
+  r.list = outputs[0];
+  return run(std::move(r), opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> FastcommBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                 const c10d::AllgatherOptions& opts) {
-  return run(engine_->prepare_all_gather_into_tensor(group_, output, input), opts.asyncOp);
+  OpRequest r = request(OpKind::kAllGatherIntoTensor, input);
+  r.output = output;
+  return run(std::move(r), opts.asyncOp);
 }
 
-c10::intrusive_ptr<c10d::Work> FastcommBackend::allgather_into_tensor_coalesced(
-    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+c10::intrusive_ptr<c10d::Work> FastcommBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                                std::vector<at::Tensor>& inputs,
+                                                                                const c10d::AllgatherOptions& opts) {
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "fastcomm backend: allgather_into_tensor_coalesced: rank ",
-                    engine_->rank(), ", group ", group_.label(), ": ", outputs.size(), " outputs but ",
-                    inputs.size(), " inputs");
-  std::vector<Engine::Prepared> ops;
-  ops.reserve(inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i)
-    ops.push_back(engine_->prepare_all_gather_into_tensor(group_, outputs[i], inputs[i]));
-  return run(std::move(ops), opts.asyncOp);
+                    engine_->rank(), ", group ", group_.label(), ": ", outputs.size(), " outputs but ", inputs.size(),
+                    " inputs");
+  std::vector<OpRequest> reqs;
+  reqs.reserve(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    reqs.push_back(request(OpKind::kAllGatherIntoTensor, inputs[i]));
+    reqs.back().output = outputs[i];
+  }
+  return run(std::move(reqs), opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> FastcommBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                                std::vector<std::vector<at::Tensor>>& inputs,
                                                                const c10d::ReduceScatterOptions& opts) {
   const at::Tensor& out = single(outputs, "reduce_scatter", "outputTensors");
-  TORCH_CHECK_VALUE(inputs.size() == 1, "fastcomm backend: reduce_scatter: rank ", engine_->rank(),
-                    ", group ", group_.label(), ": argument 'inputTensors' must hold exactly one list, got ",
-                    inputs.size());
-  return run(engine_->prepare_reduce_scatter(group_, out, inputs[0], opts.reduceOp.op_), opts.asyncOp);
+  TORCH_CHECK_VALUE(inputs.size() == 1, "fastcomm backend: reduce_scatter: rank ", engine_->rank(), ", group ",
+                    group_.label(), ": argument 'inputTensors' must hold exactly one list, got ", inputs.size());
+  OpRequest r = request(OpKind::kReduceScatter, at::Tensor(), opts.reduceOp.op_);
+  r.output = out;
+  r.list = inputs[0];
+  return run(std::move(r), opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> FastcommBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                      const c10d::ReduceScatterOptions& opts) {
-  return run(engine_->prepare_reduce_scatter_tensor(group_, output, input, opts.reduceOp.op_), opts.asyncOp);
+  OpRequest r = request(OpKind::kReduceScatterTensor, input, opts.reduceOp.op_);
+  r.output = output;
+  return run(std::move(r), opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> FastcommBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "fastcomm backend: reduce_scatter_tensor_coalesced: rank ",
-                    engine_->rank(), ", group ", group_.label(), ": ", outputs.size(), " outputs but ",
-                    inputs.size(), " inputs");
-  std::vector<Engine::Prepared> ops;
-  ops.reserve(inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i)
-    ops.push_back(engine_->prepare_reduce_scatter_tensor(group_, outputs[i], inputs[i], opts.reduceOp.op_));
-  return run(std::move(ops), opts.asyncOp);
+                    engine_->rank(), ", group ", group_.label(), ": ", outputs.size(), " outputs but ", inputs.size(),
+                    " inputs");
+  std::vector<OpRequest> reqs;
+  reqs.reserve(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    reqs.push_back(request(OpKind::kReduceScatterTensor, inputs[i], opts.reduceOp.op_));
+    reqs.back().output = outputs[i];
+  }
+  return run(std::move(reqs), opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> FastcommBackend::barrier(const c10d::BarrierOptions& opts) {
-  return run(engine_->prepare_barrier(group_), opts.asyncOp);
+  return run(request(OpKind::kBarrier, at::Tensor()), opts.asyncOp);
 }
 
 // Point-to-point calls carry no asyncOp: torch waits on the Work itself for send/recv.
 c10::intrusive_ptr<c10d::Work> FastcommBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
-  const at::Tensor& t = single(tensors, "send", "tensors");
-  const int dst = global_rank(dstRank, "send", "dstRank");
-  return run(engine_->prepare_p2p(group_, t, dst, tag, true), true);
+  OpRequest r = request(OpKind::kSend, single(tensors, "send", "tensors"));
+  r.peer = global_rank(dstRank, "send", "dstRank");
+  r.tag = tag;
+  return run(std::move(r), true);
 }
 
 c10::intrusive_ptr<c10d::Work> FastcommBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
-  const at::Tensor& t = single(tensors, "recv", "tensors");
-  const int src = global_rank(srcRank, "recv", "srcRank");
-  return run(engine_->prepare_p2p(group_, t, src, tag, false), true);
+  OpRequest r = request(OpKind::kRecv, single(tensors, "recv", "tensors"));
+  r.peer = global_rank(srcRank, "recv", "srcRank");
+  r.tag = tag;
+  return run(std::move(r), true);
 }
 
 void FastcommBackend::shutdown() {

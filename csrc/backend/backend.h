@@ -1,21 +1,10 @@
 #pragma once
-// fastcomm as a torch.distributed backend: a c10d::Backend over one engine group.
-//
-// Every op is a thin adapter: it maps torch's arguments (group ranks, option structs, tensor
-// lists) onto the engine's prepare_* calls and posts them, returning the engine's own Work (a
-// c10d::Work with futures). There is no second implementation of any collective here.
-//
-// Ranks: at the Backend level torch passes *group* ranks (BroadcastOptions::rootRank, send's
-// dstRank, recv's srcRank); the engine takes global ranks, so they are translated through the
-// group's rank list. torch's group rank i is global_ranks_in_group[i]; the engine orders a
-// group's members by global rank, so the list must be sorted (torch's new_group sorts it).
-//
-// Threading: torch's ProcessGroup bindings call in here with the GIL released, and nothing in
-// this file touches Python, so blocking waits never hold the GIL.
-//
-// Ops the engine does not have (gather, scatter, reduce, alltoall, recvAnysource, ...) are
-// not overridden: c10d::Backend's defaults raise torch's usual
-// "Backend fastcomm does not support <op>" RuntimeError.
+// fastcomm as a torch.distributed backend: a c10d::Backend over one engine group. Every op maps
+// torch's arguments onto the engine's requests (algorithms/request.h) and returns the engine's
+// own Work; no collective is implemented here. torch passes group ranks (rootRank, dstRank,
+// srcRank), translated through the group's sorted rank list. torch calls in with the GIL
+// released, and nothing here touches Python. Ops not overridden raise torch's usual
+// "Backend fastcomm does not support <op>".
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <chrono>
@@ -73,10 +62,10 @@ class FastcommBackend final : public c10d::Backend {
   bool owns_engine() const { return owns_engine_; }
 
  private:
-  // Posts the prepared ops as one engine post; a blocking call (asyncOp false) also waits for
-  // them here, so torch's following Work.wait() finds them done (and raises their error).
-  c10::intrusive_ptr<c10d::Work> run(std::vector<Engine::Prepared> ops, bool async_op);
-  c10::intrusive_ptr<c10d::Work> run(Engine::Prepared op, bool async_op);
+  // Checks and posts the requests as one engine post; a blocking call (asyncOp false) also
+  // waits for them here, so torch's following Work.wait() finds them done (and raises).
+  c10::intrusive_ptr<c10d::Work> run(std::vector<OpRequest> reqs, bool async_op);
+  c10::intrusive_ptr<c10d::Work> run(OpRequest req, bool async_op);
   // Global rank of group rank `group_rank` (an argument named `arg` of op `api`).
   int global_rank(int64_t group_rank, const char* api, const char* arg) const;
   const at::Tensor& single(const std::vector<at::Tensor>& v, const char* api, const char* arg) const;

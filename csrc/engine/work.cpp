@@ -2,20 +2,18 @@
 
 #include <ATen/core/jit_type.h>
 
-#include "engine/engine.h"
-
 namespace fastcomm {
 
-Work::Work(std::shared_ptr<Engine> engine, int rank, c10d::OpType type,
+Work::Work(std::shared_ptr<Waiter> waiter, int rank, c10d::OpType type,
            std::vector<at::Tensor> outputs, int parts, bool async_op)
     : c10d::Work(rank, type),
-      engine_(std::move(engine)),
       outputs_(std::move(outputs)),
+      waiter_(std::move(waiter)),
       remaining_(parts),
       async_(async_op) {}
 
 bool Work::isCompleted() {
-  if (!done()) engine_->poll();
+  if (!done()) waiter_->poll();
   return done();
 }
 
@@ -37,7 +35,7 @@ void Work::rethrow_if_failed() const {
 }
 
 bool Work::wait(std::chrono::milliseconds timeout) {
-  engine_->wait(*this, timeout);
+  waiter_->wait(*this, timeout);
   rethrow_if_failed();
   return true;
 }

@@ -1,22 +1,35 @@
 #pragma once
-// fastcomm's Work is a c10d::Work, so Python gets torch's own Work type (wait, is_completed,
-// exception, get_future) and the torch.distributed backend can hand the same objects out.
-// The engine completes it; wait() drives the engine's progress on the calling thread instead
-// of sleeping on a condition variable, which is what makes a blocking op cost microseconds.
+// The Work family: every op of every device completes a fastcomm::Work, a c10d::Work, so
+// Python gets torch's own Work type and the torch backend hands out the same objects. The base
+// holds the outcome (settled once, by the engine, in the order ops finish) and the Future; a
+// host op's wait() drives the engine's progress on the calling thread instead of sleeping on a
+// condition variable, which is what makes a blocking op cost microseconds. Device paths derive
+// from it (csrc/cuda/cuda_work.h).
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 
 namespace fastcomm {
 
-class Engine;
+class Work;
 
-class Work final : public c10d::Work {
+// What waits for host Works: the engine (it drives progress meanwhile).
+class Waiter {
+ public:
+  virtual ~Waiter() = default;
+  // Returns once `w` is done; throws if `timeout` (0: none) passes first.
+  virtual void wait(Work& w, std::chrono::milliseconds timeout) = 0;
+  // One non-blocking progress attempt; may be called with the GIL held.
+  virtual void poll() = 0;
+};
+
+class Work : public c10d::Work {
  public:
   // `parts` ops complete this Work (more than one for a batch).
-  Work(std::shared_ptr<Engine> engine, int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
+  Work(std::shared_ptr<Waiter> waiter, int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
        int parts, bool async_op);
 
   bool isCompleted() override;
@@ -26,6 +39,10 @@ class Work final : public c10d::Work {
   void synchronize() override {}
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+  // Whether the op is done only once the device has run it (a blocking call then returns at
+  // once, the caller's stream ordered after the op, as torch's NCCL backend does).
+  virtual bool on_device() const { return false; }
 
   // Engine side. settle() records that one part finished (or, with `all`, every part) and
   // returns true when that finished the whole Work; the engine calls it under its lock, in the
@@ -41,14 +58,16 @@ class Work final : public c10d::Work {
   // Raises the op's error, if any. Called after done().
   void rethrow_if_failed() const;
 
- private:
-  std::shared_ptr<Engine> engine_;
+ protected:
   std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // created on first getFuture(); mutex_
+
+ private:
+  std::shared_ptr<Waiter> waiter_;
   std::atomic<bool> done_{false};
-  int remaining_;  // parts not yet finished; guarded by mutex_
+  int remaining_;  // parts not yet finished; mutex_
   const bool async_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;  // created on first getFuture()
-  bool future_published_ = false;                   // guarded by mutex_
+  bool future_published_ = false;  // mutex_
 };
 
 }  // namespace fastcomm

@@ -1,14 +1,15 @@
 #pragma once
-// The interface every transport implements (shared memory now; Gloo and NCCL later repeat the
-// same file names under transport/<name>/). A transport moves ordered, self-describing
-// messages between this process and one peer at a time; it knows nothing of groups or
-// collectives. Algorithms never see a transport directly: they see the group-scoped view in
-// algorithms/comm.h, which the engine implements on top of this interface.
+// The interface every transport implements (each under transport/<name>/ with the same file
+// names). A transport moves ordered, self-describing messages between this process and one
+// peer at a time; it knows nothing of groups or collectives. Algorithms never see one: they see
+// the group-scoped view in algorithms/comm.h, which the engine builds on this interface.
 #include <ATen/core/Tensor.h>
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -82,6 +83,21 @@ class Transport {
   virtual void pop(int peer) = 0;
   // False once the transport knows the peer process is gone.
   virtual bool peer_alive(int peer) = 0;
+  // Why a peer is reported gone, when the transport knows more than that ("" otherwise).
+  virtual std::string death_reason(int /*peer*/) { return ""; }
+  // Starts whatever it takes to hear from `peer` (and so to learn of its death) before any op
+  // reads from it. Idempotent.
+  virtual void connect(int /*peer*/) {}
+  // A dead peer's resources may go: no op reads from it any more.
+  virtual void release_peer(int /*peer*/) {}
+  // Stops the transport's threads; no call but the destructor follows.
+  virtual void stop() {}
+  // For transports whose own threads deliver messages: what such a thread runs once one is in
+  // (the engine's progress pass; false when another thread holds the engine). Set once, before
+  // any message moves.
+  virtual void set_delivery_hook(std::function<bool()> /*hook*/) {}
+  // Diagnostic counters, by name (what tests check a transport's traffic by).
+  virtual std::map<std::string, uint64_t> counters() { return {}; }
 
   // Bulk transfers (see Bulk). Spans of at least bulk_min(peer) bytes may go this way;
   // SIZE_MAX (the default) means never. `more_ops`: the engine has other ops in flight

@@ -45,22 +45,11 @@ constexpr uint64_t kBulkTagSpan = uint64_t(1) << 30;
 // is in flight (a batch, async ops), that wait hides behind it and the saved CPU is what
 // counts, from kBulkBusyMin up; on an idle link (one op at a time) the wait is the op's
 // latency, and only spans from kBulkIdleMin up, whose copies cost as much, go bulk.
-// FASTCOMM_GLOO_BULK_BYTES=N replaces both with N (0: never).
+// The bulk_bytes setting (FASTCOMM_GLOO_BULK_BYTES) replaces both.
 constexpr size_t kBulkBusyMin = 256 * 1024;
 constexpr size_t kBulkIdleMin = 1024 * 1024;
 
 int bulk_tag(uint64_t slot) { return kBulkTagBase + (int)(slot % kBulkTagSpan); }
-
-// 0 when unset (the adaptive default), SIZE_MAX for "never".
-size_t bulk_min_from_env() {
-  const char* e = std::getenv("FASTCOMM_GLOO_BULK_BYTES");
-  if (!e || !*e) return 0;
-  char* end = nullptr;
-  const long long v = std::strtoll(e, &end, 10);
-  TORCH_CHECK_VALUE(end && *end == '\0' && v >= 0,
-                    "fastcomm: FASTCOMM_GLOO_BULK_BYTES must be a byte count >= 0, got '", e, "'");
-  return v == 0 ? SIZE_MAX : (size_t)v;
-}
 
 size_t align8(size_t n) { return (n + 7) & ~size_t(7); }
 
@@ -111,7 +100,7 @@ struct GlooTransport::BulkXfer : Bulk {
 
 GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> pg, int rank, int world_size,
                              std::vector<char> remote, size_t max_payload, Doorbell bell,
-                             std::chrono::milliseconds linger)
+                             std::chrono::milliseconds linger, size_t bulk_bytes)
     : pg_(std::move(pg)),
       rank_(rank),
       world_size_(world_size),
@@ -121,7 +110,7 @@ GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> pg, int rank, int
       pool_(std::make_shared<GlooOutPool>()),
       linger_(linger),
       bell_(bell),
-      bulk_min_(bulk_min_from_env()),
+      bulk_min_(bulk_bytes),
       bulk_next_(world_size, 0) {
   TORCH_CHECK_VALUE(pg_, "fastcomm: no Gloo process group for the Gloo transport");
   TORCH_CHECK_VALUE((int)remote_.size() == world_size_, "fastcomm: Gloo transport: bad peer list");
@@ -688,6 +677,14 @@ void GlooTransport::stop() {
   }
   for (auto& pp : peers_)
     if (pp->thread.joinable()) pp->thread.join();
+}
+
+std::map<std::string, uint64_t> GlooTransport::counters() {
+  return {{"frames_sent", frames_sent()},
+          {"closes_sent", closes_sent()},
+          {"bulk_started", bulk_started()},
+          {"bulk_live", bulk_live()},
+          {"frames_unreaped", frames_unreaped()}};
 }
 
 }  // namespace fastcomm

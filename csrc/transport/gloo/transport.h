@@ -1,55 +1,14 @@
 #pragma once
-// Gloo transport for peers on other hosts, over the Gloo that ships inside torch.
+// Gloo transport for peers on other hosts, over one world ProcessGroupGloo (docs/design.md).
+// Everything appended for a peer between two flushes travels as one frame; the receiver keeps a
+// window of frame-sized receives posted, since Gloo sends only into a posted receive. Large
+// spans go as bulk transfers on tags of their own, straight from and into the op's memory.
+// Gloo cannot poll, so a thread per remote peer receives, a pool of threads waits on bulk
+// transfers, and one reaps finished sends; they ring the doorbell or run the engine's pass.
+// stop() first makes sure every peer has read this rank's last frames (a closing handshake).
 //
-// One world-level c10d ProcessGroupGloo (made by the Python layer, handed over as a Backend)
-// carries the messages of every group. Gloo's send/recv needs a receive posted before the
-// message can leave (the sender waits for the receiver's "ready" notice), and the receive
-// buffer must be at least as large as the message. So everything appended for one peer between
-// two flushes travels as one frame, one Gloo message of at most frame_max() bytes (a length
-// word, then the records), and the receiver keeps a window of frame_max()-sized receives
-// posted ahead of time: a frame never waits for a ready-to-receive round trip, and Gloo
-// accepts a message shorter than the buffer, so small frames cost nothing extra. The sender
-// starts a new frame before one would exceed frame_max() (so a large op streams as a few
-// frames and the receiver folds one while the next is on the wire). That is how messages of
-// many groups to one peer in one batch travel together: one Gloo send per peer and flush.
-//
-// Buffers are recycled on both sides: a consumed receive buffer is posted again, and a sent
-// frame goes back to a pool once Gloo is done with it. Fresh megabyte buffers would otherwise
-// cost page faults (and zeroing) on every large frame, which on a busy host cost more than the
-// copy into them.
-//
-// Closing: when a process closes a TCP connection with bytes still unread on its side (say,
-// the peer's receive-ready notices), the kernel resets the connection, and the reset discards
-// what the peer had not read yet: possibly this rank's last frame, which the peer's op still
-// needs. So stop() first sends a "closing" control frame to every peer it sent data to and
-// waits (within the linger) for each one's receiver thread to answer: frames arrive in order,
-// so the answer proves the peer has read everything this rank sent, and only then do the
-// connections go. A peer that sent "closing" itself needs nothing more and is not waited for,
-// and the wait is short (a peer that does not answer within seconds is stopped or hung).
-//
-// Bulk transfers (transport/transport.h): a large span goes as its own Gloo message on a slot
-// (Gloo tag) of its own, sent straight from the op's memory and received straight into its
-// destination, so it costs no copy into or out of frames. The sender numbers its transfers
-// to each peer and names the number in the offer, so slots never collide, whatever order the
-// two sides' ops run in. Its receive is posted only when the offer is read, so a slot's data
-// never waits for memory that nobody has set aside. Gloo cannot poll a transfer, and waiting
-// on transfers in order would make one op's completion wait on another's (a send completes
-// only once the peer's op posts its receive, which may depend on this rank finishing an op
-// whose transfer is queued behind), so each transfer in flight is waited on by its own thread,
-// from a pool that grows to the number in flight and is reused. The exception: an op's
-// receive from a peer it also sends to is waited on by the thread that waits on that send,
-// right after it (the op needs both, so nothing waits longer for it), which saves a thread
-// wake-up and a doorbell ring per op.
-//
-// Receiving: Gloo has no way to poll a receive without blocking, so each remote peer in use
-// gets one thread that keeps the window posted, moves completed frames into an inbox and rings
-// the engine's doorbell. Completed sends are reaped by one thread that keeps their buffers
-// alive until Gloo has written them. Peer death shows up as a failed receive or send; the
-// engine learns it through peer_alive().
-//
-// Thread-safety: the Transport calls are serialised by the engine's progress lock; the inbox,
-// the free buffers and the dead flags are shared with the helper threads; the send pool with
-// whichever thread drops a finished send.
+// Thread-safety: the Transport calls are serialised by the engine's lock; the inbox, free
+// buffers and dead flags are shared with the helper threads under their own locks.
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <atomic>
@@ -76,9 +35,10 @@ class GlooTransport final : public Transport {
   // engine-wide piece size (Gloo itself has no limit; keeping the shm one makes pieces agree).
   // `linger`: how long stop() lets sends in flight finish (a peer may still be reading this
   // rank's last messages; unlike a shared-memory ring, they die with the process).
+  // `bulk_bytes`: spans from this size go as bulk transfers (0: adaptive, SIZE_MAX: never).
   GlooTransport(c10::intrusive_ptr<c10d::Backend> pg, int rank, int world_size,
                 std::vector<char> remote, size_t max_payload, Doorbell bell,
-                std::chrono::milliseconds linger);
+                std::chrono::milliseconds linger, size_t bulk_bytes);
   ~GlooTransport() override;
 
   const char* name() const override { return "gloo"; }
@@ -93,18 +53,19 @@ class GlooTransport final : public Transport {
   std::shared_ptr<Bulk> recv_bulk(int peer, uint64_t slot, at::Tensor bytes, Bulk* with) override;
   void drain_bulk(int peer, const Message& offer) override;
   // Run by a bulk waiter thread once a chain of transfers is over, and by a receiver thread
-  // once a data frame is in, instead of ringing the doorbell: the engine's progress pass, on
-  // that already running thread (true), or false when another thread is in a pass (the
-  // doorbell is rung then). Set before any transfer starts.
-  void set_bulk_hook(std::function<bool()> hook) { bulk_hook_ = std::move(hook); }
+  // once a data frame is in, instead of ringing the doorbell (a thread already running does
+  // the pass: no wake-up of a sleeping driver).
+  void set_delivery_hook(std::function<bool()> hook) override { bulk_hook_ = std::move(hook); }
 
   // Starts the receiver for `peer` if it has none yet (called when a group with it is made).
-  void connect(int peer);
+  void connect(int peer) override;
   // Waits (bounded) for every peer this rank sent data to to confirm it has read it, and for
   // sends in flight; then aborts posted receives and joins the helper threads.
-  void stop();
+  void stop() override;
   // Why the peer was declared dead (empty if it was not).
-  std::string death_reason(int peer);
+  std::string death_reason(int peer) override;
+  // frames_sent, closes_sent, bulk_started, bulk_live, frames_unreaped (below).
+  std::map<std::string, uint64_t> counters() override;
   // Bulk transfers started so far (sends and receives): what tests check the bulk path by.
   uint64_t bulk_started() const { return bulk_started_; }
   // Bulk transfers not over yet: what tests check that none is left waiting by.
@@ -236,8 +197,7 @@ class GlooTransport final : public Transport {
   };
   std::deque<InFlight> sends_;
   // The send the reaper is waiting on, so that it can be aborted when its peer dies or when
-  // stop() runs out of time: a Gloo send to a peer that died can stay pending for good (seen
-  // when the peer was killed as the frame went out), and an unbounded wait would hang stop().
+  // stop() runs out of time: a Gloo send to a dead peer can stay pending for good.
   InFlight reaping_{-1, {}};
   bool reaper_done_ = false;
   // Sends that were aborted or timed out rather than completed: Gloo may still hold a pointer

@@ -1,16 +1,15 @@
 #include "transport/shm/transport.h"
 
 #include <fcntl.h>
-#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
-#include <fstream>
 
 #include "common/errors.h"
+#include "common/process.h"
 
 namespace fastcomm {
 
@@ -290,18 +289,6 @@ void ShmTransport::release_peer(int peer) {
   m = Mapping{};
 }
 
-bool ShmTransport::peer_alive(int peer) {
-  const int64_t pid = pids_[peer];
-  if (pid <= 0) return true;
-  if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) return false;
-  // A dead child that its parent has not reaped yet still answers kill(); read its state.
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(f, line)) return true;  // no procfs: trust kill()
-  auto rp = line.rfind(')');
-  if (rp == std::string::npos || rp + 2 >= line.size()) return true;
-  const char state = line[rp + 2];
-  return state != 'Z' && state != 'X';
-}
+bool ShmTransport::peer_alive(int peer) { return !process_gone(pids_[peer]); }
 
 }  // namespace fastcomm

@@ -45,7 +45,7 @@ class ShmTransport final : public Transport {
   const Message* peek(int peer) override;
   void pop(int peer) override;
   bool peer_alive(int peer) override;
-  void release_peer(int peer);
+  void release_peer(int peer) override;
 
   bool is_local(int peer) const { return local_index_[peer] >= 0; }
   Doorbell doorbell() const { return own_bell_; }

@@ -1,4 +1,4 @@
-#include "transport/nccl/transport.h"
+#include "cuda/nccl.h"
 
 #include <cstring>
 #include <vector>

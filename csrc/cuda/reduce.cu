@@ -1,7 +1,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "algorithms/cuda_reduce.h"
+#include "cuda/reduce.h"
 
 namespace fastcomm {
 namespace cuda {

@@ -1,14 +1,15 @@
-#include "engine/cuda_ops.h"
+#include "cuda/cuda_engine.h"
 
 #include <ATen/core/jit_type.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <signal.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <fstream>
 #include <sstream>
+
+#include "common/errors.h"
+#include "common/process.h"
+#include "cuda/reduce.h"
 
 namespace fastcomm {
 
@@ -42,135 +43,102 @@ std::exception_ptr comm_error_ptr(const std::string& msg) {
 
 int slot_of(int j, int me) { return j < me ? j : j - 1; }
 
-// Whether a same-host peer's process has exited. kill(pid, 0) alone is not enough: a dead
-// process that its parent has not reaped yet (a zombie: a launcher or test harness busy
-// waiting on another child) still answers it, so its state is read from procfs too.
-bool process_gone(int64_t pid) {
-  if (pid <= 0) return false;
-  if (kill((pid_t)pid, 0) != 0) return errno == ESRCH;
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(f, line)) return false;  // no procfs: trust kill()
-  const auto rp = line.rfind(')');
-  if (rp == std::string::npos || rp + 2 >= line.size()) return false;
-  const char state = line[rp + 2];
-  return state == 'Z' || state == 'X';
-}
-
 void record_on(const at::Tensor& t, const c10::cuda::CUDAStream& s) {
   if (t.defined() && t.numel() > 0) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), s);
 }
 
+// One op in the form the NCCL lowering below takes.
+struct CudaOp {
+  enum Kind : uint8_t { AllReduce, Broadcast, AllGather, ReduceScatter, Send, Recv };
+  Kind kind;
+  c10d::OpType type;
+  std::vector<int> ranks;  // global ranks of the group; group rank i is ranks[i]
+  int me = 0;              // this process's group rank
+  at::Tensor in;           // all_reduce / broadcast / send / recv: the tensor; else the input
+  at::Tensor out;          // all_gather_into_tensor, reduce_scatter*: the output
+  std::vector<at::Tensor> outs, ins;  // list forms (all_gather, reduce_scatter)
+  cuda::RedOp redop = cuda::RedOp::Sum;
+  int peer = -1;       // broadcast: root group rank; send/recv: peer global rank
+  at::Tensor scratch;  // allocated at issue, on the internal stream
+};
+
+cuda::RedOp cuda_redop(RedOpType op) {
+  using R = c10d::ReduceOp;
+  switch (op) {
+    case R::AVG: return cuda::RedOp::Avg;
+    case R::PRODUCT: return cuda::RedOp::Product;
+    case R::MIN: return cuda::RedOp::Min;
+    case R::MAX: return cuda::RedOp::Max;
+    default: return cuda::RedOp::Sum;  // check_request let only these five through
+  }
+}
+
+// The request (checked by check_request) in the lowering's form.
+CudaOp lower(DeviceOp& d, int rank, int device) {
+  OpRequest& r = d.req;
+  const c10::Device dev = request_device(r);
+  TORCH_CHECK_VALUE(dev.index() == device, "fastcomm.", op_kind_name(r.kind), ": rank ", rank, ", group ", d.label,
+                    ": the op's tensors are on ", dev, " but this process's NCCL communicator is on cuda:", device,
+                    " (one device per process)");
+  CudaOp op;
+  op.type = op_kind_type(r.kind);
+  op.ranks = d.ranks;
+  op.me = d.rank;
+  op.redop = cuda_redop(r.redop);
+  switch (r.kind) {
+    case OpKind::kAllReduce:
+      op.kind = CudaOp::AllReduce;
+      op.in = r.tensor;
+      break;
+    case OpKind::kBroadcast:
+      op.kind = CudaOp::Broadcast;
+      op.in = r.tensor;
+      op.peer = (int)(std::find(d.ranks.begin(), d.ranks.end(), r.peer) - d.ranks.begin());
+      break;
+    case OpKind::kAllGather:
+      op.kind = CudaOp::AllGather;
+      op.in = r.tensor;
+      op.outs = r.list;
+      break;
+    case OpKind::kAllGatherIntoTensor:
+      op.kind = CudaOp::AllGather;
+      op.in = r.tensor;
+      op.out = r.output;
+      break;
+    case OpKind::kReduceScatter:
+      op.kind = CudaOp::ReduceScatter;
+      op.out = r.output;
+      op.ins = r.list;
+      break;
+    case OpKind::kReduceScatterTensor:
+      op.kind = CudaOp::ReduceScatter;
+      op.out = r.output;
+      op.in = r.tensor;
+      break;
+    case OpKind::kSend:
+    case OpKind::kRecv:
+      op.kind = r.kind == OpKind::kSend ? CudaOp::Send : CudaOp::Recv;
+      op.in = r.tensor;
+      op.peer = r.peer;
+      break;
+    default:
+      TORCH_CHECK_VALUE(false, "fastcomm.", op_kind_name(r.kind), ": rank ", rank, ", group ", d.label,
+                        ": not supported for CUDA tensors");
+  }
+  return op;
+}
+
 }  // namespace
 
-// ---------------------------------------------------------------------------------------------
-// Work
-
-CudaWork::CudaWork(std::shared_ptr<CudaOps> owner, int rank, c10d::OpType type,
-                   std::vector<at::Tensor> outputs, bool capturing)
-    : c10d::Work(rank, type), owner_(std::move(owner)), outputs_(std::move(outputs)), capturing_(capturing) {}
-
-CudaWork::~CudaWork() {
-  if (end_ != nullptr) owner_->give_event(end_);
-}
-
-bool CudaWork::finished() const {
-  std::lock_guard<std::mutex> lk(mutex_);
-  return completed_;
-}
-
-void CudaWork::finish(std::exception_ptr error) {
-  {
-    std::lock_guard<std::mutex> lk(mutex_);
-    if (completed_) return;
-    completed_ = true;
-    exception_ = error;
-  }
-  cv_.notify_all();
-}
-
-bool CudaWork::poll_event() {
-  const cudaError_t r = cudaEventQuery(end_);
-  if (r == cudaErrorNotReady) return false;
-  FASTCOMM_GPU_CHECK(r);
-  return true;
-}
-
-bool CudaWork::isCompleted() {
-  if (finished()) return true;
-  if (capturing_) return false;  // a captured op runs when the graph is replayed, not now
-  if (auto b = owner_->broken()) {
-    finish(b);
-    return true;
-  }
-  if (poll_event()) {
-    finish(nullptr);
-    return true;
-  }
-  return false;
-}
-
-bool CudaWork::isSuccess() const {
-  std::lock_guard<std::mutex> lk(mutex_);
-  return completed_ && !exception_;
-}
-
-std::exception_ptr CudaWork::exception() const {
-  std::lock_guard<std::mutex> lk(mutex_);
-  return exception_;
-}
-
-bool CudaWork::wait(std::chrono::milliseconds timeout) {
-  if (auto e = exception()) std::rethrow_exception(e);
-  owner_->raise_if_broken();
-  c10::cuda::CUDAGuard dg((c10::DeviceIndex)owner_->device());
-  FASTCOMM_GPU_CHECK(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream().stream(), end_, 0));
-  if (timeout != kNoTimeout) host_wait(timeout);
-  return true;
-}
-
-void CudaWork::synchronize() { host_wait(owner_->timeout()); }
-
-void CudaWork::host_wait(std::chrono::milliseconds timeout) {
-  TORCH_CHECK(!capturing_, "fastcomm: rank ", owner_->rank(),
-              ": cannot host-wait for an op captured in a CUDA graph; it runs when the graph is replayed");
-  const auto start = Clock::now();
-  for (int spins = 0;; ++spins) {
-    if (isCompleted()) {
-      if (auto e = exception()) std::rethrow_exception(e);
-      return;
-    }
-    if (Clock::now() - start > timeout) {
-      throw_comm_error("fastcomm: rank " + std::to_string(owner_->rank()) + ": CUDA op not finished after " +
-                       std::to_string(timeout.count()) + " ms (host wait timed out)");
-    }
-    if (spins < 200) std::this_thread::yield();
-    else std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
-}
-
-c10::intrusive_ptr<c10::ivalue::Future> CudaWork::getFuture() {
-  std::lock_guard<std::mutex> lk(mutex_);
-  if (!future_) {
-    // A CUDA-aware future, completed in stream order as ProcessGroupNCCL does: consumers'
-    // streams wait for an event recorded on the internal stream after this op.
-    future_ = c10::make_intrusive<c10::ivalue::Future>(
-        c10::ListType::create(c10::TensorType::get()),
-        std::vector<c10::Device>{c10::Device(c10::kCUDA, (c10::DeviceIndex)owner_->device())});
-    if (exception_) {
-      future_->setError(exception_);
-    } else {
-      c10::cuda::CUDAStreamGuard g(owner_->stream());
-      future_->markCompleted(c10::IValue(outputs_));
-    }
-  }
-  return future_;
-}
+[[maybe_unused]] const bool kCudaRegistered = register_device_engine(
+    c10::kCUDA, [](const EngineOptions& opts, c10d::Store& store, int index) -> std::shared_ptr<DeviceEngine> {
+      return std::make_shared<CudaEngine>(opts, store, index);
+    });
 
 // ---------------------------------------------------------------------------------------------
-// CudaOps
+// CudaEngine
 
-CudaOps::CudaOps(const EngineOptions& opts, c10d::Store& store, int device)
+CudaEngine::CudaEngine(const EngineOptions& opts, c10d::Store& store, int device)
     : rank_(opts.rank),
       world_(opts.world_size),
       device_(device),
@@ -184,25 +152,14 @@ CudaOps::CudaOps(const EngineOptions& opts, c10d::Store& store, int device)
   watchdog_ = std::thread([this] { watchdog_main(); });
 }
 
-CudaOps::~CudaOps() {
+CudaEngine::~CudaEngine() {
   shutdown();
   // Teardown: nothing is left to report an error to, so these two are not checked.
   if (start_ != nullptr) (void)cudaEventDestroy(start_);
   for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
 }
 
-std::shared_ptr<CudaOps> CudaOps::get(Engine& e, int device) {
-  TORCH_CHECK(!e.is_shut_down(), "fastcomm: rank ", e.rank(), ": fastcomm was shut down; call fastcomm.init() again first");
-  std::lock_guard<std::mutex> lk(e.extension_mutex());
-  auto& ext = e.cuda_extension();
-  if (!ext) {
-    TORCH_CHECK(e.store(), "fastcomm: rank ", e.rank(), ": no store for the NCCL rendezvous (engine made outside fastcomm.init)");
-    ext = std::make_shared<CudaOps>(e.options(), *e.store(), device);
-  }
-  return std::static_pointer_cast<CudaOps>(ext);
-}
-
-void CudaOps::shutdown() {
+void CudaEngine::shutdown() {
   std::deque<c10::intrusive_ptr<CudaWork>> left;
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -215,13 +172,13 @@ void CudaOps::shutdown() {
   if (watchdog_.joinable()) watchdog_.join();
   bool unfinished = false;
   for (auto& w : left) {
-    bool done = w->finished();
+    bool done = w->done();
     try {
       done = done || w->poll_event();
     } catch (const std::exception&) {
     }
     if (!done) unfinished = true;
-    w->finish(done ? nullptr : broken_);
+    w->settle(done ? nullptr : broken_, true);
   }
   // Ops still in flight may wait on a peer forever: abort (thread-safe, and it also releases
   // an issuer blocked inside NCCL) before taking the issue lock to tear down.
@@ -230,16 +187,16 @@ void CudaOps::shutdown() {
   comm_.reset();
 }
 
-std::exception_ptr CudaOps::broken() const {
+std::exception_ptr CudaEngine::broken() const {
   std::lock_guard<std::mutex> lk(mu_);
   return broken_;
 }
 
-void CudaOps::raise_if_broken() {
+void CudaEngine::raise_if_broken() {
   if (auto e = broken()) std::rethrow_exception(e);
 }
 
-cudaEvent_t CudaOps::take_event() {
+cudaEvent_t CudaEngine::take_event() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (!free_events_.empty()) {
@@ -253,162 +210,18 @@ cudaEvent_t CudaOps::take_event() {
   return e;
 }
 
-void CudaOps::give_event(cudaEvent_t e) {
+void CudaEngine::give_event(cudaEvent_t e) {
   std::lock_guard<std::mutex> lk(mu_);
   free_events_.push_back(e);
 }
 
 // ---------------------------------------------------------------------------------------------
-// Validation: everything is checked locally before anything reaches NCCL. (What the CPU path
-// also catches across members -- mismatched dtype/numel/op -- is not checked here: that would
-// cost a round trip per op. As with ProcessGroupNCCL, members must agree.)
-
-void CudaOps::check_common(const GroupHandle& g, const char* api, const at::Tensor& t, const char* arg) const {
-  TORCH_CHECK_VALUE(g.state != nullptr, "fastcomm.", api, ": rank ", rank_, " is not a member of group ",
-                    g.label(), " (argument 'group')");
-  TORCH_CHECK_VALUE(t.defined(), "fastcomm.", api, ": rank ", rank_, ", group ", g.label(), ": argument '", arg,
-                    "' is undefined");
-  TORCH_CHECK_VALUE(t.layout() == c10::kStrided && t.is_cuda(), "fastcomm.", api, ": rank ", rank_, ", group ",
-                    g.label(), ": argument '", arg, "' must be a dense CUDA tensor like the op's other tensors, got ",
-                    t.device(), " ", t.layout());
-  TORCH_CHECK_VALUE(t.device().index() == device_, "fastcomm.", api, ": rank ", rank_, ", group ", g.label(),
-                    ": argument '", arg, "' is on ", t.device(), " but this process's NCCL communicator is on cuda:",
-                    device_, " (one device per process)");
-  TORCH_CHECK_VALUE(t.is_contiguous(), "fastcomm.", api, ": rank ", rank_, ", group ", g.label(), ": argument '",
-                    arg, "' must be contiguous");
-  cuda::DType d;
-  TORCH_CHECK_TYPE(dtype_of(t.scalar_type(), d), "fastcomm.", api, ": rank ", rank_, ", group ", g.label(),
-                   ": argument '", arg, "' has unsupported dtype ", t.scalar_type());
-}
-
-namespace {
-cuda::RedOp check_redop(int rank, const GroupHandle& g, const char* api, RedOpType op, c10::ScalarType dt) {
-  using R = c10d::ReduceOp;
-  cuda::RedOp out;
-  switch (op) {
-    case R::SUM: out = cuda::RedOp::Sum; break;
-    case R::AVG: out = cuda::RedOp::Avg; break;
-    case R::PRODUCT: out = cuda::RedOp::Product; break;
-    case R::MIN: out = cuda::RedOp::Min; break;
-    case R::MAX: out = cuda::RedOp::Max; break;
-    default:
-      TORCH_CHECK_VALUE(false, "fastcomm.", api, ": rank ", rank, ", group ", g.label(), ": argument 'op' ", (int)op,
-                        " is not supported (SUM, AVG, PRODUCT, MIN, MAX are)");
-  }
-  TORCH_CHECK_VALUE(op != R::AVG || c10::isFloatingType(dt), "fastcomm.", api, ": rank ", rank, ", group ", g.label(),
-                    ": argument 'op' AVG needs a floating dtype, got ", dt);
-  return out;
-}
-
-void check_like(int rank, const GroupHandle& g, const char* api, const at::Tensor& t, const std::string& arg,
-                const at::Tensor& ref, int64_t numel) {
-  TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), "fastcomm.", api, ": rank ", rank, ", group ", g.label(),
-                   ": argument '", arg, "' has dtype ", t.scalar_type(), ", expected ", ref.scalar_type());
-  TORCH_CHECK_VALUE(t.numel() == numel, "fastcomm.", api, ": rank ", rank, ", group ", g.label(), ": argument '", arg,
-                    "' has ", t.numel(), " elements, expected ", numel);
-}
-
-CudaOp base(CudaOp::Kind k, c10d::OpType type, const GroupHandle& g) {
-  CudaOp op;
-  op.kind = k;
-  op.type = type;
-  op.ranks = g.ranks;
-  op.me = g.rank;
-  return op;
-}
-}  // namespace
-
-CudaOp CudaOps::prepare_all_reduce(const GroupHandle& g, const at::Tensor& t, RedOpType rop) {
-  check_common(g, "all_reduce", t, "tensor");
-  CudaOp op = base(CudaOp::AllReduce, c10d::OpType::ALLREDUCE, g);
-  op.redop = check_redop(rank_, g, "all_reduce", rop, t.scalar_type());
-  op.in = t;
-  return op;
-}
-
-CudaOp CudaOps::prepare_broadcast(const GroupHandle& g, const at::Tensor& t, int src) {
-  check_common(g, "broadcast", t, "tensor");
-  auto it = std::find(g.ranks.begin(), g.ranks.end(), src);
-  TORCH_CHECK_VALUE(it != g.ranks.end(), "fastcomm.broadcast: rank ", rank_, ", group ", g.label(),
-                    ": argument 'src' is rank ", src, ", which is not in the group");
-  CudaOp op = base(CudaOp::Broadcast, c10d::OpType::BROADCAST, g);
-  op.in = t;
-  op.peer = (int)(it - g.ranks.begin());
-  return op;
-}
-
-CudaOp CudaOps::prepare_all_gather(const GroupHandle& g, const std::vector<at::Tensor>& outs, const at::Tensor& in) {
-  check_common(g, "all_gather", in, "tensor");
-  TORCH_CHECK_VALUE(outs.size() == g.ranks.size(), "fastcomm.all_gather: rank ", rank_, ", group ", g.label(),
-                    ": argument 'tensor_list' has ", outs.size(), " tensors, expected one per member (",
-                    g.ranks.size(), ")");
-  for (size_t i = 0; i < outs.size(); ++i) {
-    const std::string arg = "tensor_list[" + std::to_string(i) + "]";
-    check_common(g, "all_gather", outs[i], arg.c_str());
-    check_like(rank_, g, "all_gather", outs[i], arg, in, in.numel());
-  }
-  CudaOp op = base(CudaOp::AllGather, c10d::OpType::ALLGATHER, g);
-  op.in = in;
-  op.outs = outs;
-  return op;
-}
-
-CudaOp CudaOps::prepare_all_gather_into_tensor(const GroupHandle& g, const at::Tensor& out, const at::Tensor& in) {
-  check_common(g, "all_gather_into_tensor", in, "input_tensor");
-  check_common(g, "all_gather_into_tensor", out, "output_tensor");
-  check_like(rank_, g, "all_gather_into_tensor", out, "output_tensor", in, in.numel() * (int64_t)g.ranks.size());
-  CudaOp op = base(CudaOp::AllGather, c10d::OpType::_ALLGATHER_BASE, g);
-  op.in = in;
-  op.out = out;
-  return op;
-}
-
-CudaOp CudaOps::prepare_reduce_scatter(const GroupHandle& g, const at::Tensor& out, const std::vector<at::Tensor>& ins,
-                                       RedOpType rop) {
-  check_common(g, "reduce_scatter", out, "output");
-  TORCH_CHECK_VALUE(ins.size() == g.ranks.size(), "fastcomm.reduce_scatter: rank ", rank_, ", group ", g.label(),
-                    ": argument 'input_list' has ", ins.size(), " tensors, expected one per member (",
-                    g.ranks.size(), ")");
-  for (size_t i = 0; i < ins.size(); ++i) {
-    const std::string arg = "input_list[" + std::to_string(i) + "]";
-    check_common(g, "reduce_scatter", ins[i], arg.c_str());
-    check_like(rank_, g, "reduce_scatter", ins[i], arg, out, out.numel());
-  }
-  CudaOp op = base(CudaOp::ReduceScatter, c10d::OpType::REDUCE_SCATTER, g);
-  op.redop = check_redop(rank_, g, "reduce_scatter", rop, out.scalar_type());
-  op.out = out;
-  op.ins = ins;
-  return op;
-}
-
-CudaOp CudaOps::prepare_reduce_scatter_tensor(const GroupHandle& g, const at::Tensor& out, const at::Tensor& in,
-                                              RedOpType rop) {
-  check_common(g, "reduce_scatter_tensor", out, "output");
-  check_common(g, "reduce_scatter_tensor", in, "input");
-  check_like(rank_, g, "reduce_scatter_tensor", in, "input", out, out.numel() * (int64_t)g.ranks.size());
-  CudaOp op = base(CudaOp::ReduceScatter, c10d::OpType::_REDUCE_SCATTER_BASE, g);
-  op.redop = check_redop(rank_, g, "reduce_scatter_tensor", rop, out.scalar_type());
-  op.out = out;
-  op.in = in;
-  return op;
-}
-
-CudaOp CudaOps::prepare_p2p(const GroupHandle& g, const at::Tensor& t, int peer, bool sending) {
-  const char* api = sending ? "send" : "recv";
-  check_common(g, api, t, "tensor");
-  TORCH_CHECK_VALUE(std::find(g.ranks.begin(), g.ranks.end(), peer) != g.ranks.end() && peer != rank_, "fastcomm.",
-                    api, ": rank ", rank_, ", group ", g.label(), ": argument '", sending ? "dst" : "src",
-                    "' is rank ", peer, ", which is not another member of the group");
-  CudaOp op = base(sending ? CudaOp::Send : CudaOp::Recv, sending ? c10d::OpType::SEND : c10d::OpType::RECV, g);
-  op.in = t;
-  op.peer = peer;
-  return op;
-}
-
-// ---------------------------------------------------------------------------------------------
 // Issue
 
-c10::intrusive_ptr<CudaWork> CudaOps::post(std::vector<CudaOp> ops, bool async_op) {
+c10::intrusive_ptr<Work> CudaEngine::post(std::vector<DeviceOp> dops, bool async_op) {
+  std::vector<CudaOp> ops;
+  ops.reserve(dops.size());
+  for (auto& d : dops) ops.push_back(lower(d, rank_, device_));
   std::lock_guard<std::mutex> plk(post_mu_);
   raise_if_broken();
   c10::cuda::CUDAGuard dg((c10::DeviceIndex)device_);
@@ -578,7 +391,7 @@ c10::intrusive_ptr<CudaWork> CudaOps::post(std::vector<CudaOp> ops, bool async_o
 // ---------------------------------------------------------------------------------------------
 // Watchdog
 
-void CudaOps::fail_all(const std::string& why) {
+void CudaEngine::fail_all(const std::string& why) {
   auto e = comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ": NCCL path failed: " + why +
                           ". The world NCCL communicator was aborted: pending CUDA ops fail and later CUDA ops "
                           "raise until fastcomm.shutdown() and init() again");
@@ -589,10 +402,10 @@ void CudaOps::fail_all(const std::string& why) {
     if (!broken_) broken_ = e;
     left.swap(pending_);
   }
-  for (auto& w : left) w->finish(e);
+  for (auto& w : left) w->settle(e, true);
 }
 
-void CudaOps::watchdog_main() {
+void CudaEngine::watchdog_main() {
   // This thread only queries events and NCCL state. Relaxed capture mode keeps those queries
   // from invalidating a CUDA graph capture running on the user's thread.
   try {
@@ -617,8 +430,8 @@ void CudaOps::watchdog_main() {
     try {
       // One stream: ops finish in issue order, so the first unfinished one is the only one to
       // look at.
-      while (done < works.size() && (works[done]->finished() || works[done]->poll_event())) {
-        works[done]->finish(nullptr);
+      while (done < works.size() && (works[done]->done() || works[done]->poll_event())) {
+        works[done]->settle(nullptr, true);
         ++done;
       }
       const auto now = Clock::now();
@@ -652,11 +465,8 @@ void CudaOps::watchdog_main() {
       fault = e.what();
     }
     lk.lock();
-    // Retire the finished ops. `works` still holds a reference to each, so no Work is
-    // destroyed here: a Work whose caller already dropped it (every blocking op) dies with its
-    // last reference, and its destructor returns its event under mu_, which this thread holds
-    // now. (Popping the last reference here deadlocked the watchdog on mu_, and with it the
-    // next CUDA op and shutdown.) Only ops seen above are popped, in order.
+    // Retire the finished ops. `works` still holds a reference to each, so no Work dies here:
+    // its destructor returns its event under mu_, which this thread holds now.
     for (size_t i = 0; i < done && !pending_.empty() && pending_.front() == works[i]; ++i) pending_.pop_front();
     lk.unlock();
     works.clear();  // may run Work destructors: without mu_

@@ -1,13 +1,8 @@
 #pragma once
-// The NCCL transport: one world communicator per process, made lazily (at the first CUDA op)
-// from a unique id passed through the job's c10d Store. Small groups never get a communicator
-// of their own: they are virtual groups over this one, whose collectives are grouped
-// ncclSend/ncclRecv between their members (engine/cuda_ops.cpp). So creating a thousand pair
-// groups costs nothing on the GPU side, and a batch over many groups is one NCCL group call.
-//
-// Why this does not implement transport/transport.h: that interface moves host byte messages
-// that the progress loop polls; NCCL moves device memory in kernels ordered on a CUDA stream
-// and completes through events. The two meet only at the group records of the engine.
+// NCCL for the CUDA path: the one checking macro for NCCL and CUDA calls, and the world
+// communicator, made lazily (at the first CUDA op) from a unique id passed through the job's
+// c10d Store. Small groups get no communicator of their own: their collectives are grouped
+// ncclSend/ncclRecv between their members over this one (cuda/cuda_engine.cpp).
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>

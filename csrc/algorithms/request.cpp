@@ -1,0 +1,102 @@
+#include "algorithms/request.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "algorithms/reduce.h"
+
+namespace fastcomm {
+
+std::string GroupView::label() const {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
+  os << "]";
+  return os.str();
+}
+
+// Messages are built only on failure: TORCH_CHECK evaluates its message arguments lazily, so
+// labels are formatted there and not on every call.
+int GroupView::group_rank_of(int global, const char* api, const char* arg) const {
+  auto it = std::find(ranks.begin(), ranks.end(), global);
+  TORCH_CHECK_VALUE(it != ranks.end(), "fastcomm.", api, ": rank ", global_rank, ", group ", label(),
+                    ": argument '", arg, "' is rank ", global, ", which is not in the group");
+  return (int)(it - ranks.begin());
+}
+
+void check_tensor(const at::Tensor& t, const GroupView& g, OpKind k, const char* arg) {
+  const char* api = op_kind_name(k);
+  TORCH_CHECK_VALUE(t.defined(), "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(),
+                    ": argument '", arg, "' is undefined");
+  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, "fastcomm.", api, ": rank ", g.global_rank, ", group ",
+                    g.label(), ": argument '", arg, "' must be a dense tensor, got layout ", t.layout());
+  TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_cuda(), "fastcomm.", api, ": rank ", g.global_rank,
+                    ", group ", g.label(), ": argument '", arg, "' is on ", t.device(),
+                    "; CPU and CUDA tensors are supported");
+  TORCH_CHECK_VALUE(t.is_contiguous(), "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(),
+                    ": argument '", arg, "' must be contiguous");
+  TORCH_CHECK_TYPE(dtype_supported(t.scalar_type()), "fastcomm.", api, ": rank ", g.global_rank, ", group ",
+                   g.label(), ": argument '", arg, "' has unsupported dtype ", t.scalar_type());
+}
+
+void check_like(const at::Tensor& t, const at::Tensor& ref, int64_t numel, const GroupView& g, OpKind k,
+                const std::string& arg) {
+  const char* api = op_kind_name(k);
+  check_tensor(t, g, k, arg.c_str());
+  TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), "fastcomm.", api, ": rank ", g.global_rank, ", group ",
+                   g.label(), ": argument '", arg, "' has dtype ", t.scalar_type(), ", expected ",
+                   ref.scalar_type());
+  // One device per op: it runs on that device's path as a whole.
+  TORCH_CHECK_VALUE(t.device() == ref.device(), "fastcomm.", api, ": rank ", g.global_rank, ", group ",
+                    g.label(), ": argument '", arg, "' is on ", t.device(), ", expected ", ref.device());
+  TORCH_CHECK_VALUE(t.numel() == numel, "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(),
+                    ": argument '", arg, "' has ", t.numel(), " elements, expected ", numel);
+}
+
+void check_reduce_op(RedOp op, c10::ScalarType dt, const GroupView& g, OpKind k) {
+  using R = c10d::ReduceOp;
+  const char* api = op_kind_name(k);
+  TORCH_CHECK_VALUE(op == R::SUM || op == R::AVG || op == R::PRODUCT || op == R::MIN || op == R::MAX,
+                    "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(), ": argument 'op' ",
+                    redop_name(op), " is not supported (SUM, AVG, PRODUCT, MIN, MAX are)");
+  TORCH_CHECK_VALUE(op != R::AVG || c10::isFloatingType(dt), "fastcomm.", api, ": rank ", g.global_rank,
+                    ", group ", g.label(), ": argument 'op' AVG needs a floating dtype, got ", dt);
+}
+
+namespace {
+const at::Tensor* first_tensor(const OpRequest& r) {
+  if (r.tensor.defined()) return &r.tensor;
+  if (r.output.defined()) return &r.output;
+  for (const auto& t : r.list)
+    if (t.defined()) return &t;
+  return nullptr;
+}
+}  // namespace
+
+c10::Device request_device(const OpRequest& r) {
+  const at::Tensor* t = first_tensor(r);
+  return t ? t->device() : c10::Device(c10::kCPU);
+}
+
+void check_request(const OpRequest& r, const GroupView& g) {
+  TORCH_CHECK_VALUE(r.kind > OpKind::kNone && r.kind < OpKind::kCount, "fastcomm: rank ", g.global_rank,
+                    ": unknown op kind ", (int)r.kind);
+  collective_spec(r.kind).check(r, g);
+}
+
+std::vector<at::Tensor> request_outputs(const OpRequest& r) {
+  switch (r.kind) {
+    case OpKind::kAllGather:
+      return r.list;
+    case OpKind::kAllGatherIntoTensor:
+    case OpKind::kReduceScatter:
+    case OpKind::kReduceScatterTensor:
+      return {r.output};
+    case OpKind::kBarrier:
+      return {};
+    default:
+      return {r.tensor};
+  }
+}
+
+}  // namespace fastcomm

@@ -1,0 +1,68 @@
+#pragma once
+// A collective as the caller asked for it, on any device: what every entry point (the native
+// API, the torch backend) builds, what one set of argument checks validates, and what each
+// device lowers into its own form (host state machines here, NCCL calls in csrc/cuda).
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "algorithms/op.h"
+
+namespace fastcomm {
+
+using RedOp = c10d::ReduceOp::RedOpType;
+
+struct OpRequest {
+  OpKind kind = OpKind::kNone;
+  at::Tensor tensor;             // the op's tensor (in place), or its input
+  at::Tensor output;             // a separate output: all_gather_into_tensor, reduce_scatter*
+  std::vector<at::Tensor> list;  // all_gather: the outputs; reduce_scatter: the inputs
+  RedOp redop = c10d::ReduceOp::SUM;
+  int peer = -1;                 // a global rank: broadcast's src, send's dst, recv's src
+  int tag = 0;                   // send/recv
+};
+
+// The group an op runs on, from this member's side.
+struct GroupView {
+  const std::vector<int>& ranks;  // sorted global ranks; group rank i is ranks[i]
+  int rank;                       // this member's group rank
+  int global_rank;
+  std::shared_ptr<const HostLayout> hosts;  // set: all_reduce and barrier run hierarchically
+  size_t rsag_threshold;          // bytes from which groups of 3+ reduce-scatter + all-gather
+  int size() const { return (int)ranks.size(); }
+  std::string label() const;
+  // Group rank of global rank `global`, an argument named `arg`; throws if not a member.
+  int group_rank_of(int global, const char* api, const char* arg) const;
+};
+
+// How one kind of op is checked and run on the host (algorithms/collectives.cpp).
+struct CollectiveSpec {
+  // Checks beyond those every op gets (membership, tensor basics); throws naming rank, group
+  // and argument.
+  void (*check)(const OpRequest& r, const GroupView& g);
+  // The host algorithm. For send/recv, `g` is the two-member channel of the pair.
+  std::unique_ptr<Op> (*make)(const OpRequest& r, const GroupView& g);
+  bool p2p;  // runs on a channel per (group, src, dst, tag) instead of the group itself
+};
+const CollectiveSpec& collective_spec(OpKind k);
+
+// Every argument check of a request, whatever its device (the kind's check, which checks each
+// tensor with check_tensor or check_like). Nothing is sent before these pass.
+void check_request(const OpRequest& r, const GroupView& g);
+// The device every tensor of `r` is on (CPU for an op without tensors).
+c10::Device request_device(const OpRequest& r);
+// Every tensor of `r`, in the order the Work reports them as its result.
+std::vector<at::Tensor> request_outputs(const OpRequest& r);
+
+// What the kinds' checks are made of; messages name api, rank, group and argument.
+// check_tensor: defined, dense, on CPU or CUDA, contiguous, a supported dtype. check_like:
+// that, and the dtype and device of `ref` with `numel` elements.
+void check_tensor(const at::Tensor& t, const GroupView& g, OpKind k, const char* arg);
+void check_like(const at::Tensor& t, const at::Tensor& ref, int64_t numel, const GroupView& g, OpKind k,
+                const std::string& arg);
+void check_reduce_op(RedOp op, c10::ScalarType dt, const GroupView& g, OpKind k);
+
+}  // namespace fastcomm

@@ -1,0 +1,92 @@
+#pragma once
+// Groups: plain records made by their members alone. Creating one touches nothing shared, so
+// thousands cost no threads, connections or memory beyond the record. Ops of one group run
+// one after another in issue order (the group's queue); different groups never wait on each
+// other.
+#include <chrono>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "algorithms/op.h"
+#include "algorithms/request.h"
+#include "engine/work.h"
+
+namespace fastcomm {
+
+class TransportSet;
+using Clock = std::chrono::steady_clock;
+
+// An op posted on a group, queued there until it finishes.
+struct Pending {
+  std::unique_ptr<Op> op;
+  c10::intrusive_ptr<Work> work;
+  uint64_t seq = 0;
+  Clock::time_point deadline;
+};
+
+// Guarded by the engine lock, except the fields fixed at creation.
+struct GroupState {
+  uint64_t engine = 0;  // serial of the engine that made it: handles do not outlive shutdown()
+  uint64_t id = 0;
+  std::vector<int> ranks;
+  int rank = -1;
+  std::string label;
+  std::shared_ptr<const HostLayout> hosts;  // set: all_reduce and barrier run hierarchically
+  uint64_t next_seq = 0;  // seq of the next op posted
+  uint64_t head_seq = 0;  // seq of the oldest unfinished op; older messages are stale
+  std::deque<Pending> queue;
+  bool busy = false;  // in the progress pass's list of groups with queued ops
+};
+
+// What Python holds for a group. `state` is null on a rank that is not a member.
+struct GroupHandle {
+  std::vector<int> ranks;  // sorted global ranks; group rank i is ranks[i]
+  int rank = -1;           // this process's group rank, -1 if not a member
+  uint64_t id = 0;
+  std::shared_ptr<GroupState> state;
+  std::string label() const;
+};
+
+// Every group this process is a member of, by id. Under the engine lock.
+class GroupRegistry {
+ public:
+  GroupRegistry(uint64_t engine_serial, int rank, std::vector<int> host_of, bool hierarchical);
+
+  // Members agree on a group's id without talking: it is a function of the rank list and of how
+  // many groups over that list this process made before (members make them in the same order,
+  // as with torch.distributed.new_group). Ranks must be reachable through `tr`.
+  std::vector<GroupHandle> create(const std::vector<std::vector<int>>& lists, TransportSet& tr);
+  // A send/recv channel: a two-member pseudo-group per (group, src, dst, tag), made on first use
+  // by each side alone; the k-th send from src to dst with a tag matches the k-th recv.
+  GroupHandle channel(const GroupHandle& g, int src, int dst, int tag);
+  GroupState* find(uint64_t id) const {
+    auto it = groups_.find(id);
+    return it == groups_.end() ? nullptr : it->second.get();
+  }
+  // Whether `g` was made by this registry's engine (not one from before a shutdown).
+  bool owns(const GroupState& g) const { return g.engine == serial_; }
+  void clear();
+
+ private:
+  std::shared_ptr<const HostLayout> host_layout(const std::vector<int>& ranks) const;
+
+  const uint64_t serial_;
+  const int rank_;
+  const std::vector<int> host_of_;
+  const bool hierarchical_;
+  std::unordered_map<uint64_t, std::shared_ptr<GroupState>> groups_;
+  std::map<std::vector<int>, uint32_t> instances_;  // how many groups over each rank list
+  std::map<std::tuple<uint64_t, int, int, int>, GroupHandle> channels_;
+};
+
+// What checks and algorithms see of a member's group.
+inline GroupView view_of(const GroupState& g, int global_rank, size_t rsag_threshold) {
+  return GroupView{g.ranks, g.rank, global_rank, g.hosts, rsag_threshold};
+}
+
+}  // namespace fastcomm

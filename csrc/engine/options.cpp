@@ -1,0 +1,44 @@
+#include "engine/options.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+namespace fastcomm {
+
+namespace {
+
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : nullptr;
+}
+
+int64_t env_int(const char* name, int64_t fallback, int64_t min) {
+  const char* v = env(name);
+  if (!v) return fallback;
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  TORCH_CHECK_VALUE(end && *end == '\0' && x >= min, "fastcomm: ", name, " must be an integer >= ", min,
+                    ", got '", v, "'");
+  return x;
+}
+
+}  // namespace
+
+Settings Settings::from_env() {
+  Settings s;
+  if (const char* v = env("FASTCOMM_HOST_ID")) s.host_id = v;
+  s.ring_bytes = (size_t)env_int("FASTCOMM_SHM_RING_BYTES", (int64_t)s.ring_bytes, 1);
+  s.spin_ns = env_int("FASTCOMM_SPIN_NS", -1, -1);
+  s.yield_ns = env_int("FASTCOMM_YIELD_NS", -1, -1);
+  if (const char* v = env("FASTCOMM_HIERARCHICAL")) s.hierarchical = std::strcmp(v, "0") != 0;
+  s.rsag_threshold = (size_t)env_int("FASTCOMM_RSAG_THRESHOLD", (int64_t)s.rsag_threshold, 0);
+  const int64_t bulk = env_int("FASTCOMM_GLOO_BULK_BYTES", -1, 0);
+  s.gloo_bulk_bytes = bulk < 0 ? 0 : bulk == 0 ? SIZE_MAX : (size_t)bulk;
+  if (const char* v = env("FASTCOMM_REDUCE_KERNELS")) s.baseline_kernels = std::strcmp(v, "baseline") == 0;
+  return s;
+}
+
+}  // namespace fastcomm

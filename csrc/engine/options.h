@@ -1,0 +1,37 @@
+#pragma once
+// Everything an engine is configured by: what the rendezvous found, and every FASTCOMM_*
+// environment variable, each parsed once here (Settings::from_env) and passed down from the
+// engine; nothing below reads the environment. README.md's settings table lists them.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fastcomm {
+
+struct Settings {
+  std::string host_id;             // FASTCOMM_HOST_ID: ranks with equal ids share memory
+  size_t ring_bytes = 1 << 20;     // FASTCOMM_SHM_RING_BYTES: each peer's ring, per direction
+  int64_t spin_ns = -1;            // FASTCOMM_SPIN_NS: a waiter polls this long (-1: picked
+  int64_t yield_ns = -1;           // FASTCOMM_YIELD_NS: ... then yields this long, then sleeps
+  bool hierarchical = true;        // FASTCOMM_HIERARCHICAL=0: groups spanning hosts run flat
+  size_t rsag_threshold = 256 * 1024;  // FASTCOMM_RSAG_THRESHOLD: bytes from which groups of 3+
+                                       // reduce-scatter + all-gather
+  size_t gloo_bulk_bytes = 0;      // FASTCOMM_GLOO_BULK_BYTES: 0 adaptive, SIZE_MAX never
+  bool baseline_kernels = false;   // FASTCOMM_REDUCE_KERNELS=baseline: no AVX2 loops
+
+  // Reads and validates every variable; a malformed value is a ValueError naming it.
+  static Settings from_env();
+};
+
+struct EngineOptions {
+  int rank = 0;
+  int world_size = 1;
+  std::string token;            // random per job, from the store
+  std::vector<int> host_of;     // host index per global rank
+  std::vector<int64_t> pids;    // pid per global rank
+  int64_t timeout_ms = 300000;  // an op not finished by then fails
+  Settings settings;
+};
+
+}  // namespace fastcomm

@@ -1,0 +1,317 @@
+#include "engine/progress.h"
+
+#include <algorithm>
+
+#include "common/errors.h"
+#include "engine/op_comm.h"
+
+namespace fastcomm {
+
+namespace {
+std::exception_ptr backend_error(const std::string& msg) {
+  return std::make_exception_ptr(c10::DistBackendError({__func__, __FILE__, (uint32_t)__LINE__}, msg));
+}
+}  // namespace
+
+Progress::Progress(std::mutex& mu, int rank, std::vector<int64_t> pids, std::chrono::milliseconds timeout,
+                   TransportSet& tr, MessageRouter& router,
+                   std::function<void()> wake_background)
+    : mu_(mu),
+      rank_(rank),
+      pids_(std::move(pids)),
+      timeout_(timeout),
+      tr_(tr),
+      router_(router),
+      wake_background_(std::move(wake_background)),
+      bell_(tr.doorbell()),
+      dead_(pids_.size(), 0) {}
+
+std::string Progress::failure_prefix(const GroupState& g, const Pending& p) const {
+  return "fastcomm: rank " + std::to_string(rank_) + ", group " + g.label + ": " + describe(p.op->desc()) +
+         " (op #" + std::to_string(p.seq) + ")";
+}
+
+void Progress::post_locked(std::vector<std::pair<GroupState*, std::unique_ptr<Op>>> ops,
+                           const c10::intrusive_ptr<Work>& work, Done& done) {
+  if (work->is_async()) pending_async_.fetch_add(1);
+  const auto deadline = Clock::now() + timeout_;
+  for (auto& [gp, op] : ops) {
+    GroupState& g = *gp;
+    int dead = -1;
+    for (int r : g.ranks)
+      if (dead_[r]) dead = r;
+    if (dead >= 0) {
+      settle_locked(done, work,
+                    backend_error("fastcomm: rank " + std::to_string(rank_) + ", group " + g.label + ": " +
+                                  describe(op->desc()) + " cannot run: rank " + std::to_string(dead) +
+                                  " has exited"));
+      continue;
+    }
+    Pending p;
+    p.op = std::move(op);
+    p.work = work;
+    p.seq = g.next_seq++;
+    p.deadline = deadline;
+    g.queue.push_back(std::move(p));
+    if (!g.busy) {
+      g.busy = true;
+      busy_.push_back(&g);
+    }
+  }
+  posting_batch_ = ops.size() > 1;
+  const size_t stashed = router_.stashed();
+  pass_locked(done);
+  posting_batch_ = false;
+  // Once more if a transport thread was refused meanwhile, or if the pass stashed messages
+  // (maybe of an op it had already stepped, which nobody would ring for).
+  if (rerun_.load() || router_.stashed() > stashed) pass_locked(done);
+}
+
+void Progress::idle_locked(size_t i) {
+  busy_[i]->busy = false;
+  busy_[i] = busy_.back();
+  busy_.pop_back();
+}
+
+bool Progress::pass_locked(Done& done) {
+  if (stopped_) return false;
+  // (Read first: a store on every pass would be a locked instruction for a flag rarely set.)
+  if (rerun_.load()) rerun_.store(false);
+  const bool more_ops = posting_batch_ || pending_async_.load() > 1;
+  bool any = false;
+  for (size_t i = 0; i < busy_.size();) {
+    GroupState& g = *busy_[i];
+    Pending& p = g.queue.front();
+    bool finished = false;
+    std::exception_ptr err;
+    bool stepped = false;
+    try {
+      OpComm comm(router_, tr_, more_ops, g, p);
+      stepped = p.op->step(comm);
+      finished = p.op->done();
+    } catch (...) {
+      err = std::current_exception();
+    }
+    any |= stepped;
+    // What was dropped may have hidden a message this op (already stepped) can use now: that
+    // counts as progress, so the caller runs another pass instead of sleeping.
+    if (!stepped && !finished && !err) any |= router_.drop_stale(g, rank_);
+    if (err) {
+      fail_front_locked(g, err, done, true);
+      any = true;
+    } else if (finished) {
+      settle_locked(done, p.work, nullptr);
+      done.gone.push_back(std::move(p));
+      g.queue.pop_front();
+      ++g.head_seq;
+      any = true;
+    } else {
+      ++i;
+      continue;
+    }
+    if (g.queue.empty()) idle_locked(i);
+    // else: the group's next op is now at the front; step it at the same index.
+  }
+  tr_.flush();
+  return any;
+}
+
+void Progress::fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, bool tell_peers) {
+  Pending& p = g.queue.front();
+  if (tell_peers) {
+    // Best effort: the other members fail this op too instead of waiting for data that will
+    // not come. A full ring just means a peer learns by its own timeout.
+    std::string why;
+    try {
+      std::rethrow_exception(e);
+    } catch (const c10::Error& ex) {
+      why = ex.what_without_backtrace();
+    } catch (const std::exception& ex) {
+      why = ex.what();
+    }
+    why.resize(std::min(why.size(), tr_.max_payload()));
+    Header h = OpComm::header_of(g, p, 0, 0, (uint32_t)why.size());
+    h.flags = kMsgAbort;
+    for (int r : g.ranks)
+      if (r != rank_ && !dead_[r]) tr_.of(r)->try_send(r, h, why.data());
+  }
+  settle_locked(done, p.work, e);
+  router_.purge(g, p.seq);
+  done.gone.push_back(std::move(p));
+  g.queue.pop_front();
+  ++g.head_seq;
+}
+
+// A peer may exit right after sending what our ops still need, and its death can become
+// visible before a pass has used those messages. So deaths are noted first; a transport
+// publishes a peer's messages before it reports the peer gone, so passes then use everything
+// it sent; only then is the peer's memory released and are the ops still waiting on it failed.
+// Using the messages can take several passes (stashed ones); the cap bounds a streak fed by
+// live peers.
+void Progress::health_locked(Done& done) {
+  if (stopped_) return;
+  std::vector<int> newly_dead;
+  for (GroupState* g : busy_)
+    for (int r : g->ranks) {
+      if (r == rank_ || dead_[r]) continue;
+      // A remote peer's death shows as a failed receive, so it needs a receiver even when this
+      // rank's ops never read from it (a hierarchical op's member, or leader, on another host).
+      Transport* tr = tr_.of(r);
+      tr->connect(r);
+      if (!tr->peer_alive(r)) {
+        dead_[r] = 1;
+        newly_dead.push_back(r);
+      }
+    }
+  if (!newly_dead.empty()) {
+    for (int pass = 0; pass < 256 && pass_locked(done); ++pass) {
+    }
+    for (int r : newly_dead) tr_.of(r)->release_peer(r);
+  }
+  const auto now = Clock::now();
+  for (size_t i = 0; i < busy_.size();) {
+    GroupState& g = *busy_[i];
+    int dead = -1;
+    for (int r : g.ranks) {
+      if (r != rank_ && dead_[r]) {
+        dead = r;
+        break;
+      }
+    }
+    Pending& p = g.queue.front();
+    std::string msg;
+    if (dead >= 0) {
+      msg = failure_prefix(g, p) + " failed: rank " + std::to_string(dead) + " (pid " +
+            std::to_string(pids_[dead]) + ") has exited";
+      const std::string why = tr_.of(dead)->death_reason(dead);
+      if (!why.empty()) msg += " (" + why + ")";
+    } else if (now >= p.deadline) {
+      msg = failure_prefix(g, p) + " timed out after " + std::to_string(timeout_.count()) +
+            " ms; a member stalled or issued this group's collectives in a different order";
+    }
+    if (msg.empty()) {
+      ++i;
+      continue;
+    }
+    auto e = backend_error(msg);
+    // A dead member dooms every queued op of the group; a timeout only the one that stalled.
+    // Other members are not told of a death: each finds out itself (the look above covers
+    // every member of a busy group), and a notice could reach one before its own look did.
+    do {
+      fail_front_locked(g, e, done, dead < 0);
+    } while (dead >= 0 && !g.queue.empty());
+    if (g.queue.empty()) idle_locked(i);
+    else ++i;
+  }
+  tr_.flush();  // abort notices
+}
+
+void Progress::health() {
+  Done done;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    health_locked(done);
+  }
+  finish(done);
+}
+
+void Progress::stop_locked(std::exception_ptr e, Done& done) {
+  stopped_ = true;
+  for (GroupState* g : busy_) {
+    while (!g->queue.empty()) fail_front_locked(*g, e, done, false);
+    g->busy = false;
+  }
+  busy_.clear();
+}
+
+// Works become done here, in the order the passes finish ops, never later from another
+// thread's list.
+void Progress::settle_locked(Done& done, const c10::intrusive_ptr<Work>& w, std::exception_ptr e) {
+  bool has_future = false;
+  if (!w->settle(e, false, &has_future)) return;
+  if (w->is_async()) pending_async_.fetch_sub(1);
+  done.works.push_back(w);
+  if (has_future) {
+    publish_q_.push_back(w);
+    publish_pending_.store(true, std::memory_order_relaxed);
+  }
+}
+
+// Futures are completed in settle order by one thread at a time (whoever finds none publishing
+// takes the whole queue, again until it is empty), so callbacks of a group's ops run in issue
+// order even when several threads drive; a thread stuck in a callback delays later callbacks
+// but never the Works themselves, whose state was settled under the lock.
+void Progress::finish(Done& done, bool may_block) {
+  if (!done.empty()) {
+    bell_.ring_if_sleeping();  // another thread of this process may be asleep waiting for these
+    done.works.clear();
+  }
+  done.gone.clear();
+  if (!publish_pending_.load(std::memory_order_relaxed)) return;
+  if (!may_block) {
+    wake_background_();
+    return;
+  }
+  std::unique_lock<std::mutex> lk(mu_);
+  if (publishing_) return;
+  publishing_ = true;
+  while (!publish_q_.empty()) {
+    Works batch;
+    batch.swap(publish_q_);
+    publish_pending_.store(false, std::memory_order_relaxed);
+    lk.unlock();
+    for (auto& w : batch) w->publish();
+    batch.clear();  // (a Work may be the last holder of its outputs: dropped without the lock)
+    lk.lock();
+  }
+  publishing_ = false;
+}
+
+bool Progress::try_progress(bool may_block, bool wait_lock) {
+  Done done;
+  bool any;
+  {
+    std::unique_lock<std::mutex> lk(mu_, std::defer_lock);
+    if (wait_lock) lk.lock();
+    else if (!lk.try_lock()) return false;
+    any = pass_locked(done);
+  }
+  finish(done, may_block);
+  return any;
+}
+
+bool Progress::from_transport() {
+  Done done;
+  {
+    std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
+    if (!lk.owns_lock()) {
+      // The holder may run no pass (new_group) or have looked at this peer already: rerun_
+      // keeps drivers to short sleeps, and this thread's next pass from ending, until a pass
+      // has run since.
+      rerun_.store(true);
+      return false;
+    }
+    if (stopped_) return false;
+    // Passes repeat while a thread was refused meanwhile, and while they make progress or
+    // stash messages (a pass can leave work for the next, which nobody rings for). Bounded: a
+    // peer streaming frames could otherwise keep this thread, and the lock, forever.
+    bool more = false;
+    for (int pass = 0; pass < 8; ++pass) {
+      const size_t stashed = router_.stashed();
+      more = pass_locked(done) || router_.stashed() > stashed || rerun_.load();
+      if (!more || stopped_) break;
+    }
+    if (more) bell_.ring();
+  }
+  if (done.empty()) return true;
+  // Wakes the threads waiting for these Works. Their Futures are completed by a driver, never
+  // here: a callback runs user code, which could shut fastcomm (and this thread) down.
+  bell_.ring_if_sleeping();
+  if (publish_pending_.load(std::memory_order_relaxed)) {
+    bell_.ring();
+    wake_background_();
+  }
+  return true;
+}
+
+}  // namespace fastcomm

@@ -1,0 +1,96 @@
+#pragma once
+// Progress: the pass that steps the front op of every group with queued ops, the health check
+// that fails ops whose peer died or whose deadline passed, and the settling of Works. Passes
+// run under the engine lock; Futures are completed outside it (finish()).
+//
+// Ops are destroyed outside the lock too: an op may hold the last C++ reference to a tensor
+// Python still sees, and dropping that takes the GIL, which a thread waiting for the lock may
+// hold (new_group, say). So a pass collects what it finished in a Done, dropped after unlock.
+#include <atomic>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <vector>
+
+#include "common/doorbell.h"
+#include "engine/group.h"
+#include "engine/router.h"
+#include "transport/transport_set.h"
+
+namespace fastcomm {
+
+class Progress {
+ public:
+  using Works = std::vector<c10::intrusive_ptr<Work>>;
+  struct Done {
+    Works works;
+    std::vector<Pending> gone;
+    bool empty() const { return works.empty(); }
+  };
+
+  // `wake_background`: wakes the thread that drives async ops (it completes Futures that a
+  // caller unable to block left behind).
+  Progress(std::mutex& mu, int rank, std::vector<int64_t> pids, std::chrono::milliseconds timeout,
+           TransportSet& tr, MessageRouter& router, std::function<void()> wake_background);
+
+  // Under the lock. Queues `ops` on their groups as parts of `work` and runs the eager first
+  // pass, so small ops' sends leave before the caller even waits. A group with a member known
+  // dead fails its op at once, sending nothing.
+  void post_locked(std::vector<std::pair<GroupState*, std::unique_ptr<Op>>> ops,
+                   const c10::intrusive_ptr<Work>& work, Done& done);
+  // One pass over the busy groups; true if anything moved.
+  bool pass_locked(Done& done);
+  // Slow path, run while waiting: peers that exited, ops past their deadline.
+  void health_locked(Done& done);
+  void health();  // takes the lock, finishes
+  // Returns once no thread is inside a section under the lock (shutdown's included).
+  void sync() { std::lock_guard<std::mutex> lk(mu_); }
+  // Fails every queued op with `e` and stops all passes (shutdown).
+  void stop_locked(std::exception_ptr e, Done& done);
+  bool stopped() const { return stopped_.load(); }
+
+  // Outside the lock, after a pass that finished ops: wakes sleepers, completes Futures.
+  // `may_block` false: for a caller that must not wait for the lock (it holds the GIL).
+  void finish(Done& done, bool may_block = true);
+  // Takes the lock (or, unless `wait_lock`, gives up at once if it is held), runs a pass,
+  // finishes. True if anything moved.
+  bool try_progress(bool may_block = true, bool wait_lock = false);
+  // The pass a transport's own thread runs once it delivered something (set_delivery_hook);
+  // false if another thread holds the lock (the caller rings the doorbell then).
+  bool from_transport();
+
+  // A transport thread delivered something but found the lock taken; cleared by the next pass.
+  bool rerun() const { return rerun_.load(); }
+  // Async ops not finished yet (the background thread drives while there are any).
+  int pending_async() const { return pending_async_.load(); }
+  bool publish_pending() const { return publish_pending_.load(std::memory_order_relaxed); }
+  Doorbell bell() const { return bell_; }
+
+ private:
+  void settle_locked(Done& done, const c10::intrusive_ptr<Work>& w, std::exception_ptr e);
+  void fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, bool tell_peers);
+  void idle_locked(size_t i);  // drops busy_[i], whose queue is empty
+  std::string failure_prefix(const GroupState& g, const Pending& p) const;
+
+  std::mutex& mu_;
+  const int rank_;
+  const std::vector<int64_t> pids_;
+  const std::chrono::milliseconds timeout_;
+  TransportSet& tr_;
+  MessageRouter& router_;
+  const std::function<void()> wake_background_;
+  const Doorbell bell_;
+
+  std::vector<GroupState*> busy_;  // groups with queued ops
+  std::vector<char> dead_;         // peers known to have exited
+  Works publish_q_;                // settled Works whose Futures await completion
+  bool publishing_ = false;        // a thread is completing publish_q_'s Futures
+  bool posting_batch_ = false;     // the eager pass of a post() of several ops is running
+  std::atomic<bool> publish_pending_{false};
+  std::atomic<bool> rerun_{false};  // seq_cst: see Driver::drive
+  std::atomic<int> pending_async_{0};
+  std::atomic<bool> stopped_{false};
+};
+
+}  // namespace fastcomm
