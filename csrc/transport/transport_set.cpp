@@ -23,7 +23,12 @@ TransportSet::TransportSet(int rank, const std::string& token, const std::vector
 
 TransportSet::TransportSet(int world) : by_rank_(world, nullptr), local_(world, 0) {}
 
-TransportSet::~TransportSet() = default;
+// Last made, first gone: a later transport may hold the doorbell in the shared-memory one's
+// segment.
+TransportSet::~TransportSet() {
+  flush_.clear();
+  while (!owned_.empty()) owned_.pop_back();
+}
 
 void TransportSet::add(std::unique_ptr<Transport> t, const std::vector<char>& serves) {
   for (size_t r = 0; r < serves.size() && r < by_rank_.size(); ++r)
