@@ -6,8 +6,10 @@ order or raises ``JobError``. Each launch rendezvouses through its own TCPStore 
 has a hard timeout, and every child is joined or killed before it returns.
 
 ``all_reduce_steps`` is the timed loop the all_reduce benchmarks share (one op per group per
-step, then a checked step). The rest formats the reports: machine description, Markdown tables, the JSON dump, the plot's
-matplotlib import, and the end-of-run check that no child process was left behind."""
+step, then a checked step). ``Progress`` writes a line per launch on stderr with an estimate of
+the time left. The rest formats the reports: machine description, Markdown tables, the JSON
+dump, the plot's matplotlib import, and the end-of-run check that no child process was left
+behind."""
 from __future__ import annotations
 
 import json
@@ -87,17 +89,50 @@ class JobError(RuntimeError):
 # Launching local ranks
 # --------------------------------------------------------------------------------------------
 
-def alternate_launches(bodies, world, args, repeat, label, failures):
+class Progress:
+    """A line per launch on stderr, where the reports' tables (stdout) do not see it: which
+    launch of the run starts, and about how long the rest will take (the mean launch so far
+    times the launches left; launches differ in length, so the first estimates are rough)."""
+
+    def __init__(self, total):
+        self.total, self.started = total, 0
+        self.t0 = time.monotonic()
+
+    def launch(self, what):
+        """Announces the next launch; ``what`` says what it measures."""
+        eta = ""
+        if self.started:
+            mean = (time.monotonic() - self.t0) / self.started
+            eta = f", ~{_duration(mean * (self.total - self.started))} left"
+        self.started += 1
+        print(f"[{self.started}/{self.total} launches{eta}] {what}", file=sys.stderr, flush=True)
+
+    def skip(self, n=1):
+        """``n`` counted launches will not run after all (those left of a failed cell)."""
+        self.total -= n
+
+
+def _duration(s):
+    if s < 90:
+        return f"{s:.0f} s"
+    if s < 5400:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def alternate_launches(bodies, world, args, repeat, label, failures, progress=None):
     """Times every body of `bodies` (each returning (single, batched) seconds per op per rank)
     over `repeat` fresh launches of `world` ranks with `args`, the bodies alternating, so a slow
     spell of a shared machine hits them alike. Per body: the medians (µs, max over ranks per
     launch) and the launches' values; None for a body whose launch failed (with a line naming
-    `label` in `failures`)."""
+    `label` in `failures`). `progress`: a Progress that counts these launches."""
     runs = {name: ([], []) for name in bodies}
-    for _ in range(repeat):
+    for rep in range(repeat):
         for name, body in bodies.items():
             if runs[name] is None:
                 continue
+            if progress:
+                progress.launch(f"{label}: {name}, launch {rep + 1}/{repeat}")
             try:
                 # Hard limit per launch: generous for the slowest cell (torch Gloo, 1 MB x k ops
                 # per step on an oversubscribed machine), short of letting a hang stall the run.
@@ -105,6 +140,8 @@ def alternate_launches(bodies, world, args, repeat, label, failures):
             except JobError as e:
                 runs[name] = None
                 failures.append(f"{name}, {label}: {e}")
+                if progress:
+                    progress.skip(repeat - rep - 1)
                 continue
             runs[name][0].append(max(r[0] for r in res))
             runs[name][1].append(max(r[1] for r in res))

@@ -34,7 +34,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from _launch import STORE_TIMEOUT, JobError, assert_no_children, command, print_table, run_job
+from _launch import (STORE_TIMEOUT, JobError, Progress, assert_no_children, command, print_table,
+                     run_job)
 
 JOB_TIMEOUT_S = 180.0  # hard limit for one launch, all its ranks
 NUMEL = 10 * 10
@@ -129,10 +130,11 @@ def main():
           f"rank's mean\n", flush=True)
 
     rows, failed = [], False
+    progress = Progress(len(args.pairs) * len(MODES))
     for pairs in args.pairs:
         cells = {}
         for mode in MODES:
-            print(f"  running {pairs} pair(s), {mode} ...", file=sys.stderr, flush=True)
+            progress.launch(f"{pairs} pair(s), {mode}")
             try:
                 cells[mode] = measure(pairs, mode, args.iters, args.warmup, args.repeats)
             except JobError as e:

@@ -35,8 +35,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from _launch import (STORE_TIMEOUT, JobError, cpu_model, finish, print_header, print_table,
-                     pyplot_or_none, run_job, save_plot)
+from _launch import (STORE_TIMEOUT, JobError, Progress, cpu_model, finish, print_header,
+                     print_table, pyplot_or_none, run_job, save_plot)
 
 JOB_TIMEOUT_S = 120.0  # hard limit for one launch (all its ranks)
 SHAPE = (10, 10)
@@ -259,16 +259,17 @@ def main():
 
     results = {"command": sys.argv, "cores": os.cpu_count(), "cpu": cpu_model(),
                "torch": torch.__version__, "scaling": {}, "ring": {}}
+    progress = Progress(len(WORLDS) * len(KS) + 2)
     for world in WORLDS:
         for k in KS:
             steps = max(20, ops_a // k)  # per timed loop
-            print(f"  running (a): world {world}, k={k}, {steps} steps ...", file=sys.stderr, flush=True)
+            progress.launch(f"(a): world {world}, k={k}, {steps} steps")
             cell = measure(_scaling_body, world, k, steps, warmup)
             cell["steps"] = steps
             results["scaling"][f"{world}/{k}"] = cell
-    print(f"  running (b): fastcomm, {steps_ring} steps ...", file=sys.stderr, flush=True)
+    progress.launch(f"(b): fastcomm, {steps_ring} steps")
     fcr = measure(_ring_fastcomm_body, 4, steps_ring, warmup)
-    print(f"  running (b): torch Gloo, {steps_gloo} steps ...", file=sys.stderr, flush=True)
+    progress.launch(f"(b): torch Gloo, {steps_gloo} steps")
     gl = measure(_ring_gloo_body, 4, steps_gloo, min(warmup, 20))
     for name in ("torch Gloo async_op pair", "fastcomm batch of 2", "fastcomm async_op pair"):
         src = gl if name.startswith("torch") else fcr

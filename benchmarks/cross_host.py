@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _launch import (MIN_BATCHED_STEPS, STORE_TIMEOUT, all_reduce_steps,  # noqa: E402
+from _launch import (MIN_BATCHED_STEPS, STORE_TIMEOUT, Progress, all_reduce_steps,  # noqa: E402
                      alternate_launches, batched_steps, finish, print_header, print_table,
                      pyplot_or_none, ratio_cell, save_plot, us_cell)
 
@@ -147,9 +147,10 @@ BODIES = {"torch Gloo": _gloo_body, "fastcomm": _fastcomm_body}
 REFERENCE = {"Gloo send/recv": _exchange_body}
 
 
-def measure(bodies, world, numel, k, iters, repeat, placement, failures):
+def measure(bodies, world, numel, k, iters, repeat, placement, failures, progress):
     return alternate_launches(bodies, world, (numel, k, iters, max(5, iters // 10), placement),
-                              repeat, f"{world // 2} pair(s), {numel} elements", failures)
+                              repeat, f"{world // 2} pair(s), {numel} elements", failures,
+                              progress)
 
 
 def write_plot(path, results):
@@ -213,6 +214,7 @@ def main():
     results = {"command": sys.argv, "placement": args.placement, "k": args.k,
                "pairs": args.pairs, "cells": []}
     failures, rows, ref_rows = [], [], []
+    progress = Progress(len(args.pairs) * len(args.sizes) * len(args.k) * len(bodies) * args.repeat)
 
     def share(x, ref, kind):
         return f"{x[kind] / ref[kind]:.2f}" if x and ref else "-"
@@ -224,7 +226,7 @@ def main():
                 cell = {"pairs": P, "bytes": 4 * n, "k": k, "iters": iters,
                         "batched_steps": batched_steps(iters, k)}
                 cell.update(measure(bodies, 2 * P, n, k, iters, args.repeat, args.placement,
-                                    failures))
+                                    failures, progress))
                 results["cells"].append(cell)
                 g, f, x = cell["torch Gloo"], cell["fastcomm"], cell.get("Gloo send/recv")
                 rows.append([str(P), f"{4 * n:,}", str(k),

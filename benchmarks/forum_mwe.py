@@ -8,8 +8,9 @@ pairs. This script reruns that loop side by side, on local processes it launches
 1. the MWE: P pairs (2P ranks), per-op time (the max over ranks of each rank's mean) with
    torch Gloo (``dist.new_group`` per pair, created by every rank as torch requires) and with
    fastcomm (``fc.new_group`` per pair, created by its members only);
-2. large messages: one pair, all_reduce of 1 MB and 16 MB, per-op time and algorithm bandwidth
-   (tensor bytes / time), next to this machine's single-core memcpy bandwidth;
+2. large messages: one pair, all_reduce of 1 MB and 16 MB (or the sizes of --sizes: a size
+   sweep), per-op time and algorithm bandwidth (tensor bytes / time), next to this machine's
+   single-core memcpy bandwidth;
 3. the same loops with MPI (mpi4py ``Allreduce`` on pair communicators) when mpi4py and mpirun
    are both installed.
 
@@ -18,13 +19,17 @@ Every measured op is checked for correctness once after its timed loop, so a bro
 the run instead of being timed. Usage, from the repository root:
 
     python benchmarks/forum_mwe.py [--quick] [--pairs 1 2 4 8] [--iters 1024] [--repeat 3]
-                                   [--plot FILE.png] [--json FILE]
+                                   [--sizes 1M 16M] [--plot FILE.png] [--json FILE]
+
+``--plot`` draws the µs per op of the MWE against the number of pairs (with two or more pair
+counts) and the bandwidth of one pair against the message size.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
+import math
 import os
 import platform
 import shutil
@@ -37,12 +42,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from _launch import (STORE_TIMEOUT, JobError, command, cpu_model, finish, machine, print_table,
-                     pyplot_or_none, run_job, save_plot)
+from _launch import (STORE_TIMEOUT, JobError, Progress, command, cpu_model, finish, machine,
+                     print_table, pyplot_or_none, run_job, save_plot)
 
 JOB_TIMEOUT_S = 150.0  # hard limit for one launch (all its ranks); a hang fails that cell only
 MWE_NUMEL = 10 * 10
-LARGE_SIZES_MB = (1, 16)
+LARGE_SIZES = (2**20, 16 * 2**20)  # bytes
 MPI_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mpi_pairs.py")
 
 
@@ -169,7 +174,7 @@ def memcpy_bandwidth(nbytes, reps):
 # Driver
 # --------------------------------------------------------------------------------------------
 
-def measure_row(backends, world, numel, iters, warmup, mpirun, repeat, what):
+def measure_row(backends, world, numel, iters, warmup, mpirun, repeat, what, progress):
     """One table row: each backend's cell, {"runs": [per-rank seconds per op of each launch],
     "per_op_s": the median over launches of their max over ranks}, or with "error" once a
     launch failed. Launches alternate between backends, so that a burst of outside load on
@@ -180,8 +185,7 @@ def measure_row(backends, world, numel, iters, warmup, mpirun, repeat, what):
             cell = row[backend]
             if "error" in cell:
                 continue
-            print(f"  {what}: {backend}, launch {rep + 1}/{repeat} ...", file=sys.stderr,
-                  flush=True)
+            progress.launch(f"{what}: {backend}, launch {rep + 1}/{repeat}")
             try:
                 if backend == "mpi":
                     cell["runs"].append(run_mpi(mpirun, world, numel, iters, warmup))
@@ -191,6 +195,7 @@ def measure_row(backends, world, numel, iters, warmup, mpirun, repeat, what):
             except JobError as e:
                 print(f"  !! {what}, {backend}: {e}", file=sys.stderr, flush=True)
                 cell["error"] = str(e)
+                progress.skip(repeat - rep - 1)
     for cell in row.values():
         if "error" not in cell:
             cell["per_op_s"] = statistics.median(max(run) for run in cell["runs"])
@@ -216,34 +221,85 @@ def fmt_gbs(cell, nbytes):
     return f"{nbytes / cell['per_op_s'] / 1e9:.2f}"
 
 
+def parse_size(text):
+    """A message size in bytes: a number with an optional K or M suffix (2**10, 2**20)."""
+    scale = {"K": 2**10, "M": 2**20}.get(text[-1:].upper(), 1)
+    try:
+        nbytes = int(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4096, 64K, 16M)") from None
+    if nbytes < 4 or nbytes % 4:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be a positive multiple of 4 bytes "
+                                         f"(float32 elements)")
+    return nbytes
+
+
+def fmt_size(nbytes):
+    for unit, scale in (("MB", 2**20), ("KB", 2**10)):
+        if nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def plain_log_y(ax):
+    """Plain numbers ("600", "0.4") on a log y axis instead of "6 x 10^2"; the ticks between
+    powers of ten get labels (2, 3, 5 only, so they do not crowd) when the axis spans less
+    than a decade and a half, where a power of ten alone may leave it unlabelled."""
+    from matplotlib.ticker import FuncFormatter
+
+    def minor(v, _):
+        lo, hi = ax.get_ylim()
+        mantissa = round(v / 10 ** math.floor(math.log10(v)))
+        return f"{v:g}" if hi / lo < 30 and mantissa in (2, 3, 5) else ""
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(minor))
+
+
 def write_plot(path, results, args, backends):
+    """µs per op against pairs, and bandwidth against size; with a single pair count and a
+    size sweep (or the reverse) only the panel that has a curve."""
     plt = pyplot_or_none(path)
     if plt is None:
         return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for backend in backends:
-        pts = [(p, results["mwe"][str(p)][backend]["per_op_s"] * 1e6) for p in args.pairs
-               if "error" not in results["mwe"][str(p)][backend]]
-        if pts:
-            ax1.plot(*zip(*pts), marker="o", label=LABELS[backend])
-    ax1.set(xscale="log", yscale="log", xlabel="pairs (ranks = 2 x pairs)",
-            ylabel="µs per all_reduce (max over ranks)",
-            title=f"Forum MWE: 10x10 float32 all_reduce, {os.cpu_count()} cores")
-    ax1.set_xticks(args.pairs, [str(p) for p in args.pairs])
-    ax1.set_xticks([], minor=True)  # no "3 x 10^0" labels between the pair counts
-    ax1.legend()
-    width = 0.8 / len(backends)
-    for i, backend in enumerate(backends):
-        gbs = [0.0 if "error" in results["large"][str(mb)][backend]
-               else mb * 2**20 / results["large"][str(mb)][backend]["per_op_s"] / 1e9
-               for mb in LARGE_SIZES_MB]
-        ax2.bar([j + i * width for j in range(len(LARGE_SIZES_MB))], gbs, width,
-                label=LABELS[backend])
-    ax2.axhline(results["memcpy_GBps"], color="gray", linestyle="--", label="1-core memcpy")
-    ax2.set_xticks([j + width * (len(backends) - 1) / 2 for j in range(len(LARGE_SIZES_MB))],
-                   [f"{mb} MB" for mb in LARGE_SIZES_MB])
-    ax2.set(ylabel="algorithm bandwidth (GB/s)", title="One pair, large all_reduce")
-    ax2.legend()
+    show_mwe = len(args.pairs) > 1 or len(args.sizes) <= 1
+    show_bw = len(args.sizes) > 1 or len(args.pairs) <= 1
+    fig, axes = plt.subplots(1, show_mwe + show_bw, figsize=(5.5 * (show_mwe + show_bw), 4.2),
+                             squeeze=False)
+    axes = list(axes[0])
+    if show_mwe:
+        ax = axes.pop(0)
+        for backend in backends:
+            pts = [(p, results["mwe"][str(p)][backend]["per_op_s"] * 1e6) for p in args.pairs
+                   if "error" not in results["mwe"][str(p)][backend]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=LABELS[backend])
+        ax.set(xscale="log", yscale="log", xlabel="pairs (ranks = 2 x pairs)",
+               ylabel="µs per all_reduce (max over ranks)",
+               title=f"Forum MWE: 10x10 float32 all_reduce, {os.cpu_count()} cores")
+        ax.set_xticks(args.pairs, [str(p) for p in args.pairs])
+        ax.set_xticks([], minor=True)  # no "3 x 10^0" labels between the pair counts
+        plain_log_y(ax)
+        ax.legend()
+    if show_bw:
+        ax = axes.pop(0)
+        for backend in backends:
+            pts = [(n, n / results["large"][str(n)][backend]["per_op_s"] / 1e9) for n in args.sizes
+                   if "error" not in results["large"][str(n)][backend]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=LABELS[backend])
+        # Labelled on the line, not in the legend, which would otherwise sit on top of it.
+        ax.axhline(results["memcpy_GBps"], color="gray", linestyle="--")
+        ax.annotate("1-core memcpy", (0.02, results["memcpy_GBps"]),
+                    xycoords=("axes fraction", "data"), xytext=(0, -3),
+                    textcoords="offset points", va="top", color="gray")
+        ax.set(xscale="log", yscale="log", xlabel="tensor size (float32)",
+               ylabel="algorithm bandwidth (GB/s)",
+               title=f"One pair: all_reduce bandwidth by size, {os.cpu_count()} cores")
+        ax.set_xticks(args.sizes, [fmt_size(n) for n in args.sizes])
+        ax.set_xticks([], minor=True)
+        plain_log_y(ax)
+        ax.legend()
     save_plot(fig, path)
 
 
@@ -258,7 +314,12 @@ def main():
     ap.add_argument("--repeat", type=int, default=None,
                     help="launches per measurement, the median is reported (default 3, "
                          "--quick 1)")
-    ap.add_argument("--plot", metavar="FILE.png", help="write a plot (needs matplotlib)")
+    ap.add_argument("--sizes", type=parse_size, nargs="+", default=list(LARGE_SIZES),
+                    metavar="SIZE", help="tensor sizes for the one-pair large-message part, bytes "
+                                         "with an optional K or M suffix (default: 1M 16M)")
+    ap.add_argument("--plot", metavar="FILE.png",
+                    help="write a plot (needs matplotlib): µs per op against pairs, bandwidth "
+                         "against size")
     ap.add_argument("--json", metavar="FILE", help="dump the raw numbers as JSON")
     args = ap.parse_args()
     if args.iters is None:
@@ -267,6 +328,7 @@ def main():
         args.repeat = 1 if args.quick else 3
     if args.iters < 1 or args.repeat < 1 or min(args.pairs) < 1:
         ap.error("--iters, --repeat and --pairs must be positive")
+    args.sizes = sorted(set(args.sizes))  # the table and the plot go by size
     warmup = 20 if args.quick else 50
     large_iters, large_warmup = (5, 2) if args.quick else (20, 5)
 
@@ -289,14 +351,20 @@ def main():
                "mpi": mpi_note, "iters": args.iters, "warmup": warmup,
                "repeat": args.repeat, "mwe": {}, "large": {}}
 
+    def sized(count, nbytes, cap):
+        # Below 1 MB an op is short: more of them (up to the MWE's count) keep a loop as long.
+        return min(max(count, cap), count * max(1, 2**20 // nbytes))
+
+    progress = Progress((len(args.pairs) + len(args.sizes)) * len(backends) * args.repeat)
     for pairs in args.pairs:
         results["mwe"][str(pairs)] = measure_row(backends, 2 * pairs, MWE_NUMEL, args.iters,
                                                  warmup, mpirun, args.repeat,
-                                                 f"MWE, {pairs} pair(s)")
-    for mb in LARGE_SIZES_MB:
-        results["large"][str(mb)] = measure_row(backends, 2, mb * 2**20 // 4, large_iters,
-                                                large_warmup, mpirun, args.repeat,
-                                                f"large, {mb} MB")
+                                                 f"MWE, {pairs} pair(s)", progress)
+    for nbytes in args.sizes:
+        results["large"][str(nbytes)] = measure_row(
+            backends, 2, nbytes // 4, sized(large_iters, nbytes, args.iters),
+            sized(large_warmup, nbytes, warmup),
+            mpirun, args.repeat, f"large, {fmt_size(nbytes)}", progress)
     results["memcpy_GBps"] = memcpy_bandwidth(16 * 2**20, 20) / 1e9
 
     mpi_cols = mpirun is not None
@@ -320,15 +388,19 @@ def main():
     print_table(head, rows)
     print("\n\"fastcomm vs X\" = X's time / fastcomm's time (how many times faster fastcomm is).")
 
+    counts = sorted({sized(large_iters, n, args.iters) for n in args.sizes})
+    ops = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]} (by size)"
+    warm = sorted({sized(large_warmup, n, warmup) for n in args.sizes})
+    warm = f"{warm[0]}" if len(warm) == 1 else f"{warm[0]}-{warm[-1]}"
     print(f"\n## 2. Large messages: one pair, all_reduce of float32 "
-          f"({large_iters} timed ops after {large_warmup} warm-up ops, {launches})\n")
+          f"({ops} timed ops after {warm} warm-up ops, {launches})\n")
     head = ["size", "torch Gloo µs/op", "Gloo GB/s", "fastcomm µs/op", "fastcomm GB/s"]
     head += ["MPI µs/op", "MPI GB/s"] if mpi_cols else []
     head += ["fastcomm vs Gloo"]
     rows = []
-    for mb in LARGE_SIZES_MB:
-        row, nbytes = results["large"][str(mb)], mb * 2**20
-        cells = [f"{mb} MB", fmt_us(row["gloo"]), fmt_gbs(row["gloo"], nbytes),
+    for nbytes in args.sizes:
+        row = results["large"][str(nbytes)]
+        cells = [fmt_size(nbytes), fmt_us(row["gloo"]), fmt_gbs(row["gloo"], nbytes),
                  fmt_us(row["fastcomm"]), fmt_gbs(row["fastcomm"], nbytes)]
         cells += [fmt_us(row["mpi"]), fmt_gbs(row["mpi"], nbytes)] if mpi_cols else []
         cells += [fmt_ratio(row["gloo"], row["fastcomm"])]

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _launch import (STORE_TIMEOUT, all_reduce_steps, alternate_launches,  # noqa: E402
+from _launch import (STORE_TIMEOUT, Progress, all_reduce_steps, alternate_launches,  # noqa: E402
                      batched_steps, finish, print_header, print_table, pyplot_or_none,
                      ratio_cell, save_plot, us_cell)
 
@@ -102,9 +102,9 @@ def _hier(store, rank, world, *args):
 BODIES = {"torch Gloo": _gloo_body, "fastcomm flat": _flat, "fastcomm hierarchical": _hier}
 
 
-def measure(hosts, numel, k, iters, repeat, placement, failures):
+def measure(hosts, numel, k, iters, repeat, placement, failures, progress):
     return alternate_launches(BODIES, len(hosts), (hosts, numel, k, iters, max(5, iters // 10), placement),
-                              repeat, f"{numel} elements", failures)
+                              repeat, f"{numel} elements", failures, progress)
 
 
 def write_plot(path, results):
@@ -153,11 +153,13 @@ def main():
     results = {"command": sys.argv, "hosts": args.hosts, "placement": args.placement, "k": args.k,
                "cells": []}
     failures, rows = [], []
+    progress = Progress(len(args.sizes) * len(BODIES) * args.repeat)
 
     for n in args.sizes:
         iters = args.iters if n * 4 <= 65536 else max(20, args.iters // 10)
         cell = {"bytes": 4 * n, "iters": iters}
-        cell.update(measure(hosts, n, args.k, iters, args.repeat, args.placement, failures))
+        cell.update(measure(hosts, n, args.k, iters, args.repeat, args.placement, failures,
+                            progress))
         results["cells"].append(cell)
         g, f, h = cell["torch Gloo"], cell["fastcomm flat"], cell["fastcomm hierarchical"]
         for kind, label in (("single_us", "single"), ("batched_us", f"batched, k={args.k}")):

@@ -170,13 +170,16 @@ def main():
     ap.add_argument("--job-timeout", type=float, default=240.0)
     args = ap.parse_args()
     import torch  # CPU-side only here: versions for the header
+    from _launch import Progress
 
     print(f"# torch {torch.__version__}, {args.iters} all_reduce of {args.numel} float32 per rank, "
           f"batch of {args.batch}; times are the max over ranks of per-rank means")
     print(f"{'pairs':>5} | {'torch setup s':>13} | {'fc setup s':>10} | {'torch us/op':>11} | {'fc us/op':>8} | "
           f"{'speedup':>7} | {'torch xK us/op':>14} | {'fc batch us/op':>14} | {'speedup':>7}")
     print("-" * 116)
+    progress = Progress(len(args.pairs))
     for p in args.pairs:
+        progress.launch(f"{p} pair(s)")
         try:
             r = run(p, args)
         except Exception as e:

@@ -64,3 +64,26 @@ __all__ = [
     "new_groups",
     "shutdown",
 ]
+
+
+def _read_version() -> str:
+    """The version is written once, in pyproject.toml; an install records it in the package
+    metadata. A source tree built in place but never installed reads the file itself."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("fastcomm")
+    except metadata.PackageNotFoundError:
+        import os
+        import re
+
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "pyproject.toml")
+        try:
+            with open(path) as f:
+                m = re.search(r'^version\s*=\s*"([^"]+)"', f.read(), re.MULTILINE)
+        except OSError:
+            m = None
+        return m.group(1) if m else "0+unknown"
+
+
+__version__ = _read_version()

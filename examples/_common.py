@@ -1,0 +1,179 @@
+"""What the examples share: starting the ranks, choosing the library, printing the summary.
+
+Every example runs its ranks either under a launcher that sets RANK and WORLD_SIZE (torchrun,
+also MASTER_ADDR and MASTER_PORT) or, without one, on ``--nproc`` local processes it forks
+itself, rendezvousing on a free loopback port. ``--backend torch`` runs the same program on
+torch.distributed's Gloo; ``--compare`` runs torch Gloo, then fastcomm, in the same processes,
+and prints the speed-up. Rank 0 prints the summary; ``--json`` ends it with one JSON line."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import fastcomm as fc
+
+LABELS = {"fastcomm": "fastcomm", "torch": "torch Gloo"}
+
+
+def add_common_args(ap, nproc):
+    ap.add_argument("--nproc", type=int, default=nproc,
+                    help=f"local ranks to start when no launcher set RANK/WORLD_SIZE "
+                         f"(default {nproc})")
+    ap.add_argument("--backend", choices=["fastcomm", "torch"], default="fastcomm",
+                    help="library that carries the communication (torch: torch.distributed Gloo)")
+    ap.add_argument("--compare", action="store_true",
+                    help="run torch Gloo, then fastcomm, and print the speed-up")
+    ap.add_argument("--json", action="store_true", help="end the output with one JSON line")
+    ap.add_argument("--timeout", type=float, default=300.0,
+                    help="seconds after which a hung local run is killed; also the "
+                         "collectives' timeout")
+
+
+class Library:
+    """The library under test, for what every example does besides its own communication:
+    gathering each rank's numbers for the summary."""
+
+    def __init__(self, name, rank, world):
+        self.name, self.label, self.rank, self.world = name, LABELS[name], rank, world
+
+    def all_gather(self, t):
+        """Every rank's ``t`` (a 1-D float tensor of the same length everywhere), as rows."""
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        (fc if self.name == "fastcomm" else dist).all_gather(out, t.contiguous())
+        return torch.stack(out)
+
+
+def run(body, args, title, details=None):
+    """Runs ``body(lib, rank, world, args)`` on every rank, once per library asked for; its
+    result on rank 0 (a dict with step_ms, comm_ms, loss_first, loss_final) is summarized there.
+    ``details(result)`` adds an example-specific line. Returns the exit status."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        _run_rank(body, args, title, details)
+        return 0
+    return _spawn(body, args, title, details)
+
+
+def _run_rank(body, args, title, details):
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    names = ["torch", "fastcomm"] if args.compare else [args.backend]
+    timeout = timedelta(seconds=args.timeout)
+    results = {}
+    if "torch" in names:
+        dist.init_process_group("gloo", timeout=timeout)  # env://
+    try:
+        for name in names:
+            if name == "fastcomm":
+                fc.init(timeout=timeout)  # torch's store when initialized above, else env://
+            try:
+                results[name] = body(Library(name, rank, world), rank, world, args)
+            finally:
+                if name == "fastcomm":
+                    fc.shutdown()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rank == 0:
+        _report(results, args, title(world), details)
+
+
+def _report(results, args, title, details):
+    print(title)
+    width = max(len(LABELS[n]) for n in results)
+    for name, r in results.items():
+        print(f"{LABELS[name] + ':':<{width + 1}} {r['step_ms']:8.3f} ms/step, of which "
+              f"communication {r['comm_ms']:.3f} ms; loss {r['loss_first']:.4g} -> "
+              f"{r['loss_final']:.4g}" + (f"; {details(r)}" if details else ""))
+    summary = {"backends": results}
+    if "torch" in results and "fastcomm" in results:
+        t, f = results["torch"], results["fastcomm"]
+        summary["speedup_step"] = t["step_ms"] / f["step_ms"]
+        summary["speedup_comm"] = t["comm_ms"] / f["comm_ms"] if f["comm_ms"] > 0 else None
+        comm = f"{summary['speedup_comm']:.1f}x" if summary["speedup_comm"] else "n/a"
+        print(f"fastcomm vs torch Gloo: {summary['speedup_step']:.1f}x faster per step, "
+              f"{comm} in communication")
+    if args.json:
+        print(json.dumps(summary))
+    sys.stdout.flush()
+
+
+class Teacher:
+    """The function the examples' models learn: a fixed random one-hidden-layer net, plus a
+    little noise."""
+
+    def __init__(self, seed, in_dim):
+        g = torch.Generator().manual_seed(seed + 1)
+        self.in_dim = in_dim
+        self.w1 = torch.randn(in_dim, 16, generator=g) / in_dim ** 0.5
+        self.w2 = torch.randn(16, 1, generator=g)
+
+    def sample(self, n, g):
+        """n (input, target) pairs drawn with generator g."""
+        x = torch.randn(n, self.in_dim, generator=g)
+        return x, torch.tanh(x @ self.w1) @ self.w2 + 0.05 * torch.randn(n, 1, generator=g)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(body, args, title, details, rank, port):
+    # A launcher killed outright (SIGKILL, a test's timeout) takes its ranks with it.
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # The ranks share this machine's cores: one rank per core's worth of torch threads.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc))
+    _run_rank(body, args, title, details)
+
+
+def _spawn(body, args, title, details):
+    """Forks args.nproc ranks and waits for them. A rank that fails gets the others killed
+    after a grace period (they may wait for it forever); so does a run past args.timeout."""
+    if args.nproc < 1:
+        raise SystemExit("--nproc must be at least 1")
+    # fork, not spawn: a spawned rank would import torch again (seconds per rank). The parent
+    # has made no threads or process groups, so forking it is safe.
+    ctx = mp.get_context("fork")
+    port = _free_port()
+    procs = [ctx.Process(target=_child, args=(body, args, title, details, r, port), daemon=True)
+             for r in range(args.nproc)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + args.timeout
+    status = 0
+    while True:
+        alive = [p for p in procs if p.exitcode is None]
+        if any(p.exitcode not in (None, 0) for p in procs) and status == 0:
+            status = 1
+            deadline = min(deadline, time.monotonic() + 10.0)
+        if not alive:
+            break
+        if time.monotonic() >= deadline:
+            print(f"killing {len(alive)} rank(s) still running after "
+                  f"{'a failure' if status else f'{args.timeout:.0f} s'}", file=sys.stderr)
+            for p in alive:
+                p.kill()
+            status = 1
+            break
+        multiprocessing.connection.wait([p.sentinel for p in alive],
+                                        timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        p.join()
+    return status

@@ -1,0 +1,79 @@
+"""The examples, run as a user runs them (one command that starts its own ranks), each with
+``--compare --check --json``: the run on fastcomm must match the same program on torch Gloo
+and the one-process reference the example computes, the loss must fall, and gossip replicas
+must end close together. Each run is its own process session with a hard timeout, and must
+leave no process behind."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN_TIMEOUT_S = 120  # hard limit per example run; the example's own --timeout fires first
+
+
+def run_example(name, *args):
+    """Runs examples/<name> with ``args --compare --check --json``; returns its JSON summary."""
+    cmd = [sys.executable, os.path.join(ROOT, "examples", name), *args,
+           "--compare", "--check", "--json", "--timeout", str(RUN_TIMEOUT_S - 30)]
+    # A short resolver timeout: a TCPStore connect reverse-resolves its peer, and an unanswered
+    # DNS query would otherwise stall the run by glibc's default 5 s.
+    env = dict(os.environ, RES_OPTIONS="timeout:1 attempts:1")
+    # Its own session, so that a hung run's ranks can be killed together with it.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{name} {' '.join(args)}: no result within {RUN_TIMEOUT_S} s")
+    finally:
+        _assert_session_gone(proc.pid)
+    assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{out}\n{err[-3000:]}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _assert_session_gone(sid):
+    """No process of the run's session (its launcher's forked ranks) may outlive it."""
+    try:
+        os.killpg(sid, 0)
+    except ProcessLookupError:
+        return
+    os.killpg(sid, signal.SIGKILL)
+    pytest.fail(f"processes of the example run (process group {sid}) were left behind")
+
+
+def _assert_trained(r, shrink):
+    assert r["loss_final"] < shrink * r["loss_first"], (r["loss_first"], r["loss_final"])
+    assert r["check_max_abs_diff"] <= 1e-5, r["check_max_abs_diff"]
+    assert r["step_ms"] > 0 and r["comm_ms"] >= 0
+
+
+def test_gossip_sgd():
+    summary = run_example("gossip_sgd.py", "--nproc", "4", "--steps", "60")
+    torch_run, fc_run = summary["backends"]["torch"], summary["backends"]["fastcomm"]
+    for r in (torch_run, fc_run):
+        assert r["ranks"] == 4 and r["steps"] == 60
+        _assert_trained(r, shrink=0.25)
+        # Averaging with a changing partner keeps the replicas together.
+        assert r["replica_spread"] < 0.05, r["replica_spread"]
+        assert r["loss_of_mean"] < 0.25 * r["loss_first"]
+    assert fc_run["replica_losses"] == pytest.approx(torch_run["replica_losses"], rel=1e-5)
+    assert summary["speedup_step"] > 0
+
+
+@pytest.mark.parametrize("mode", [[], ["--blocking"]], ids=["isend-irecv", "send-recv"])
+def test_pipeline(mode):
+    summary = run_example("pipeline.py", "--nproc", "2", "--steps", "12", "--micro-batches", "3",
+                          *mode)
+    torch_run, fc_run = summary["backends"]["torch"], summary["backends"]["fastcomm"]
+    for r in (torch_run, fc_run):
+        assert r["stages"] == 2 and len(r["loss_curve"]) == 12
+        _assert_trained(r, shrink=0.5)
+    assert fc_run["loss_curve"] == pytest.approx(torch_run["loss_curve"], rel=1e-6)
