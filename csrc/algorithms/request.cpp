@@ -49,7 +49,7 @@ void check_like(const at::Tensor& t, const at::Tensor& ref, int64_t numel, const
   // One device per op: it runs on that device's path as a whole.
   TORCH_CHECK_VALUE(t.device() == ref.device(), "fastcomm.", api, ": rank ", g.global_rank, ", group ",
                     g.label(), ": argument '", arg, "' is on ", t.device(), ", expected ", ref.device());
-  TORCH_CHECK_VALUE(t.numel() == numel, "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(),
+  TORCH_CHECK_VALUE(numel < 0 || t.numel() == numel, "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(),
                     ": argument '", arg, "' has ", t.numel(), " elements, expected ", numel);
 }
 
@@ -87,10 +87,13 @@ void check_request(const OpRequest& r, const GroupView& g) {
 std::vector<at::Tensor> request_outputs(const OpRequest& r) {
   switch (r.kind) {
     case OpKind::kAllGather:
+    case OpKind::kGather:  // empty on members other than dst
+    case OpKind::kAllToAll:
       return r.list;
     case OpKind::kAllGatherIntoTensor:
     case OpKind::kReduceScatter:
     case OpKind::kReduceScatterTensor:
+    case OpKind::kAllToAllSingle:
       return {r.output};
     case OpKind::kBarrier:
       return {};
