@@ -240,24 +240,26 @@ uint32_t Exchange::recv_tag(int p) const {
 // The headers of the peer's messages already agree with this op (same collective, dtype,
 // size, op and root: the engine checked), so a piece that does not fit this rank's plan means
 // the members picked different algorithms, which only settings that must be equal on every rank
-// decide. A typed error, so that the op fails on every member (and says why) rather than
-// asserting.
+// decide; in a pair_sizes plan, that the pair disagrees on its sizes. A typed error, so that
+// the op fails on every member (and says why) rather than asserting.
 void Exchange::unexpected(const Comm& c, int p, const Message& m, size_t off) const {
   if (plan_.pair_sizes) {
     // The peer's view of the pair, as far as its tag tells.
     const size_t expects = plan_.recv[p].len / es_, sends = plan_.send[p].len / es_;
     const bool their_send = (m.hdr.tag & 0x7fff0000u) != (recv_tag(p) & 0x7fff0000u);
     const bool their_recv = (m.hdr.tag & 0xffffu) != (recv_tag(p) & 0xffffu);
+    const std::string them = "group rank " + std::to_string(p);
     std::string how;
-    if (their_send) how = "it sends a different number of elements than the " + std::to_string(expects) +
+    if (their_send) how = them + " sends a different number of elements than the " + std::to_string(expects) +
                           " this rank expects from it";
-    if (their_recv) how += std::string(how.empty() ? "" : ", and ") + "it expects a different number than the " +
-                           std::to_string(sends) + " this rank sends to it";
-    if (how.empty()) how = "it sent " + std::to_string(m.hdr.len) + " bytes at offset " +
-                           std::to_string(m.hdr.offset) + " where this rank expects " +
-                           std::to_string(expects) + " elements from it";
-    throw_comm_error(plan_.label + ": group rank " + std::to_string(c.rank()) + " and group rank " +
-                     std::to_string(p) + " disagree on the sizes they exchange: " + how +
+    if (their_recv) how += (how.empty() ? them : std::string(", and it")) +
+                           " expects a different number of elements than the " + std::to_string(sends) +
+                           " this rank sends it";
+    if (how.empty()) how = them + " sent " + std::to_string(m.hdr.len) + " bytes at offset " +
+                           std::to_string(m.hdr.offset) + " where this rank expects " + std::to_string(expects) +
+                           " elements in all";
+    throw_comm_error(plan_.label + ": this rank (group rank " + std::to_string(c.rank()) + ") and " + them +
+                     " disagree on the sizes they exchange: " + how +
                      " (the split sizes, or the list tensors' sizes, must match pairwise)");
   }
   throw_comm_error("fastcomm: group rank " + std::to_string(p) + " sent a piece (phase tag " +
