@@ -7,8 +7,8 @@
 2. gather, scatter and reduce in pairs [0, 1], [2, 3], ... of a 10x10 float32 tensor (the
    forum MWE's size), root = the pair's lower rank, for ``--pairs`` pairs at once.
 
-Per-op time = the max over ranks of each rank's mean over the timed loop (after warm-up; all
-ranks start each loop together after a barrier). Each launch is repeated ``--repeat`` times
+Per-op time = the max over ranks of each rank's mean over a timed loop, the best of 3 loops
+(after warm-up; all ranks start each loop together after a barrier; the machine may be shared). Each launch is repeated ``--repeat`` times
 (fresh processes, fastcomm and Gloo alternating) and the median reported. Gloo groups come
 from ``dist.new_group`` (created by every rank, as torch requires), fastcomm's from
 ``fc.new_group`` (created by their members only). Every op's result is checked once after its
@@ -78,9 +78,8 @@ def _pair_op(lib, name, group, rank, lo):
         def check():
             t.copy_(_value(rank, 0, PAIR_NUMEL))
             step()
-            want = _value(lo, 0, PAIR_NUMEL) + _value(lo + 1, 0, PAIR_NUMEL) if rank == lo else \
-                _value(rank, 0, PAIR_NUMEL)
-            assert torch.equal(t, want), "reduce"
+            if rank == lo:  # (Gloo leaves the other member's tensor undefined)
+                assert torch.equal(t, _value(lo, 0, PAIR_NUMEL) + _value(lo + 1, 0, PAIR_NUMEL)), "reduce"
     return step, check
 
 
@@ -100,14 +99,22 @@ def _a2a_op(lib, group, rank, members):
     return step, check
 
 
+REPS = 3  # timed loops per op; each rank keeps its best (the machine may be shared)
+
+
 def _timed(step, barrier, iters, warmup):
+    """Seconds per op on this rank: the best of REPS loops of ``iters`` ops, each started by
+    all ranks together after a barrier."""
     for _ in range(warmup):
         step()
-    barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        step()
-    return (time.perf_counter() - start) / iters
+    best = float("inf")
+    for _ in range(REPS):
+        barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            step()
+        best = min(best, (time.perf_counter() - start) / iters)
+    return best
 
 
 def _body(store, rank, world, lib_name, part, iters, warmup):
@@ -172,7 +179,7 @@ def main():
     ap.add_argument("--pairs", type=int, nargs="+", default=[1], help="pairs for gather/scatter/reduce")
     ap.add_argument("--json", metavar="FILE", help="dump the raw numbers as JSON")
     args = ap.parse_args()
-    fc_iters = args.iters or (500 if args.quick else 4000)
+    fc_iters = args.iters or (300 if args.quick else 2000)
     iters = {"fastcomm": fc_iters, "gloo": max(20, fc_iters // 4)}
     repeat = args.repeat or (1 if args.quick else 3)
     warmup = 20 if args.quick else 100
