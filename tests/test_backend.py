@@ -371,7 +371,7 @@ def errors_body(rank, world):
     with pytest.raises(ValueError, match="contiguous"):
         dist.all_reduce(torch.ones(4, 4).t(), group=pair)
     with pytest.raises(ValueError, match="BAND"):
-        dist.all_reduce(torch.ones(4, dtype=torch.int64), op=ReduceOp.BAND, group=pair)
+        dist.all_reduce(torch.ones(4), op=ReduceOp.BAND, group=pair)
     with pytest.raises(ValueError, match="expected 2"):
         dist.all_gather([torch.zeros(4)], t, group=pair)
 

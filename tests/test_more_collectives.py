@@ -10,9 +10,10 @@ bfloat16; every reduce op; roots at every group rank, named by global rank (dst/
 group rank (group_dst/group_src); pairs, a triple without rank 0, the world of 4, the default
 group, overlapping groups with everything in flight at once; blocking, async_op=True and
 ``fc.batch()`` forms; all_to_all with equal and unequal (zero included) sizes, all_to_all_single
-with no splits, explicit equal splits and uneven splits. Argument errors name rank, group and
-argument and send nothing; mismatched calls across members fail every member with
-DistBackendError (not by timeout) and leave the group usable. The same collectives through
+with no splits, explicit equal splits and uneven splits. bool, and BAND/BOR/BXOR on integer and
+bool tensors, in all_reduce, reduce and reduce_scatter_tensor. Argument errors name rank, group
+and argument and send nothing; mismatched calls fail with DistBackendError (not by timeout)
+every member whose messages meet them, and leave the group usable. The same collectives through
 torch.distributed with the "fastcomm" backend."""
 from __future__ import annotations
 
@@ -239,6 +240,94 @@ def test_overlapping_groups_async():
 
 
 # ---------------------------------------------------------------------------------------------
+# bool, and BAND / BOR / BXOR on integers and bool: all_reduce, reduce, reduce_scatter_tensor
+
+BIT_DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64,
+              "bool": torch.bool}
+BIT_OPS = {"BAND": ReduceOp.BAND, "BOR": ReduceOp.BOR, "BXOR": ReduceOp.BXOR}
+# bool's arithmetic ops, as torch's other backends define them: SUM/MAX or, PRODUCT/MIN and.
+BOOL_AS = {"SUM": "BOR", "MAX": "BOR", "PRODUCT": "BAND", "MIN": "BAND"}
+
+
+def bits(rank, seed, dt, n):
+    """Random bit patterns over the dtype's whole range (bool: 0/1, mostly 1s for BAND to show)."""
+    g = torch.Generator().manual_seed(1_000_003 * seed + 7919 * rank + 4242)
+    if dt == "bool":
+        return torch.rand(n, generator=g) < 0.8
+    info = torch.iinfo(BIT_DTYPES[dt])
+    return torch.randint(info.min, info.max, (n,), generator=g, dtype=torch.int64).to(BIT_DTYPES[dt])
+
+
+def bit_fold(xs, op):
+    op = BOOL_AS.get(op, op)
+    acc = xs[0].clone()
+    for x in xs[1:]:
+        acc = acc & x if op == "BAND" else acc | x if op == "BOR" else acc ^ x
+    return acc
+
+
+def _bitwise_body(rank, world, sizes):
+    lists = [[0, 1], [2, 3], [1, 2, 3], [0, 1, 2, 3]]
+    groups = fc.new_groups(lists)
+    todo = [(dt, op, n) for n in sizes for dt in BIT_DTYPES for op in BIT_OPS]
+    todo += [("bool", op, n) for n in sizes for op in BOOL_AS]
+    failures, i = [], 0
+    for gi, g in enumerate(groups):
+        if g.rank() < 0:
+            continue
+        ranks = g.ranks
+        k = len(ranks)
+        for j, (dt, op, n) in enumerate(todo):
+            seed = 100 * gi + j
+            rop = BIT_OPS.get(op, OPS.get(op))
+            what = f"rank {rank}, group {ranks}, {dt} {op} n={n}"
+            refs = [bits(r, seed, dt, n) for r in ranks]
+            # all_reduce: blocking, async, inside a batch in turn
+            t = bits(rank, seed, dt, n)
+            if j % 3 == 0:
+                fc.all_reduce(t, op=rop, group=g)
+            elif j % 3 == 1:
+                fc.all_reduce(t, op=rop, group=g, async_op=True).wait()
+            else:
+                with fc.batch() as b:
+                    fc.all_reduce(t, op=rop, group=g)
+                b.wait()
+            failures.append(same(t, bit_fold(refs, op), "all_reduce " + what))
+            # reduce to a root that moves around the group
+            root = ranks[(j + 1) % k]
+            t = bits(rank, seed, dt, n)
+            w = fc.reduce(t, dst=root, op=rop, group=g, async_op=bool(j % 2))
+            if w is not None:
+                w.wait()
+            failures.append(same(t, bit_fold(refs, op) if rank == root else bits(rank, seed, dt, n),
+                                 f"reduce root={root} " + what))
+            # reduce_scatter_tensor: member i gets the fold of everyone's block i
+            inp = bits(rank, seed + 7, dt, k * n)
+            out = torch.empty(n, dtype=BIT_DTYPES[dt])
+            fc.reduce_scatter_tensor(out, inp, op=rop, group=g)
+            me = ranks.index(rank)
+            failures.append(same(out, bit_fold([bits(r, seed + 7, dt, k * n)[me * n:(me + 1) * n] for r in ranks], op),
+                                 "reduce_scatter_tensor " + what))
+            i += 3
+        # bool through the copying collectives too
+        t = bits(rank, gi, "bool", 1001)
+        fc.broadcast(t, ranks[-1], group=g)
+        failures.append(same(t, bits(ranks[-1], gi, "bool", 1001), f"broadcast bool {ranks}"))
+        outs = [torch.zeros(5, dtype=torch.bool) for _ in ranks]
+        fc.all_to_all(outs, [bits(1000 * rank + q, gi, "bool", 5) for q in ranks], group=g)
+        for q, o in zip(ranks, outs):
+            failures.append(same(o, bits(1000 * q + rank, gi, "bool", 5), f"all_to_all bool {ranks}"))
+    return [f for f in failures if f], i
+
+
+def test_bitwise_ops_and_bool():
+    results = harness.run(_bitwise_body, 4, [0, 1, 7, 1001, BIG], timeout=120, env=RING_ENV)
+    failures = [f for res in results for f in res[0]]
+    assert not failures, f"{len(failures)} wrong results:\n" + "\n".join(failures[:15])
+    assert all(res[1] > 100 for res in results), [res[1] for res in results]
+
+
+# ---------------------------------------------------------------------------------------------
 # Argument errors: rank 0 makes every bad call alone; afterwards both ranks run correct ops on
 # the group, which would fail or hang had a bad call sent anything.
 
@@ -251,6 +340,8 @@ ARG_ERRORS = [
     ("reduce-dst-not-member", ValueError, lambda g: fc.reduce(_t(), dst=3, group=g), ["'dst'", "rank 3"]),
     ("reduce-AVG-int", ValueError, lambda g: fc.reduce(_t(dtype=torch.int64), dst=0, op=ReduceOp.AVG, group=g),
      ["'op'", "AVG"]),
+    ("reduce-BOR-float", ValueError, lambda g: fc.reduce(_t(), dst=0, op=ReduceOp.BOR, group=g),
+     ["'op'", "BOR", "integer or bool"]),
     ("reduce-complex", TypeError, lambda g: fc.reduce(_t(dtype=torch.complex64), dst=0, group=g),
      ["'tensor'", "dtype"]),
     ("gather-list-length", ValueError, lambda g: fc.gather(_t(), [_t()], dst=0, group=g),

@@ -56,11 +56,15 @@ void check_like(const at::Tensor& t, const at::Tensor& ref, int64_t numel, const
 void check_reduce_op(RedOp op, c10::ScalarType dt, const GroupView& g, OpKind k) {
   using R = c10d::ReduceOp;
   const char* api = op_kind_name(k);
-  TORCH_CHECK_VALUE(op == R::SUM || op == R::AVG || op == R::PRODUCT || op == R::MIN || op == R::MAX,
+  const bool bitwise = op == R::BAND || op == R::BOR || op == R::BXOR;
+  TORCH_CHECK_VALUE(op == R::SUM || op == R::AVG || op == R::PRODUCT || op == R::MIN || op == R::MAX || bitwise,
                     "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(), ": argument 'op' ",
-                    redop_name(op), " is not supported (SUM, AVG, PRODUCT, MIN, MAX are)");
+                    redop_name(op), " is not supported (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR are)");
   TORCH_CHECK_VALUE(op != R::AVG || c10::isFloatingType(dt), "fastcomm.", api, ": rank ", g.global_rank,
                     ", group ", g.label(), ": argument 'op' AVG needs a floating dtype, got ", dt);
+  TORCH_CHECK_VALUE(!bitwise || c10::isIntegralType(dt, /*includeBool=*/true), "fastcomm.", api, ": rank ",
+                    g.global_rank, ", group ", g.label(), ": argument 'op' ", redop_name(op),
+                    " needs an integer or bool dtype, got ", dt);
 }
 
 namespace {
