@@ -213,6 +213,34 @@ def test_sweep(shape):
     assert not failures, f"{len(failures)} wrong results:\n" + "\n".join(failures[:15])
 
 
+def _on_hosts(rank, world, hosts, body, *args):
+    """``body`` with ranks on simulated hosts (FASTCOMM_HOST_ID, as test_cross_host does):
+    peers on other hosts talk through Gloo."""
+    import os
+
+    from fastcomm import _state
+
+    os.environ["FASTCOMM_HOST_ID"] = f"host-{hosts[rank]}"
+    harness.init_child(rank, world, timeout=30.0)
+    assert _state._gloo is not None, "no Gloo transport: the hosts are not simulated"
+    try:
+        return body(rank, world, *args)
+    finally:
+        fc.shutdown()
+
+
+# Pairs across two hosts; the world over four hosts and mixed over two; "bulk": every span of a
+# byte or more as one Gloo transfer (an offer carries the pair's sizes in its tag too).
+@pytest.mark.parametrize("shape,hosts,bulk", [("pair", "ABAB", False), ("world", "ABCD", True),
+                                              ("triple", "ABAB", True)])
+def test_sweep_across_hosts(shape, hosts, bulk):
+    env = dict(RING_ENV, **({"FASTCOMM_GLOO_BULK_BYTES": "1"} if bulk else {}))
+    results = harness.run(_on_hosts, 4, hosts, _sweep_body, shape, [0, 7, 1001], ["float64"], init=False,
+                          timeout=120, env=env)
+    failures = [f for res in results if res for f in res]
+    assert not failures, f"{len(failures)} wrong results:\n" + "\n".join(failures[:15])
+
+
 def _overlap_body(rank, world):
     """Every kind on every group of OVERLAP_LISTS (pairs in a ring, overlapping triples, the
     world, [0, 2]) in flight at once, issued in rank-dependent orders across groups."""
@@ -499,8 +527,13 @@ def _mismatch_body(rank, world):
     return msgs
 
 
-def test_mismatched_calls_fail_every_member_and_group_recovers():
-    res = harness.run(_mismatch_body, 3, timeout=60, env=RING_ENV, **SHORT)
+@pytest.mark.parametrize("hosts", [None, "ABA"])
+def test_mismatched_calls_fail_every_member_and_group_recovers(hosts):
+    if hosts is None:
+        res = harness.run(_mismatch_body, 3, timeout=60, env=RING_ENV, **SHORT)
+    else:  # across hosts, every span as a bulk transfer: the unused offers must be drained
+        res = harness.run(_on_hosts, 3, hosts, _mismatch_body, init=False, timeout=60,
+                          env=dict(RING_ENV, FASTCOMM_GLOO_BULK_BYTES="1"))
     for r in range(2):
         assert set(res[r]) == {c[0] for c in _mismatch_calls(0, None)} | {"triple-root"}
 
