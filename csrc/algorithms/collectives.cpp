@@ -342,8 +342,9 @@ std::unique_ptr<Op> make_p2p(const at::Tensor& t, bool sending, int peer_rank, i
 }
 
 // The rooted collectives are one exchange each. Every member that does not otherwise hear from
-// the root gets an empty message from it (and the root one from every member), so each member
-// sees every other's header: a member that issued something else fails everywhere.
+// the root gets an empty message from it (and the root one from every member that does not
+// otherwise send to it), so the root and each member see each other's header: one that issued
+// something else fails, and so does its partner (docs/design.md).
 
 // Non-roots send their tensor to the root, which folds in group-rank order into its own.
 std::unique_ptr<Op> make_reduce(const at::Tensor& t, int root, RedOp op, int rank, int size) {
