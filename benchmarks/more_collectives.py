@@ -8,12 +8,12 @@
    forum MWE's size), root = the pair's lower rank, for ``--pairs`` pairs at once.
 
 Per-op time = the max over ranks of each rank's mean over a timed loop, the best of 3 loops
-(after warm-up; all ranks start each loop together after a barrier; the machine may be shared). Each launch is repeated ``--repeat`` times
-(fresh processes, fastcomm and Gloo alternating) and the median reported. Gloo groups come
-from ``dist.new_group`` (created by every rank, as torch requires), fastcomm's from
-``fc.new_group`` (created by their members only). Every op's result is checked once after its
-timed loop, so a broken op fails its cell instead of being timed. Usage, from the repository
-root:
+(after warm-up; all ranks start each loop together after a barrier; the machine may be shared).
+Each launch is repeated ``--repeat`` times (fresh processes, fastcomm and Gloo alternating) and
+the median reported. Gloo groups come from ``dist.new_group`` (created by every rank, as torch
+requires), fastcomm's from ``fc.new_group`` (created by their members only). Every op's result
+is checked once after its timed loop, so a broken op fails its cell instead of being timed.
+Usage, from the repository root:
 
     python benchmarks/more_collectives.py [--quick] [--iters N] [--repeat R] [--groups 1 2]
                                           [--pairs 1 2] [--json FILE]
@@ -175,8 +175,10 @@ def main():
     ap.add_argument("--quick", action="store_true", help="short run (fewer timed ops, 1 launch)")
     ap.add_argument("--iters", type=int, help="timed ops per loop for fastcomm (Gloo: a quarter)")
     ap.add_argument("--repeat", type=int, help="launches per cell (median reported)")
-    ap.add_argument("--groups", type=int, nargs="*", default=[1], help="groups of 4 for all_to_all_single (none: skip)")
-    ap.add_argument("--pairs", type=int, nargs="*", default=[1], help="pairs for gather/scatter/reduce (none: skip)")
+    ap.add_argument("--groups", type=int, nargs="*", default=[1],
+                    help="groups of 4 for all_to_all_single (none: skip)")
+    ap.add_argument("--pairs", type=int, nargs="*", default=[1],
+                    help="pairs for gather/scatter/reduce (none: skip)")
     ap.add_argument("--json", metavar="FILE", help="dump the raw numbers as JSON")
     args = ap.parse_args()
     fc_iters = args.iters or (300 if args.quick else 2000)
