@@ -205,10 +205,11 @@ def _sweep_body(rank, world, shape, sizes, big_dtypes):
     return failures
 
 
-@pytest.mark.parametrize("shape", ["pair", "triple", "world", "default"])
+@pytest.mark.parametrize("shape", ["pair", "triple", "world", "default", "single"])
 def test_sweep(shape):
-    big = ["float64", "int8"] if shape != "default" else []
-    results = harness.run(_sweep_body, 4, shape, [0, 1, 7, 1001], big, timeout=120, env=RING_ENV)
+    big = ["float64", "int8"] if shape not in ("default", "single") else []
+    world = 2 if shape == "single" else 4  # single: each rank alone in a group of one
+    results = harness.run(_sweep_body, world, shape, [0, 1, 7, 1001], big, timeout=120, env=RING_ENV)
     failures = [f for res in results if res for f in res]
     assert not failures, f"{len(failures)} wrong results:\n" + "\n".join(failures[:15])
 
