@@ -8,8 +8,8 @@ unchanged.
 Covered: sizes 0, 1, odd, larger than the shared-memory ring; float32, float64, int64, int8,
 bfloat16; every reduce op; roots at every group rank, named by global rank (dst/src) and by
 group rank (group_dst/group_src); pairs, a triple without rank 0, the world of 4, the default
-group, overlapping groups with everything in flight at once; blocking, async_op=True and
-``fc.batch()`` forms; all_to_all with equal and unequal (zero included) sizes, all_to_all_single
+group, groups of one, overlapping groups with everything in flight at once, simulated hosts
+(Gloo, and bulk transfers); blocking, async_op=True and ``fc.batch()`` forms; all_to_all with equal and unequal (zero included) sizes, all_to_all_single
 with no splits, explicit equal splits and uneven splits. bool, and BAND/BOR/BXOR on integer and
 bool tensors, in all_reduce, reduce and reduce_scatter_tensor. Argument errors name rank, group
 and argument and send nothing; mismatched calls fail with DistBackendError (not by timeout)
