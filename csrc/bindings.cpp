@@ -40,6 +40,14 @@ std::vector<at::Tensor> tensor_list_arg(const py::handle& h) {
   return h.cast<std::vector<at::Tensor>>();
 }
 
+// all_to_all_single's (output_split_sizes, input_split_sizes), each None or a list of ints.
+void splits_arg(const py::handle& h, OpRequest& r) {
+  if (h.is_none()) return;
+  auto pair = h.cast<std::pair<py::object, py::object>>();
+  if (!pair.first.is_none()) r.output_splits = pair.first.cast<std::vector<int64_t>>();
+  if (!pair.second.is_none()) r.input_splits = pair.second.cast<std::vector<int64_t>>();
+}
+
 // Ops issued inside `with fastcomm.batch()`: checked at issue time, posted together when the
 // block ends.
 struct Batch {
@@ -65,7 +73,8 @@ void add_to_batch(Engine& e, Batch& b, Engine::Prepared prep) {
 py::object to_py_work(c10::intrusive_ptr<Work> w) { return py::cast(c10::intrusive_ptr<c10d::Work>(std::move(w))); }
 
 py::object issue(Engine& e, int kind, const GroupHandle& g, const py::handle& tensor, const py::handle& output,
-                 const py::handle& list, const py::handle& op, int peer, int tag, bool async_op, BatchArg batch) {
+                 const py::handle& list, const py::handle& op, int peer, int tag, bool async_op, BatchArg batch,
+                 const py::handle& inputs, const py::handle& splits) {
   TORCH_CHECK_VALUE(kind > (int)OpKind::kNone && kind < (int)OpKind::kCount, "fastcomm: rank ", e.rank(),
                     ": unknown op kind ", kind);
   const OpKind k = (OpKind)kind;
@@ -74,6 +83,8 @@ py::object issue(Engine& e, int kind, const GroupHandle& g, const py::handle& te
   r.tensor = tensor_arg(tensor, e, k);
   r.output = tensor_arg(output, e, k);
   r.list = tensor_list_arg(list);
+  r.inputs = tensor_list_arg(inputs);
+  splits_arg(splits, r);
   r.redop = to_redop(op, e, g, k);
   r.peer = peer;
   r.tag = tag;
@@ -201,8 +212,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("gloo_frames_unreaped", counter("gloo.frames_unreaped"))
       .def("new_group", &Engine::new_group, py::arg("ranks"), py::call_guard<py::gil_scoped_release>())
       .def("new_groups", &Engine::new_groups, py::arg("lists"), py::call_guard<py::gil_scoped_release>())
-      // issue(kind, group, tensor, output, list, op, peer, tag, async_op, batch): positional
-      // only, from fastcomm/collectives.py (keyword arguments cost a dict per call).
+      // issue(kind, group, tensor, output, list, op, peer, tag, async_op, batch, inputs, splits):
+      // positional only, from fastcomm/collectives.py (keyword arguments cost a dict per call).
+      // inputs: all_to_all's input list; splits: all_to_all_single's (output, input) split sizes.
       .def("issue", &issue)
       .def(
           "post_batch",

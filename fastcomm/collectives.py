@@ -19,6 +19,8 @@ _ALL_REDUCE, _BROADCAST, _BARRIER = _K["all_reduce"], _K["broadcast"], _K["barri
 _ALL_GATHER, _ALL_GATHER_INTO_TENSOR = _K["all_gather"], _K["all_gather_into_tensor"]
 _REDUCE_SCATTER, _REDUCE_SCATTER_TENSOR = _K["reduce_scatter"], _K["reduce_scatter_tensor"]
 _SEND, _RECV = _K["send"], _K["recv"]
+_REDUCE, _GATHER, _SCATTER = _K["reduce"], _K["gather"], _K["scatter"]
+_ALL_TO_ALL, _ALL_TO_ALL_SINGLE = _K["all_to_all"], _K["all_to_all_single"]
 
 
 class _Local(threading.local):
@@ -59,7 +61,7 @@ def _global_rank(group, rank, group_rank, api: str, arg: str) -> int:
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False) -> Optional[Work]:
     """Reduces ``tensor`` in place across ``group`` (default: all ranks)."""
     e, h = _handle(group, "all_reduce")
-    return _wrap(e.issue(_ALL_REDUCE, h, tensor, None, None, op, -1, 0, async_op, _tls.batch))
+    return _wrap(e.issue(_ALL_REDUCE, h, tensor, None, None, op, -1, 0, async_op, _tls.batch, None, None))
 
 
 def broadcast(tensor: torch.Tensor, src: Optional[int] = None, group=None, async_op: bool = False,
@@ -67,7 +69,7 @@ def broadcast(tensor: torch.Tensor, src: Optional[int] = None, group=None, async
     """Copies ``tensor`` from global rank ``src`` (or group rank ``group_src``) to all members."""
     e, h = _handle(group, "broadcast")
     src = _global_rank(group, src, group_src, "broadcast", "src")
-    return _wrap(e.issue(_BROADCAST, h, tensor, None, None, None, src, 0, async_op, _tls.batch))
+    return _wrap(e.issue(_BROADCAST, h, tensor, None, None, None, src, 0, async_op, _tls.batch, None, None))
 
 
 def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = False) -> Optional[Work]:
@@ -77,14 +79,14 @@ def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = F
         return all_gather_into_tensor(tensor_list, tensor, group, async_op)
     e, h = _handle(group, "all_gather")
     return _wrap(e.issue(_ALL_GATHER, h, tensor, None, list(tensor_list), None, -1, 0, async_op,
-                          _tls.batch))
+                          _tls.batch, None, None))
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
                            async_op: bool = False) -> Optional[Work]:
     e, h = _handle(group, "all_gather_into_tensor")
     return _wrap(e.issue(_ALL_GATHER_INTO_TENSOR, h, input_tensor, output_tensor, None, None, -1, 0,
-                         async_op, _tls.batch))
+                         async_op, _tls.batch, None, None))
 
 
 def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op=ReduceOp.SUM, group=None,
@@ -92,7 +94,7 @@ def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op=
     """Member i receives the reduction over members of their ``input_list[i]``."""
     e, h = _handle(group, "reduce_scatter")
     return _wrap(e.issue(_REDUCE_SCATTER, h, None, output, list(input_list), op, -1, 0, async_op,
-                          _tls.batch))
+                          _tls.batch, None, None))
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
@@ -100,12 +102,61 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
     """Like reduce_scatter, with the inputs concatenated in one tensor of ``size() * numel``."""
     e, h = _handle(group, "reduce_scatter_tensor")
     return _wrap(e.issue(_REDUCE_SCATTER_TENSOR, h, input, output, None, op, -1, 0, async_op,
-                          _tls.batch))
+                          _tls.batch, None, None))
+
+
+def reduce(tensor: torch.Tensor, dst: Optional[int] = None, op=ReduceOp.SUM, group=None, async_op: bool = False,
+           group_dst: Optional[int] = None) -> Optional[Work]:
+    """Reduces ``tensor`` across ``group`` into ``tensor`` on global rank ``dst`` (or group rank
+    ``group_dst``); the other members' tensors are left unchanged."""
+    e, h = _handle(group, "reduce")
+    dst = _global_rank(group, dst, group_dst, "reduce", "dst")
+    return _wrap(e.issue(_REDUCE, h, tensor, None, None, op, dst, 0, async_op, _tls.batch, None, None))
+
+
+def gather(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = None, dst: Optional[int] = None,
+           group=None, async_op: bool = False, group_dst: Optional[int] = None) -> Optional[Work]:
+    """Copies every member's ``tensor`` into ``gather_list`` (one tensor per member, in group
+    rank order) on ``dst`` (default: global rank 0); the others pass no list."""
+    e, h = _handle(group, "gather")
+    dst = 0 if dst is None and group_dst is None else _global_rank(group, dst, group_dst, "gather", "dst")
+    return _wrap(e.issue(_GATHER, h, tensor, None, gather_list, None, dst, 0, async_op, _tls.batch, None, None))
+
+
+def scatter(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = None, src: Optional[int] = None,
+            group=None, async_op: bool = False, group_src: Optional[int] = None) -> Optional[Work]:
+    """Copies ``scatter_list[i]`` on ``src`` (default: global rank 0) into group rank i's
+    ``tensor``; the others pass no list."""
+    e, h = _handle(group, "scatter")
+    src = 0 if src is None and group_src is None else _global_rank(group, src, group_src, "scatter", "src")
+    return _wrap(e.issue(_SCATTER, h, tensor, None, scatter_list, None, src, 0, async_op, _tls.batch, None, None))
+
+
+def all_to_all(output_tensor_list: Sequence[torch.Tensor], input_tensor_list: Sequence[torch.Tensor], group=None,
+               async_op: bool = False) -> Optional[Work]:
+    """Sends ``input_tensor_list[i]`` to group rank i, which receives it into its
+    ``output_tensor_list[me]``; tensors may differ in size, but each pair must agree."""
+    e, h = _handle(group, "all_to_all")
+    return _wrap(e.issue(_ALL_TO_ALL, h, None, None, list(output_tensor_list), None, -1, 0, async_op, _tls.batch,
+                         list(input_tensor_list), None))
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Optional[List[int]] = None,
+                      input_split_sizes: Optional[List[int]] = None, group=None,
+                      async_op: bool = False) -> Optional[Work]:
+    """all_to_all over blocks of dim 0: ``input``'s i-th block (``input_split_sizes[i]`` rows,
+    or an equal share when None or empty) goes to group rank i; ``output``'s blocks are
+    filled likewise, in group rank order."""
+    e, h = _handle(group, "all_to_all_single")
+    splits = None if not output_split_sizes and not input_split_sizes else (
+        output_split_sizes or None, input_split_sizes or None)
+    return _wrap(e.issue(_ALL_TO_ALL_SINGLE, h, input, output, None, None, -1, 0, async_op, _tls.batch, None,
+                         splits))
 
 
 def barrier(group=None, async_op: bool = False) -> Optional[Work]:
     e, h = _handle(group, "barrier")
-    return _wrap(e.issue(_BARRIER, h, None, None, None, None, -1, 0, async_op, _tls.batch))
+    return _wrap(e.issue(_BARRIER, h, None, None, None, None, -1, 0, async_op, _tls.batch, None, None))
 
 
 def isend(tensor: torch.Tensor, dst: Optional[int] = None, group=None, tag: int = 0,
@@ -114,21 +165,21 @@ def isend(tensor: torch.Tensor, dst: Optional[int] = None, group=None, tag: int 
     source, group and tag on ``dst``."""
     e, h = _handle(group, "isend")
     dst = _global_rank(group, dst, group_dst, "isend", "dst")
-    return _wrap(e.issue(_SEND, h, tensor, None, None, None, dst, tag, True, _tls.batch))
+    return _wrap(e.issue(_SEND, h, tensor, None, None, None, dst, tag, True, _tls.batch, None, None))
 
 
 def irecv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0,
           group_src: Optional[int] = None) -> Optional[Work]:
     e, h = _handle(group, "irecv")
     src = _global_rank(group, src, group_src, "irecv", "src")
-    return _wrap(e.issue(_RECV, h, tensor, None, None, None, src, tag, True, _tls.batch))
+    return _wrap(e.issue(_RECV, h, tensor, None, None, None, src, tag, True, _tls.batch, None, None))
 
 
 def send(tensor: torch.Tensor, dst: Optional[int] = None, group=None, tag: int = 0,
          group_dst: Optional[int] = None) -> None:
     e, h = _handle(group, "send")
     dst = _global_rank(group, dst, group_dst, "send", "dst")
-    e.issue(_SEND, h, tensor, None, None, None, dst, tag, False, _tls.batch)
+    e.issue(_SEND, h, tensor, None, None, None, dst, tag, False, _tls.batch, None, None)
 
 
 def recv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0,
@@ -136,7 +187,7 @@ def recv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int =
     """Receives into ``tensor``; returns the sender's global rank, as torch does."""
     e, h = _handle(group, "recv")
     src = _global_rank(group, src, group_src, "recv", "src")
-    e.issue(_RECV, h, tensor, None, None, None, src, tag, False, _tls.batch)
+    e.issue(_RECV, h, tensor, None, None, None, src, tag, False, _tls.batch, None, None)
     return src
 
 
@@ -207,6 +258,6 @@ def all_reduce_many(tensors: Sequence[torch.Tensor], groups: Sequence, op=Reduce
         return None
     ops = _C.Batch()
     for t, g in zip(tensors, groups):
-        e.issue(_ALL_REDUCE, _handle(g, "all_reduce_many")[1], t, None, None, op, -1, 0, False, ops)
+        e.issue(_ALL_REDUCE, _handle(g, "all_reduce_many")[1], t, None, None, op, -1, 0, False, ops, None, None)
     e.post_batch(ops, False)
     return None

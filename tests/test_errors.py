@@ -49,16 +49,20 @@ ARG_ERRORS = [
      lambda g: fc.all_reduce(torch.arange(16.0).reshape(4, 4).t(), group=g), [G, "'tensor'", "contiguous"]),
     ("non-contiguous-stride", ValueError,
      lambda g: fc.all_reduce(torch.arange(10.0)[::2], group=g), [G, "'tensor'", "contiguous"]),
-    ("dtype-bool", TypeError,
-     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.bool), group=g), [G, "'tensor'", "dtype", "Bool"]),
+    ("dtype-uint32", TypeError,
+     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.uint32), group=g), [G, "'tensor'", "dtype", "UInt32"]),
     ("dtype-complex64", TypeError,
      lambda g: fc.all_reduce(torch.ones(4, dtype=torch.complex64), group=g), [G, "'tensor'", "dtype"]),
     ("sparse", ValueError, lambda g: fc.all_reduce(torch.ones(4).to_sparse(), group=g), [G, "'tensor'"]),
     ("meta-device", ValueError,
      lambda g: fc.all_reduce(torch.empty(4, device="meta"), group=g), [G, "'tensor'", "meta"]),
     # -- ops -----------------------------------------------------------------------------
-    ("op-BAND", ValueError,
-     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.int32), op=ReduceOp.BAND, group=g), [G, "'op'", "BAND"]),
+    ("op-BAND-float", ValueError,
+     lambda g: fc.all_reduce(torch.ones(4), op=ReduceOp.BAND, group=g), [G, "'op'", "BAND", "integer or bool"]),
+    ("op-BXOR-bfloat16", ValueError,
+     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.bfloat16), op=ReduceOp.BXOR, group=g), [G, "'op'", "BXOR"]),
+    ("op-AVG-bool", ValueError,
+     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.bool), op=ReduceOp.AVG, group=g), [G, "'op'", "AVG"]),
     ("op-AVG-int32", ValueError,
      lambda g: fc.all_reduce(torch.ones(4, dtype=torch.int32), op=ReduceOp.AVG, group=g), [G, "'op'", "AVG"]),
     ("op-AVG-int64", ValueError,
@@ -70,8 +74,8 @@ ARG_ERRORS = [
     # -- group of the wrong type -----------------------------------------------------------
     ("group-not-a-Group", TypeError, lambda g: fc.all_reduce(torch.ones(4), group=[0, 1]), ["'group'"]),
     # -- async_op=True refuses the same way, at the call ----------------------------------
-    ("dtype-bool-async", TypeError,
-     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.bool), group=g, async_op=True), [G, "'tensor'"]),
+    ("dtype-complex-async", TypeError,
+     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.complex64), group=g, async_op=True), [G, "'tensor'"]),
 ]
 XFAIL_ARG = {}
 

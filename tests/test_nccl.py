@@ -286,6 +286,11 @@ def _errors_body(rank, world):
     expect(ValueError, lambda: fc.all_reduce(torch.ones(4, dtype=torch.int32, device="cuda"), op=fc.ReduceOp.AVG,
                                              group=g), "AVG")
     expect(TypeError, lambda: fc.all_reduce(torch.ones(4, dtype=torch.bool, device="cuda"), group=g), "dtype")
+    # What the host path has and the CUDA path does not.
+    expect(ValueError, lambda: fc.all_reduce(torch.ones(4, dtype=torch.int32, device="cuda"), op=fc.ReduceOp.BAND,
+                                             group=g), "BAND", "not supported for CUDA tensors")
+    expect(ValueError, lambda: fc.reduce(t, dst=0, group=g), "not supported for CUDA tensors")
+    expect(ValueError, lambda: fc.all_to_all_single(torch.empty_like(t), t, group=g), "not supported for CUDA tensors")
     expect(ValueError, lambda: fc.all_gather([t], t, group=g), "tensor_list")
     expect(ValueError, lambda: fc.broadcast(t, src=3, group=g), "'src'")
 

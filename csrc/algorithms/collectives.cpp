@@ -341,6 +341,97 @@ std::unique_ptr<Op> make_p2p(const at::Tensor& t, bool sending, int peer_rank, i
       });
 }
 
+// The rooted collectives are one exchange each. Every member that does not otherwise hear from
+// the root gets an empty message from it (and the root one from every member that does not
+// otherwise send to it), so the root and each member see each other's header: one that issued
+// something else fails, and so does its partner (docs/design.md).
+
+// Non-roots send their tensor to the root, which folds in group-rank order into its own.
+std::unique_ptr<Op> make_reduce(const at::Tensor& t, int root, RedOp op, int rank, int size) {
+  OpDesc d{OpKind::kReduce, t.scalar_type(), op, (uint64_t)t.numel(), root};
+  uint8_t* base = bytes(t);
+  const size_t total = nbytes(t);
+  return std::make_unique<PhasedOp>(d, std::vector<at::Tensor>{t}, std::vector<at::Tensor>{}, rank, size, 1,
+      t.element_size(), [=](int) {
+        ExchangePlan p = blank_plan(size);
+        if (rank != root) {
+          p.send[root] = Span::of(base, total);
+          p.recv[root] = Span::of(nullptr, 0);
+          return p;
+        }
+        for (int q = 0; q < size; ++q) {
+          if (q == rank) continue;
+          p.send[q] = Span::of(nullptr, 0);
+          p.recv[q].active = true;
+        }
+        p.fold = true;
+        p.out = Span::of(base, total);
+        p.own = base;
+        p.dtype = t.scalar_type();
+        p.op = op;
+        p.avg_divisor = size;
+        return p;
+      });
+}
+
+// gather (to_root) and scatter: the root's block q is group rank q's `t`.
+std::unique_ptr<Op> make_rooted_copy(OpKind kind, const at::Tensor& t, const std::vector<at::Tensor>& blocks,
+                                     int root, int rank, int size) {
+  const bool to_root = kind == OpKind::kGather;
+  OpDesc d{kind, t.scalar_type(), RedOp::SUM, (uint64_t)t.numel(), root};
+  uint8_t* mine = bytes(t);
+  const size_t len = nbytes(t);
+  std::vector<uint8_t*> blk;
+  for (const auto& b : blocks) blk.push_back(bytes(b));
+  std::vector<at::Tensor> outputs = to_root ? blocks : std::vector<at::Tensor>{t};
+  std::vector<at::Tensor> keep = to_root ? std::vector<at::Tensor>{t} : blocks;
+  return std::make_unique<PhasedOp>(d, outputs, keep, rank, size, 1, t.element_size(),
+      [=](int) {
+        ExchangePlan p = blank_plan(size);
+        const Span none = Span::of(nullptr, 0);
+        for (int q = 0; q < size; ++q) {
+          if (q == rank || (rank != root && q != root)) continue;
+          const Span data = Span::of(rank == root ? blk[q] : mine, len);
+          const bool sending = (rank == root) != to_root;
+          p.send[q] = sending ? data : none;
+          p.recv[q] = sending ? none : data;
+        }
+        return p;
+      },
+      [=] {
+        if (rank != root || len == 0 || blk[rank] == mine) return;
+        if (to_root) std::memmove(blk[rank], mine, len);
+        else std::memmove(mine, blk[rank], len);
+      });
+}
+
+// Every member sends send[q] to q and receives recv[q] from it; the pair's lengths travel in
+// the tags (ExchangePlan::pair_sizes), so the header holds no size (numel 0).
+std::unique_ptr<Op> make_all_to_all(std::vector<Span> send, std::vector<Span> recv, std::vector<at::Tensor> outputs,
+                                    std::vector<at::Tensor> keep, c10::ScalarType dtype, size_t es, const GroupView& g,
+                                    OpKind api) {
+  const int rank = g.rank, size = g.size();
+  OpDesc d{OpKind::kAllToAll, dtype, RedOp::SUM, 0, -1};
+  const std::string label = std::string("fastcomm.") + op_kind_name(api) + ": rank " +
+                            std::to_string(g.global_rank) + ", group " + g.label();
+  const Span own_in = send[rank], own_out = recv[rank];
+  return std::make_unique<PhasedOp>(d, std::move(outputs), std::move(keep), rank, size, 1, es,
+      [=](int) {
+        ExchangePlan p = blank_plan(size);
+        for (int q = 0; q < size; ++q) {
+          if (q == rank) continue;
+          p.send[q] = send[q];
+          p.recv[q] = recv[q];
+        }
+        p.pair_sizes = true;
+        p.label = label;
+        return p;
+      },
+      [=] {
+        if (own_in.len && own_in.ptr != own_out.ptr) std::memmove(own_out.ptr, own_in.ptr, own_in.len);
+      });
+}
+
 // ---------------------------------------------------------------------------------------------
 // Each kind's checks (beyond check_request's) and how its request becomes an algorithm.
 
@@ -427,6 +518,128 @@ std::unique_ptr<Op> lower_p2p(const OpRequest& r, const GroupView& channel) {
   return make_p2p(r.tensor, r.kind == OpKind::kSend, peer_rank, channel.rank);
 }
 
+void check_reduce(const OpRequest& r, const GroupView& g) {
+  check_tensor(r.tensor, g, r.kind, "tensor");
+  check_reduce_op(r.redop, r.tensor.scalar_type(), g, r.kind);
+  g.group_rank_of(r.peer, "reduce", "dst");
+}
+
+std::unique_ptr<Op> lower_reduce(const OpRequest& r, const GroupView& g) {
+  return make_reduce(r.tensor, g.group_rank_of(r.peer, "reduce", "dst"), r.redop, g.rank, g.size());
+}
+
+// gather and scatter: `list` (one tensor like `tensor` per member) on the root only.
+void check_rooted_copy(const OpRequest& r, const GroupView& g) {
+  const bool gather = r.kind == OpKind::kGather;
+  const char* api = gather ? "gather" : "scatter";
+  const char* root_arg = gather ? "dst" : "src";
+  const std::string list_arg = gather ? "gather_list" : "scatter_list";
+  check_tensor(r.tensor, g, r.kind, "tensor");
+  const int root = g.group_rank_of(r.peer, api, root_arg);
+  if (g.rank != root) {
+    TORCH_CHECK_VALUE(r.list.empty(), "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(),
+                      ": argument '", list_arg, "' must be None or empty on a rank other than '", root_arg,
+                      "' (rank ", r.peer, "), got ", r.list.size(), " tensors");
+    return;
+  }
+  TORCH_CHECK_VALUE(r.list.size() == g.ranks.size(), "fastcomm.", api, ": rank ", g.global_rank, ", group ",
+                    g.label(), ": argument '", list_arg, "' has ", r.list.size(), " tensors, expected ",
+                    g.ranks.size(), " (one per member) on '", root_arg, "'");
+  for (size_t i = 0; i < r.list.size(); ++i)
+    check_like(r.list[i], r.tensor, r.tensor.numel(), g, r.kind, list_arg + "[" + std::to_string(i) + "]");
+}
+
+std::unique_ptr<Op> lower_rooted_copy(const OpRequest& r, const GroupView& g) {
+  const int root = g.group_rank_of(r.peer, op_kind_name(r.kind), r.kind == OpKind::kGather ? "dst" : "src");
+  return make_rooted_copy(r.kind, r.tensor, r.list, root, g.rank, g.size());
+}
+
+Span span_of(const at::Tensor& t) { return Span::of(t.data_ptr(), nbytes(t)); }
+
+void check_all_to_all(const OpRequest& r, const GroupView& g) {
+  const size_t k = g.ranks.size();
+  TORCH_CHECK_VALUE(r.inputs.size() == k, "fastcomm.all_to_all: rank ", g.global_rank, ", group ", g.label(),
+                    ": argument 'input_tensor_list' has ", r.inputs.size(), " tensors, expected ", k);
+  TORCH_CHECK_VALUE(r.list.size() == k, "fastcomm.all_to_all: rank ", g.global_rank, ", group ", g.label(),
+                    ": argument 'output_tensor_list' has ", r.list.size(), " tensors, expected ", k);
+  check_tensor(r.inputs[0], g, r.kind, "input_tensor_list[0]");
+  for (size_t i = 1; i < k; ++i)
+    check_like(r.inputs[i], r.inputs[0], -1, g, r.kind, "input_tensor_list[" + std::to_string(i) + "]");
+  for (size_t i = 0; i < k; ++i)
+    check_like(r.list[i], r.inputs[0], -1, g, r.kind, "output_tensor_list[" + std::to_string(i) + "]");
+  const at::Tensor& in = r.inputs[g.rank];
+  const at::Tensor& out = r.list[g.rank];
+  TORCH_CHECK_VALUE(out.numel() == in.numel(), "fastcomm.all_to_all: rank ", g.global_rank, ", group ", g.label(),
+                    ": argument 'output_tensor_list[", g.rank, "]' has ", out.numel(),
+                    " elements, but this rank's own input_tensor_list[", g.rank, "] has ", in.numel());
+}
+
+std::unique_ptr<Op> lower_all_to_all(const OpRequest& r, const GroupView& g) {
+  std::vector<Span> send, recv;
+  for (const auto& t : r.inputs) send.push_back(span_of(t));
+  for (const auto& t : r.list) recv.push_back(span_of(t));
+  const at::Tensor& ref = r.inputs[0];
+  return make_all_to_all(std::move(send), std::move(recv), r.list, r.inputs, ref.scalar_type(), ref.element_size(),
+                         g, r.kind);
+}
+
+// Elements of each member's block of `t`, split along dim 0 by `splits` (empty: equally);
+// throws naming `arg` and `splits_arg` if they do not fit.
+std::vector<int64_t> split_numels(const at::Tensor& t, const std::vector<int64_t>& splits, const GroupView& g,
+                                  const char* arg, const char* splits_arg) {
+  const int64_t k = g.size();
+  TORCH_CHECK_VALUE(t.dim() >= 1, "fastcomm.all_to_all_single: rank ", g.global_rank, ", group ", g.label(),
+                    ": argument '", arg, "' must have at least one dimension (it is split along dim 0)");
+  const int64_t rows = t.size(0);
+  const int64_t row = rows ? t.numel() / rows : 0;
+  std::vector<int64_t> out;
+  if (splits.empty()) {
+    TORCH_CHECK_VALUE(rows % k == 0, "fastcomm.all_to_all_single: rank ", g.global_rank, ", group ", g.label(),
+                      ": argument '", arg, "' has ", rows, " rows (dim 0), which do not split equally over ", k,
+                      " members; pass '", splits_arg, "'");
+    return std::vector<int64_t>(k, rows / k * row);
+  }
+  TORCH_CHECK_VALUE((int64_t)splits.size() == k, "fastcomm.all_to_all_single: rank ", g.global_rank, ", group ",
+                    g.label(), ": argument '", splits_arg, "' has ", splits.size(), " entries, expected ", k);
+  int64_t sum = 0;
+  for (size_t i = 0; i < splits.size(); ++i) {
+    TORCH_CHECK_VALUE(splits[i] >= 0, "fastcomm.all_to_all_single: rank ", g.global_rank, ", group ", g.label(),
+                      ": argument '", splits_arg, "' has a negative entry ", splits[i], " at ", i);
+    sum += splits[i];
+    out.push_back(splits[i] * row);
+  }
+  TORCH_CHECK_VALUE(sum == rows, "fastcomm.all_to_all_single: rank ", g.global_rank, ", group ", g.label(),
+                    ": argument '", splits_arg, "' sums to ", sum, " but '", arg, "' has ", rows,
+                    " rows (dim 0)");
+  return out;
+}
+
+void check_all_to_all_single(const OpRequest& r, const GroupView& g) {
+  check_tensor(r.tensor, g, r.kind, "input");
+  check_like(r.output, r.tensor, -1, g, r.kind, "output");
+  const auto in = split_numels(r.tensor, r.input_splits, g, "input", "input_split_sizes");
+  const auto out = split_numels(r.output, r.output_splits, g, "output", "output_split_sizes");
+  TORCH_CHECK_VALUE(in[g.rank] == out[g.rank], "fastcomm.all_to_all_single: rank ", g.global_rank, ", group ",
+                    g.label(), ": this rank's own block has ", out[g.rank], " elements in 'output' but ",
+                    in[g.rank], " in 'input'");
+}
+
+std::unique_ptr<Op> lower_all_to_all_single(const OpRequest& r, const GroupView& g) {
+  const auto in = split_numels(r.tensor, r.input_splits, g, "input", "input_split_sizes");
+  const auto out = split_numels(r.output, r.output_splits, g, "output", "output_split_sizes");
+  const size_t es = r.tensor.element_size();
+  std::vector<Span> send, recv;
+  size_t a = 0, b = 0;
+  for (int q = 0; q < g.size(); ++q) {
+    send.push_back(Span::of(bytes(r.tensor) + a, in[q] * es));
+    recv.push_back(Span::of(bytes(r.output) + b, out[q] * es));
+    a += in[q] * es;
+    b += out[q] * es;
+  }
+  return make_all_to_all(std::move(send), std::move(recv), {r.output}, {r.tensor}, r.tensor.scalar_type(), es, g,
+                         r.kind);
+}
+
 }  // namespace
 
 const CollectiveSpec& collective_spec(OpKind k) {
@@ -440,6 +653,10 @@ const CollectiveSpec& collective_spec(OpKind k) {
                                                    false};
   static const CollectiveSpec barrier{check_nothing, make_barrier, false};
   static const CollectiveSpec p2p{check_p2p, lower_p2p, true};
+  static const CollectiveSpec reduce{check_reduce, lower_reduce, false};
+  static const CollectiveSpec rooted_copy{check_rooted_copy, lower_rooted_copy, false};
+  static const CollectiveSpec all_to_all{check_all_to_all, lower_all_to_all, false};
+  static const CollectiveSpec all_to_all_single{check_all_to_all_single, lower_all_to_all_single, false};
   switch (k) {
     case OpKind::kAllReduce: return all_reduce;
     case OpKind::kBroadcast: return broadcast;
@@ -450,6 +667,11 @@ const CollectiveSpec& collective_spec(OpKind k) {
     case OpKind::kBarrier: return barrier;
     case OpKind::kSend:
     case OpKind::kRecv: return p2p;
+    case OpKind::kReduce: return reduce;
+    case OpKind::kGather:
+    case OpKind::kScatter: return rooted_copy;
+    case OpKind::kAllToAll: return all_to_all;
+    case OpKind::kAllToAllSingle: return all_to_all_single;
     case OpKind::kNone:
     case OpKind::kCount: break;
   }

@@ -47,8 +47,11 @@ std::string describe(const OpDesc& d) {
   std::ostringstream os;
   // Both sides of a send/recv pair describe it as a send.
   os << (d.kind == OpKind::kSend ? "send/recv" : op_kind_name(d.kind));
-  os << "(dtype=" << c10::toString(d.dtype) << ", numel=" << d.numel;
-  if (d.kind == OpKind::kAllReduce || d.kind == OpKind::kReduceScatter) os << ", op=" << redop_name(d.redop);
+  os << "(dtype=" << c10::toString(d.dtype);
+  // all_to_all's sizes are per pair; its header holds none.
+  if (d.kind != OpKind::kAllToAll) os << ", numel=" << d.numel;
+  if (d.kind == OpKind::kAllReduce || d.kind == OpKind::kReduceScatter || d.kind == OpKind::kReduce)
+    os << ", op=" << redop_name(d.redop);
   if (d.root >= 0) os << ", root=" << d.root;
   os << ")";
   return os.str();

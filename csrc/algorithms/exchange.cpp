@@ -114,7 +114,7 @@ bool Exchange::step(Comm& c) {
     const Span& s = plan_.send[p];
     if (bulk_send_[p]) {
       if (!bsend_[p]) {
-        bsend_[p] = c.send_bulk(p, plan_.tag, bytes_of(s.ptr, s.len));
+        bsend_[p] = c.send_bulk(p, send_tag(p), bytes_of(s.ptr, s.len));
         if (!bsend_[p]) {
           min_sent = 0;
           continue;
@@ -129,7 +129,7 @@ bool Exchange::step(Comm& c) {
     while (sent_[p] < send_total_[p]) {
       const size_t off = sent_[p] * piece_;
       const uint32_t len = (uint32_t)std::min(piece_, s.len - std::min(s.len, off));
-      if (!c.send(p, off, plan_.tag, s.ptr + off, len)) break;
+      if (!c.send(p, off, send_tag(p), s.ptr + off, len)) break;
       ++sent_[p];
       sent_bytes += len;
       any = true;
@@ -156,8 +156,10 @@ bool Exchange::step(Comm& c) {
           break;
         }
         const size_t off = recvd_[p] * piece_;
-        if (!(m->hdr.tag == plan_.tag && m->hdr.offset == off && off + m->hdr.len <= std::max(d.len, off)))
-          unexpected(c, p, *m, off);
+        // A pair_sizes plan knows the length exactly (elsewhere the header's numel decides it).
+        const bool fits = plan_.pair_sizes ? m->hdr.len == std::min(piece_, d.len - std::min(d.len, off))
+                                           : off + m->hdr.len <= std::max(d.len, off);
+        if (!(m->hdr.tag == recv_tag(p) && m->hdr.offset == off && fits)) unexpected(c, p, *m, off);
         if (m->hdr.len) std::memcpy(d.ptr + off, m->data, m->hdr.len);
         c.pop(p);
         ++recvd_[p];
@@ -209,7 +211,7 @@ bool Exchange::post_bulk_recvs(Comm& c) {
   for (int p = 0; p < size_; ++p) {
     if (p == rank_ || !bulk_from_[p] || brecv_[p] || recvd_[p] != 0 || recv_total_[p] == 0) continue;
     const Message* m = c.peek(p);
-    if (m != nullptr && (m->hdr.flags & kMsgBulk) && m->hdr.tag == plan_.tag) {
+    if (m != nullptr && (m->hdr.flags & kMsgBulk) && m->hdr.tag == recv_tag(p)) {
       take_offer(c, p, *m);
       any = true;
     }
@@ -217,12 +219,49 @@ bool Exchange::post_bulk_recvs(Comm& c) {
   return any;
 }
 
+namespace {
+// A pair_sizes tag: 15 bits of a hash of the sender's span length to the receiver, 16 of the
+// length it expects back, under a top bit no phase tag uses. Unequal lengths that hash alike
+// (rare) still fail on the side whose receive is short or long, by its length check.
+uint32_t hash_bits(uint64_t x, int bits) { return (uint32_t)((x * 0x9E3779B97F4A7C15ull) >> (64 - bits)); }
+uint32_t pair_tag(size_t sends, size_t expects) {
+  return 0x80000000u | (hash_bits(sends, 15) << 16) | hash_bits(expects, 16);
+}
+}  // namespace
+
+uint32_t Exchange::send_tag(int p) const {
+  return plan_.pair_sizes ? pair_tag(plan_.send[p].len, plan_.recv[p].len) : plan_.tag;
+}
+
+uint32_t Exchange::recv_tag(int p) const {
+  return plan_.pair_sizes ? pair_tag(plan_.recv[p].len, plan_.send[p].len) : plan_.tag;
+}
+
 // The headers of the peer's messages already agree with this op (same collective, dtype,
 // size, op and root: the engine checked), so a piece that does not fit this rank's plan means
 // the members picked different algorithms, which only settings that must be equal on every rank
-// decide. A typed error, so that the op fails on every member (and says why) rather than
-// asserting.
+// decide; in a pair_sizes plan, that the pair disagrees on its sizes. A typed error, so that
+// the op fails on every member (and says why) rather than asserting.
 void Exchange::unexpected(const Comm& c, int p, const Message& m, size_t off) const {
+  if (plan_.pair_sizes) {
+    // The peer's view of the pair, as far as its tag tells.
+    const size_t expects = plan_.recv[p].len / es_, sends = plan_.send[p].len / es_;
+    const bool their_send = (m.hdr.tag & 0x7fff0000u) != (recv_tag(p) & 0x7fff0000u);
+    const bool their_recv = (m.hdr.tag & 0xffffu) != (recv_tag(p) & 0xffffu);
+    const std::string them = "group rank " + std::to_string(p);
+    std::string how;
+    if (their_send) how = them + " sends a different number of elements than the " + std::to_string(expects) +
+                          " this rank expects from it";
+    if (their_recv) how += (how.empty() ? them : std::string(", and it")) +
+                           " expects a different number of elements than the " + std::to_string(sends) +
+                           " this rank sends it";
+    if (how.empty()) how = them + " sent " + std::to_string(m.hdr.len) + " bytes at offset " +
+                           std::to_string(m.hdr.offset) + " where this rank expects " + std::to_string(expects) +
+                           " elements in all";
+    throw_comm_error(plan_.label + ": this rank (group rank " + std::to_string(c.rank()) + ") and " + them +
+                     " disagree on the sizes they exchange: " + how +
+                     " (the split sizes, or the list tensors' sizes, must match pairwise)");
+  }
   throw_comm_error("fastcomm: group rank " + std::to_string(p) + " sent a piece (phase tag " +
                    std::to_string(m.hdr.tag) + ", offset " + std::to_string(m.hdr.offset) + ", " +
                    std::to_string(m.hdr.len) + " bytes) where group rank " + std::to_string(c.rank()) +
@@ -232,7 +271,7 @@ void Exchange::unexpected(const Comm& c, int p, const Message& m, size_t off) co
 }
 
 void Exchange::take_offer(Comm& c, int p, const Message& m) {
-  if (!(m.hdr.tag == plan_.tag && m.hdr.offset == 0)) unexpected(c, p, m, 0);
+  if (!(m.hdr.tag == recv_tag(p) && m.hdr.offset == 0)) unexpected(c, p, m, 0);
   TORCH_INTERNAL_ASSERT(!brecv_[p] && recvd_[p] == 0, "exchange: second bulk offer from group rank ", p);
   at::Tensor dst;
   if (plan_.fold) {
@@ -283,7 +322,7 @@ bool Exchange::fold_piece(Comm& c) {
       take_offer(c, r, *m);
       return false;
     }
-    if (!(m->hdr.tag == plan_.tag && m->hdr.offset == off && m->hdr.len == len)) unexpected(c, r, *m, off);
+    if (!(m->hdr.tag == recv_tag(r) && m->hdr.offset == off && m->hdr.len == len)) unexpected(c, r, *m, off);
     fold_from(m->data, acc, n);
     c.pop(r);
     ++recvd_[r];  // (only post_bulk_recvs reads it in a fold: this peer sends pieces)

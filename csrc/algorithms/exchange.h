@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "algorithms/comm.h"
@@ -46,6 +47,11 @@ struct ExchangePlan {
   // its only message to someone who never reads it, and without this every member would wait
   // for its timeout instead of failing on the mismatch.
   bool watch_all = false;
+  // Copy mode where every pair exchanges both ways (all_to_all, whose header holds no per-pair
+  // sizes): each message's tag carries its sender's view of the pair's two span lengths
+  // instead of `tag`, so two members that disagree on either fail on both sides.
+  bool pair_sizes = false;
+  std::string label;  // pair_sizes: "fastcomm.<api>: rank R, group [..]", to name in that error
 };
 
 class Exchange {
@@ -64,6 +70,9 @@ class Exchange {
   bool post_bulk_recvs(Comm& c);
   void take_offer(Comm& c, int p, const Message& m);
   [[noreturn]] void unexpected(const Comm& c, int p, const Message& m, size_t off) const;
+  // The tag of this exchange's messages to / from group rank p.
+  uint32_t send_tag(int p) const;
+  uint32_t recv_tag(int p) const;
   at::Tensor bytes_of(uint8_t* p, size_t n) const;
 
   ExchangePlan plan_;

@@ -15,7 +15,12 @@
   X(kReduceScatterTensor, "reduce_scatter_tensor", _REDUCE_SCATTER_BASE) \
   X(kBarrier, "barrier", BARRIER)                                      \
   X(kSend, "send", SEND)                                               \
-  X(kRecv, "recv", RECV)
+  X(kRecv, "recv", RECV)                                               \
+  X(kReduce, "reduce", REDUCE)                                         \
+  X(kGather, "gather", GATHER)                                         \
+  X(kScatter, "scatter", SCATTER)                                      \
+  X(kAllToAll, "all_to_all", ALLTOALL)                                 \
+  X(kAllToAllSingle, "all_to_all_single", ALLTOALL_BASE)
 
 namespace fastcomm {
 

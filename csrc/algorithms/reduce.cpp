@@ -69,7 +69,10 @@ FASTCOMM_INLINE A combine(A x, A y) {
   if constexpr (OP == RedOp::SUM || OP == RedOp::AVG) return x + y;
   else if constexpr (OP == RedOp::PRODUCT) return x * y;
   else if constexpr (OP == RedOp::MIN) return fmin_nan<A>(x, y);
-  else return fmax_nan<A>(x, y);
+  else if constexpr (OP == RedOp::MAX) return fmax_nan<A>(x, y);
+  else if constexpr (OP == RedOp::BAND) return x & y;
+  else if constexpr (OP == RedOp::BOR) return x | y;
+  else return x ^ y;
 }
 
 template <typename T, RedOp OP>
@@ -132,7 +135,32 @@ void dispatch_op(void* dst, const void* a, const void* b, size_t n, RedOp op) {
     case RedOp::MIN: return run<T, RedOp::MIN>(d, x, y, n);
     case RedOp::MAX: return run<T, RedOp::MAX>(d, x, y, n);
     default:
-      TORCH_INTERNAL_ASSERT(false, "unsupported reduce op reached a kernel");
+      break;
+  }
+  if constexpr (std::is_integral_v<T>) {
+    switch (op) {
+      case RedOp::BAND: return run<T, RedOp::BAND>(d, x, y, n);
+      case RedOp::BOR: return run<T, RedOp::BOR>(d, x, y, n);
+      case RedOp::BXOR: return run<T, RedOp::BXOR>(d, x, y, n);
+      default:
+        break;
+    }
+  }
+  TORCH_INTERNAL_ASSERT(false, "unsupported reduce op reached a kernel");
+}
+
+// bool as torch's other backends treat it: SUM and MAX are a logical or, PRODUCT and MIN a
+// logical and; on 0/1 bytes these are the bitwise ops.
+RedOp bool_op(RedOp op) {
+  switch (op) {
+    case RedOp::SUM:
+    case RedOp::MAX:
+      return RedOp::BOR;
+    case RedOp::PRODUCT:
+    case RedOp::MIN:
+      return RedOp::BAND;
+    default:
+      return op;
   }
 }
 
@@ -148,6 +176,7 @@ void dispatch(void* dst, const void* a, const void* b, size_t n, c10::ScalarType
     case c10::ScalarType::Short: return dispatch_op<int16_t>(dst, a, b, n, op);
     case c10::ScalarType::Char: return dispatch_op<int8_t>(dst, a, b, n, op);
     case c10::ScalarType::Byte: return dispatch_op<uint8_t>(dst, a, b, n, op);
+    case c10::ScalarType::Bool: return dispatch_op<uint8_t>(dst, a, b, n, bool_op(op));
     default:
       TORCH_INTERNAL_ASSERT(false, "unsupported dtype reached a kernel");
   }
@@ -209,6 +238,7 @@ bool dtype_supported(c10::ScalarType dtype) {
     case c10::ScalarType::Short:
     case c10::ScalarType::Char:
     case c10::ScalarType::Byte:
+    case c10::ScalarType::Bool:
       return true;
     default:
       return false;

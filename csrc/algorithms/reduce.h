@@ -24,6 +24,8 @@ void select_reduce_kernels(bool baseline = false);
 // The build select_reduce_kernels() picked: "avx2" or "baseline" (what tests check it by).
 const char* reduce_kernels();
 
+// Floating and integer dtypes, and bool (whose SUM and MAX are a logical or, PRODUCT and MIN a
+// logical and, as in torch's other backends).
 bool dtype_supported(c10::ScalarType dtype);
 // True when folding in any order gives bit-identical results (integers, MIN, MAX).
 bool order_independent(c10::ScalarType dtype, c10d::ReduceOp::RedOpType op);

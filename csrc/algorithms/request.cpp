@@ -49,18 +49,22 @@ void check_like(const at::Tensor& t, const at::Tensor& ref, int64_t numel, const
   // One device per op: it runs on that device's path as a whole.
   TORCH_CHECK_VALUE(t.device() == ref.device(), "fastcomm.", api, ": rank ", g.global_rank, ", group ",
                     g.label(), ": argument '", arg, "' is on ", t.device(), ", expected ", ref.device());
-  TORCH_CHECK_VALUE(t.numel() == numel, "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(),
+  TORCH_CHECK_VALUE(numel < 0 || t.numel() == numel, "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(),
                     ": argument '", arg, "' has ", t.numel(), " elements, expected ", numel);
 }
 
 void check_reduce_op(RedOp op, c10::ScalarType dt, const GroupView& g, OpKind k) {
   using R = c10d::ReduceOp;
   const char* api = op_kind_name(k);
-  TORCH_CHECK_VALUE(op == R::SUM || op == R::AVG || op == R::PRODUCT || op == R::MIN || op == R::MAX,
+  const bool bitwise = op == R::BAND || op == R::BOR || op == R::BXOR;
+  TORCH_CHECK_VALUE(op == R::SUM || op == R::AVG || op == R::PRODUCT || op == R::MIN || op == R::MAX || bitwise,
                     "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(), ": argument 'op' ",
-                    redop_name(op), " is not supported (SUM, AVG, PRODUCT, MIN, MAX are)");
+                    redop_name(op), " is not supported (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR are)");
   TORCH_CHECK_VALUE(op != R::AVG || c10::isFloatingType(dt), "fastcomm.", api, ": rank ", g.global_rank,
                     ", group ", g.label(), ": argument 'op' AVG needs a floating dtype, got ", dt);
+  TORCH_CHECK_VALUE(!bitwise || c10::isIntegralType(dt, /*includeBool=*/true), "fastcomm.", api, ": rank ",
+                    g.global_rank, ", group ", g.label(), ": argument 'op' ", redop_name(op),
+                    " needs an integer or bool dtype, got ", dt);
 }
 
 namespace {
@@ -87,10 +91,13 @@ void check_request(const OpRequest& r, const GroupView& g) {
 std::vector<at::Tensor> request_outputs(const OpRequest& r) {
   switch (r.kind) {
     case OpKind::kAllGather:
+    case OpKind::kGather:  // empty on members other than dst
+    case OpKind::kAllToAll:
       return r.list;
     case OpKind::kAllGatherIntoTensor:
     case OpKind::kReduceScatter:
     case OpKind::kReduceScatterTensor:
+    case OpKind::kAllToAllSingle:
       return {r.output};
     case OpKind::kBarrier:
       return {};

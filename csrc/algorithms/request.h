@@ -18,10 +18,17 @@ using RedOp = c10d::ReduceOp::RedOpType;
 struct OpRequest {
   OpKind kind = OpKind::kNone;
   at::Tensor tensor;             // the op's tensor (in place), or its input
-  at::Tensor output;             // a separate output: all_gather_into_tensor, reduce_scatter*
-  std::vector<at::Tensor> list;  // all_gather: the outputs; reduce_scatter: the inputs
+  at::Tensor output;             // a separate output: all_gather_into_tensor, reduce_scatter*,
+                                 // all_to_all_single
+  std::vector<at::Tensor> list;  // all_gather, gather, all_to_all: the outputs;
+                                 // reduce_scatter, scatter: the inputs
+  std::vector<at::Tensor> inputs;  // all_to_all: the inputs
+  // all_to_all_single: rows (dim 0) of `output` from and of `tensor` to each member; empty:
+  // equal parts.
+  std::vector<int64_t> output_splits, input_splits;
   RedOp redop = c10d::ReduceOp::SUM;
-  int peer = -1;                 // a global rank: broadcast's src, send's dst, recv's src
+  int peer = -1;                 // a global rank: broadcast's and scatter's src, reduce's and
+                                 // gather's dst, send's dst, recv's src
   int tag = 0;                   // send/recv
 };
 
@@ -59,7 +66,7 @@ std::vector<at::Tensor> request_outputs(const OpRequest& r);
 
 // What the kinds' checks are made of; messages name api, rank, group and argument.
 // check_tensor: defined, dense, on CPU or CUDA, contiguous, a supported dtype. check_like:
-// that, and the dtype and device of `ref` with `numel` elements.
+// that, and the dtype and device of `ref` with `numel` elements (any number if negative).
 void check_tensor(const at::Tensor& t, const GroupView& g, OpKind k, const char* arg);
 void check_like(const at::Tensor& t, const at::Tensor& ref, int64_t numel, const GroupView& g, OpKind k,
                 const std::string& arg);

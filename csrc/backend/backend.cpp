@@ -37,6 +37,13 @@ const at::Tensor& FastcommBackend::single(const std::vector<at::Tensor>& v, cons
   return v[0];
 }
 
+std::vector<at::Tensor> FastcommBackend::root_list(const std::vector<std::vector<at::Tensor>>& v, const char* api,
+                                                   const char* arg) const {
+  TORCH_CHECK_VALUE(v.size() <= 1, "fastcomm backend: ", api, ": rank ", engine_->rank(), ", group ", group_.label(),
+                    ": argument '", arg, "' must hold at most one list, got ", v.size());
+  return v.empty() ? std::vector<at::Tensor>{} : v[0];
+}
+
 c10::intrusive_ptr<c10d::Work> FastcommBackend::run(std::vector<OpRequest> reqs, bool async_op) {
   std::vector<Engine::Prepared> ops;
   ops.reserve(reqs.size());
@@ -149,6 +156,54 @@ c10::intrusive_ptr<c10d::Work> FastcommBackend::reduce_scatter_tensor_coalesced(
     reqs.back().output = outputs[i];
   }
   return run(std::move(reqs), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> FastcommBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                       const c10d::ReduceOptions& opts) {
+  const at::Tensor& t = single(tensors, "reduce", "tensors");
+  TORCH_CHECK_VALUE(opts.rootTensor == 0, "fastcomm backend: reduce: rank ", engine_->rank(), ", group ",
+                    group_.label(), ": rootTensor must be 0, got ", opts.rootTensor);
+  OpRequest r = request(OpKind::kReduce, t, opts.reduceOp.op_);
+  r.peer = global_rank(opts.rootRank, "reduce", "rootRank");
+  return run(std::move(r), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> FastcommBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                       std::vector<at::Tensor>& inputs,
+                                                       const c10d::GatherOptions& opts) {
+  OpRequest r = request(OpKind::kGather, single(inputs, "gather", "inputTensors"));
+  r.list = root_list(outputs, "gather", "outputTensors");
+  r.peer = global_rank(opts.rootRank, "gather", "rootRank");
+  return run(std::move(r), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> FastcommBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                        std::vector<std::vector<at::Tensor>>& inputs,
+                                                        const c10d::ScatterOptions& opts) {
+  OpRequest r = request(OpKind::kScatter, single(outputs, "scatter", "outputTensors"));
+  r.list = root_list(inputs, "scatter", "inputTensors");
+  r.peer = global_rank(opts.rootRank, "scatter", "rootRank");
+  return run(std::move(r), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> FastcommBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                         std::vector<at::Tensor>& inputs,
+                                                         const c10d::AllToAllOptions& opts) {
+  OpRequest r = request(OpKind::kAllToAll, at::Tensor());
+  r.list = outputs;
+  r.inputs = inputs;
+  return run(std::move(r), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> FastcommBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                              std::vector<int64_t>& outputSplitSizes,
+                                                              std::vector<int64_t>& inputSplitSizes,
+                                                              const c10d::AllToAllOptions& opts) {
+  OpRequest r = request(OpKind::kAllToAllSingle, input);
+  r.output = output;
+  r.output_splits = outputSplitSizes;
+  r.input_splits = inputSplitSizes;
+  return run(std::move(r), opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> FastcommBackend::barrier(const c10d::BarrierOptions& opts) {

@@ -69,8 +69,22 @@ cuda::RedOp cuda_redop(RedOpType op) {
     case R::PRODUCT: return cuda::RedOp::Product;
     case R::MIN: return cuda::RedOp::Min;
     case R::MAX: return cuda::RedOp::Max;
-    default: return cuda::RedOp::Sum;  // check_request let only these five through
+    default: return cuda::RedOp::Sum;  // lower() refuses the rest
   }
+}
+
+// The CUDA path folds the dtypes dtype_of() knows with the five arithmetic ops; a request the
+// host path takes beyond those (bool, BAND/BOR/BXOR) is refused here.
+void check_cuda_fold(const OpRequest& r, const DeviceOp& d, int rank) {
+  using R = c10d::ReduceOp;
+  const c10::ScalarType st = (r.output.defined() ? r.output : r.tensor).scalar_type();
+  cuda::DType dt;
+  TORCH_CHECK_TYPE(dtype_of(st, dt), "fastcomm.", op_kind_name(r.kind), ": rank ", rank, ", group ", d.label,
+                   ": dtype ", st, " is not supported for CUDA tensors");
+  TORCH_CHECK_VALUE(r.redop == R::SUM || r.redop == R::AVG || r.redop == R::PRODUCT || r.redop == R::MIN ||
+                        r.redop == R::MAX,
+                    "fastcomm.", op_kind_name(r.kind), ": rank ", rank, ", group ", d.label, ": argument 'op' ",
+                    redop_name(r.redop), " is not supported for CUDA tensors");
 }
 
 // The request (checked by check_request) in the lowering's form.
@@ -80,6 +94,8 @@ CudaOp lower(DeviceOp& d, int rank, int device) {
   TORCH_CHECK_VALUE(dev.index() == device, "fastcomm.", op_kind_name(r.kind), ": rank ", rank, ", group ", d.label,
                     ": the op's tensors are on ", dev, " but this process's NCCL communicator is on cuda:", device,
                     " (one device per process)");
+  if (r.kind == OpKind::kAllReduce || r.kind == OpKind::kReduceScatter || r.kind == OpKind::kReduceScatterTensor)
+    check_cuda_fold(r, d, rank);
   CudaOp op;
   op.type = op_kind_type(r.kind);
   op.ranks = d.ranks;

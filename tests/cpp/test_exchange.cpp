@@ -792,6 +792,76 @@ TEST(exchange_tag_mismatch_throws) {
   run_expecting_error(cl, "expects phase tag");
 }
 
+// pair_sizes (all_to_all): every pair's span lengths differ, some are empty; all arrive.
+TEST(exchange_pair_sizes_uneven_lengths) {
+  const int n = 3;
+  const size_t es = 4;
+  auto len = [](int a, int b) { return (size_t)((a * 5 + b * 3) % 4) * 24 * es; };  // bytes a sends b
+  std::mt19937_64 g(9);
+  Cluster cl(n, 40, 2);
+  std::vector<std::vector<std::vector<uint8_t>>> data(n, std::vector<std::vector<uint8_t>>(n));
+  std::vector<std::vector<Buf>> in(n), out(n);
+  for (int r = 0; r < n; ++r)
+    for (int q = 0; q < n; ++q) {
+      data[r][q] = random_bytes(len(r, q), g);
+      in[r].emplace_back(len(r, q));
+      in[r][q].set(data[r][q]);
+      out[r].emplace_back(len(q, r));
+    }
+  for (int r = 0; r < n; ++r) {
+    ExchangePlan p = blank_plan(n);
+    p.pair_sizes = true;
+    for (int q = 0; q < n; ++q) {
+      if (q == r) continue;
+      p.send[q] = in[r][q].span();
+      p.recv[q] = out[r][q].span();
+    }
+    cl.start(r, std::move(p), es, {});
+  }
+  REQUIRE(cl.run(3));
+  CHECK_EQ(cl.net.queued(), 0u);
+  for (int r = 0; r < n; ++r)
+    for (int q = 0; q < n; ++q) {
+      if (q == r) continue;
+      const std::string what = "rank " + std::to_string(r) + " from " + std::to_string(q);
+      check_values(out[r][q].ptr(), data[q][r], what);
+      CHECK_MSG(out[r][q].guard_intact(), what << ": bytes past the destination written");
+    }
+}
+
+// A pair that disagrees in one direction only fails on both sides: the receiver of the odd
+// span by the sender's tag, the sender by the receiver's (which says what it expects).
+TEST(exchange_pair_sizes_mismatch_fails_both_sides) {
+  for (size_t longer : {0, 4, 100, 4000}) {
+    Cluster cl(2, 64);
+    Buf s0(100 + longer), d0(100), s1(100), d1(100);
+    for (int r = 0; r < 2; ++r) {
+      ExchangePlan p = blank_plan(2);
+      p.pair_sizes = true;
+      p.label = "rank " + std::to_string(r);
+      p.send[1 - r] = (r == 0 ? s0 : s1).span();
+      p.recv[1 - r] = (r == 0 ? d0 : d1).span();
+      if (longer == 0 && r == 1) p.recv[0].len = 96;  // rank 1 expects fewer than rank 0 sends
+      cl.start(r, std::move(p), 4, {});
+    }
+    std::vector<std::string> errs(2);
+    for (int round = 0; round < 100 && (errs[0].empty() || errs[1].empty()); ++round)
+      for (int r = 0; r < 2; ++r) {
+        if (!errs[r].empty() || cl.ex[r].done()) continue;
+        try {
+          cl.ex[r].step(*cl.comm[r]);
+        } catch (const c10::DistBackendError& e) {
+          errs[r] = e.what();
+        }
+      }
+    CHECK_MSG(errs[1].find("group rank 0 sends a different number") != std::string::npos,
+              "rank 1 (longer " << longer << "): " << errs[1]);
+    CHECK_MSG(errs[0].find("group rank 1 expects a different number") != std::string::npos,
+              "rank 0 (longer " << longer << "): " << errs[0]);
+    CHECK(!cl.ex[0].done() && !cl.ex[1].done());
+  }
+}
+
 TEST(exchange_fold_length_mismatch_throws) {
   // Rank 0 sends 100 bytes where rank 1 folds 200: the second piece's length gives it away.
   Cluster cl(2, 64);
