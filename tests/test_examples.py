@@ -77,3 +77,14 @@ def test_pipeline(mode):
         assert r["stages"] == 2 and len(r["loss_curve"]) == 12
         _assert_trained(r, shrink=0.5)
     assert fc_run["loss_curve"] == pytest.approx(torch_run["loss_curve"], rel=1e-6)
+
+
+def test_moe():
+    summary = run_example("moe.py", "--nproc", "4", "--steps", "30")
+    torch_run, fc_run = summary["backends"]["torch"], summary["backends"]["fastcomm"]
+    for r in (torch_run, fc_run):
+        assert r["ranks"] == 4 and r["groups"] == 1 and len(r["loss_curve"]) == 30
+        _assert_trained(r, shrink=0.6)
+        # Every token reaches one expert, and the gate spreads them over all four.
+        assert sum(r["expert_load"]) == 4 * r["tokens"] and min(r["expert_load"]) > 0
+    assert fc_run["loss_curve"] == pytest.approx(torch_run["loss_curve"], rel=1e-6)
