@@ -15,14 +15,30 @@ class CMakeExtension(Extension):
         super().__init__(name, sources=[])
 
 
+def _installed_torch():
+    """(environment, cmake prefix path, is a CUDA build) of the torch installed where fastcomm is
+    being installed. Under pip's build isolation that torch is hidden (a PYTHONPATH overlay
+    drops the environment's site-packages), and the extension must be built against it, not
+    against one fetched for the build: so it is looked for without the overlay."""
+    env = dict(os.environ)
+    for k in ("PYTHONPATH", "PYTHONNOUSERSITE"):
+        env.pop(k, None)
+    probe = "import torch; print(torch.utils.cmake_prefix_path); print(int(bool(torch.version.cuda)))"
+    for e in (os.environ, env):
+        out = subprocess.run([sys.executable, "-c", probe], env=e, capture_output=True, text=True)
+        if out.returncode == 0:
+            prefix, cuda = out.stdout.split()
+            return dict(e), prefix, cuda == "1"
+    raise RuntimeError("fastcomm builds against an installed torch: install torch first")
+
+
 class CMakeBuild(build_ext):
     def build_extension(self, ext):
-        import torch  # the installed torch is the one we build against (--no-build-isolation)
-
+        env, torch_prefix, cuda = _installed_torch()
         src = os.path.abspath(os.path.dirname(__file__))
         # One build dir per Python and torch variant: a CPU and a CUDA venv on the same Python
         # must not share CMake caches.
-        variant = "cu" if torch.version.cuda else "cpu"
+        variant = "cu" if cuda else "cpu"
         build_dir = os.environ.get("FASTCOMM_BUILD_DIR") or os.path.join(
             src, "build", f"py{sys.version_info.major}{sys.version_info.minor}-{variant}")
         os.makedirs(build_dir, exist_ok=True)
@@ -31,9 +47,9 @@ class CMakeBuild(build_ext):
         subprocess.check_call(
             ["cmake", "-S", src, "-B", build_dir, *gen,
              f"-DCMAKE_BUILD_TYPE={cfg}",
-             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
-             f"-DPython_EXECUTABLE={sys.executable}"])
-        subprocess.check_call(["cmake", "--build", build_dir, "--parallel", str(os.cpu_count() or 2)])
+             f"-DCMAKE_PREFIX_PATH={torch_prefix}",
+             f"-DPython_EXECUTABLE={sys.executable}"], env=env)
+        subprocess.check_call(["cmake", "--build", build_dir, "--parallel", str(os.cpu_count() or 2)], env=env)
         built = os.path.join(build_dir, "_C" + sysconfig.get_config_var("EXT_SUFFIX"))
         dest = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(dest), exist_ok=True)
