@@ -1,5 +1,6 @@
 """Build driver: setuptools hands the native build to CMakeLists.txt (the single description
 of sources and flags) and copies the module it produces into the package."""
+import importlib
 import os
 import shutil
 import subprocess
@@ -32,6 +33,18 @@ def _installed_torch():
     raise RuntimeError("fastcomm builds against an installed torch: install torch first")
 
 
+def _tool(name, attr):
+    """The path of a build tool's own binary. The cmake package's `cmake` command is a Python
+    script, which under build isolation needs the overlay that hides torch from CMake's probes."""
+    try:
+        path = os.path.join(getattr(importlib.import_module(name), attr), name)
+        if os.access(path, os.X_OK):
+            return path
+    except (ImportError, AttributeError):
+        pass
+    return shutil.which(name)
+
+
 class CMakeBuild(build_ext):
     def build_extension(self, ext):
         env, torch_prefix, cuda = _installed_torch()
@@ -42,14 +55,16 @@ class CMakeBuild(build_ext):
         build_dir = os.environ.get("FASTCOMM_BUILD_DIR") or os.path.join(
             src, "build", f"py{sys.version_info.major}{sys.version_info.minor}-{variant}")
         os.makedirs(build_dir, exist_ok=True)
-        gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+        cmake = _tool("cmake", "CMAKE_BIN_DIR") or "cmake"
+        ninja = _tool("ninja", "BIN_DIR")
+        gen = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else []
         cfg = os.environ.get("FASTCOMM_BUILD_TYPE", "Release")
         subprocess.check_call(
-            ["cmake", "-S", src, "-B", build_dir, *gen,
+            [cmake, "-S", src, "-B", build_dir, *gen,
              f"-DCMAKE_BUILD_TYPE={cfg}",
              f"-DCMAKE_PREFIX_PATH={torch_prefix}",
              f"-DPython_EXECUTABLE={sys.executable}"], env=env)
-        subprocess.check_call(["cmake", "--build", build_dir, "--parallel", str(os.cpu_count() or 2)], env=env)
+        subprocess.check_call([cmake, "--build", build_dir, "--parallel", str(os.cpu_count() or 2)], env=env)
         built = os.path.join(build_dir, "_C" + sysconfig.get_config_var("EXT_SUFFIX"))
         dest = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(dest), exist_ok=True)
