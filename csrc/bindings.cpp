@@ -210,8 +210,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("gloo_bulk_started", counter("gloo.bulk_started"))
       .def_property_readonly("gloo_bulk_live", counter("gloo.bulk_live"))
       .def_property_readonly("gloo_frames_unreaped", counter("gloo.frames_unreaped"))
-      .def("new_group", &Engine::new_group, py::arg("ranks"), py::call_guard<py::gil_scoped_release>())
-      .def("new_groups", &Engine::new_groups, py::arg("lists"), py::call_guard<py::gil_scoped_release>())
+      .def("new_group", &Engine::new_group, py::arg("ranks"), py::arg("timeout_ms") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("new_groups", &Engine::new_groups, py::arg("lists"), py::arg("timeout_ms") = 0,
+           py::call_guard<py::gil_scoped_release>())
       // issue(kind, group, tensor, output, list, op, peer, tag, async_op, batch, inputs, splits):
       // positional only, from fastcomm/collectives.py (keyword arguments cost a dict per call).
       // inputs: all_to_all's input list; splits: all_to_all_single's (output, input) split sizes.

@@ -238,23 +238,37 @@ def world() -> Group:
     return _world
 
 
-def new_group(ranks: Iterable[int]) -> Group:
+def _group_timeout_ms(e: _C.Engine, api: str, ranks, timeout) -> int:
+    """A group's timeout (timedelta or seconds) in ms for the engine; 0 = init's."""
+    if timeout is None:
+        return 0
+    secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not secs > 0:
+        raise ValueError(f"fastcomm.{api}: rank {e.rank}, group {ranks}: argument 'timeout' must be "
+                         f"positive, got {timeout!r}")
+    return max(1, int(secs * 1000))
+
+
+def new_group(ranks: Iterable[int], timeout=None) -> Group:
     """Creates a group. Only its members call this, in the same order relative to their other
-    new_group calls; nothing is sent to any other process."""
+    new_group calls; nothing is sent to any other process. ``timeout`` (timedelta or seconds):
+    how long each op of the group may take before it fails; None = init's timeout."""
     e = _require("new_group")
     ranks = [int(r) for r in ranks]
-    g = e.new_group(ranks)
+    g = e.new_group(ranks, _group_timeout_ms(e, "new_group", ranks, timeout))
     if not g.is_member:
         raise ValueError(f"fastcomm.new_group: rank {e.rank} is not in argument 'ranks' {ranks}; "
                          f"only members create a group (new_groups takes lists for everyone)")
     return Group(g)
 
 
-def new_groups(lists: Sequence[Iterable[int]]) -> List[Group]:
+def new_groups(lists: Sequence[Iterable[int]], timeout=None) -> List[Group]:
     """Creates many groups at once from the same list on every caller. Entries this rank is not
-    in come back as non-member groups (``rank() == -1``) that refuse collectives."""
+    in come back as non-member groups (``rank() == -1``) that refuse collectives. ``timeout``:
+    as for new_group, for every group made."""
     e = _require("new_groups")
-    return [Group(h) for h in e.new_groups([[int(r) for r in ranks] for ranks in lists])]
+    lists = [[int(r) for r in ranks] for ranks in lists]
+    return [Group(h) for h in e.new_groups(lists, _group_timeout_ms(e, "new_groups", lists, timeout))]
 
 
 def init_cuda(device=None) -> None:

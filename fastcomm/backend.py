@@ -81,7 +81,9 @@ def _create_backend(opts: dist.distributed_c10d._DistributedBackendOptions, back
     if len(ranks) != size or ranks[rank] != engine.rank:
         raise RuntimeError(f"fastcomm backend: rank {engine.rank}: torch's group rank {rank} of "
                            f"{size} does not match global ranks {ranks}")
-    return _C.FastcommBackend(engine, engine.new_group(ranks), owns)
+    # The group's own timeout (new_group(timeout=...), else init_process_group's).
+    timeout_ms = max(1, int(timeout.total_seconds() * 1000))
+    return _C.FastcommBackend(engine, engine.new_group(ranks, timeout_ms), owns)
 
 
 def _register() -> None:

@@ -103,6 +103,28 @@ c10::intrusive_ptr<c10d::Work> FastcommBackend::allgather(std::vector<std::vecto
   return run(std::move(r), opts.asyncOp);
 }
 
+c10::intrusive_ptr<c10d::Work> FastcommBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                                    std::vector<at::Tensor>& inputs,
+                                                                    const c10d::AllgatherOptions& opts) {
+  const size_t n = group_.ranks.size();
+  TORCH_CHECK_VALUE(outputs.size() == n, "fastcomm backend: allgather_coalesced: rank ", engine_->rank(), ", group ",
+                    group_.label(), ": argument 'output_tensor_lists' must hold one list per member (", n,
+                    "), got ", outputs.size());
+  for (size_t r = 0; r < n; ++r)
+    TORCH_CHECK_VALUE(outputs[r].size() == inputs.size(), "fastcomm backend: allgather_coalesced: rank ",
+                      engine_->rank(), ", group ", group_.label(), ": argument 'output_tensor_lists' [", r,
+                      "] must hold one tensor per input (", inputs.size(), "), got ", outputs[r].size());
+  // One all_gather per input, issued together as one Work.
+  std::vector<OpRequest> reqs;
+  reqs.reserve(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    OpRequest r = request(OpKind::kAllGather, inputs[i]);
+    for (size_t m = 0; m < n; ++m) r.list.push_back(outputs[m][i]);
+    reqs.push_back(std::move(r));
+  }
+  return run(std::move(reqs), opts.asyncOp);
+}
+
 c10::intrusive_ptr<c10d::Work> FastcommBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                 const c10d::AllgatherOptions& opts) {
   OpRequest r = request(OpKind::kAllGatherIntoTensor, input);

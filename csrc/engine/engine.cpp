@@ -33,7 +33,7 @@ Engine::Engine(EngineOptions opts)
       transports_(opts_.rank, opts_.token, opts_.host_of, opts_.pids, opts_.settings.ring_bytes),
       groups_(++g_engine_serial, opts_.rank, opts_.host_of, opts_.settings.hierarchical),
       router_(transports_, groups_),
-      progress_(mu_, opts_.rank, opts_.pids, std::chrono::milliseconds(opts_.timeout_ms), transports_, router_,
+      progress_(mu_, opts_.rank, opts_.pids, transports_, router_,
                 [this] { driver_.wake_background(); }),
       driver_(progress_, opts_.rank, local_ranks(opts_), opts_.settings.spin_ns, opts_.settings.yield_ns) {}
 
@@ -82,12 +82,16 @@ std::map<std::string, uint64_t> Engine::counters() {
 // ---------------------------------------------------------------------------------------------
 // Groups
 
-GroupHandle Engine::new_group(std::vector<int> ranks) { return new_groups({std::move(ranks)}).at(0); }
+GroupHandle Engine::new_group(std::vector<int> ranks, int64_t timeout_ms) {
+  return new_groups({std::move(ranks)}, timeout_ms).at(0);
+}
 
-std::vector<GroupHandle> Engine::new_groups(const std::vector<std::vector<int>>& lists) {
+std::vector<GroupHandle> Engine::new_groups(const std::vector<std::vector<int>>& lists, int64_t timeout_ms) {
+  TORCH_CHECK_VALUE(timeout_ms >= 0, "fastcomm.new_group: rank ", opts_.rank, ": argument 'timeout' must not be ",
+                    "negative, got ", timeout_ms, " ms");
   std::lock_guard<std::mutex> lk(mu_);
   TORCH_CHECK(!shut_down_, "fastcomm: rank ", opts_.rank, ": new_group after shutdown()");
-  return groups_.create(lists, transports_);
+  return groups_.create(lists, transports_, std::chrono::milliseconds(timeout_ms ? timeout_ms : opts_.timeout_ms));
 }
 
 void Engine::check_member(const GroupHandle& g, OpKind k) const {

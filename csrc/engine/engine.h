@@ -52,8 +52,9 @@ class Engine final : public Waiter, public std::enable_shared_from_this<Engine> 
   // The job's store: device engines bootstrap through it.
   void set_store(c10::intrusive_ptr<c10d::Store> s);
 
-  GroupHandle new_group(std::vector<int> ranks);
-  std::vector<GroupHandle> new_groups(const std::vector<std::vector<int>>& lists);
+  // timeout_ms: how long each op of the groups may take; 0 = the engine's (init's) timeout.
+  GroupHandle new_group(std::vector<int> ranks, int64_t timeout_ms = 0);
+  std::vector<GroupHandle> new_groups(const std::vector<std::vector<int>>& lists, int64_t timeout_ms = 0);
 
   // A checked op, not yet issued: the host algorithm, or the request for a device engine.
   struct Prepared {

@@ -31,7 +31,8 @@ std::string GroupHandle::label() const { return ranks_label(ranks); }
 GroupRegistry::GroupRegistry(uint64_t engine_serial, int rank, std::vector<int> host_of, bool hierarchical)
     : serial_(engine_serial), rank_(rank), host_of_(std::move(host_of)), hierarchical_(hierarchical) {}
 
-std::vector<GroupHandle> GroupRegistry::create(const std::vector<std::vector<int>>& lists, TransportSet& tr) {
+std::vector<GroupHandle> GroupRegistry::create(const std::vector<std::vector<int>>& lists, TransportSet& tr,
+                                               std::chrono::milliseconds timeout) {
   const int me = rank_, W = (int)host_of_.size();
   std::vector<GroupHandle> out;
   out.reserve(lists.size());
@@ -75,6 +76,7 @@ std::vector<GroupHandle> GroupRegistry::create(const std::vector<std::vector<int
     st->rank = (int)(it - ranks.begin());
     st->label = ranks_label(ranks);
     st->hosts = host_layout(ranks);
+    st->timeout = timeout;
     groups_[id] = st;
     h.rank = st->rank;
     h.id = id;
@@ -94,6 +96,7 @@ GroupHandle GroupRegistry::channel(const GroupHandle& g, int src, int dst, int t
   st->rank = st->ranks[0] == rank_ ? 0 : 1;
   st->label = g.label() + " (" + std::to_string(src) + "->" + std::to_string(dst) + ", tag " +
               std::to_string(tag) + ")";
+  st->timeout = g.state->timeout;
   st->id = mix64(mix64(mix64(mix64(g.id ^ 0x7032705ULL) ^ (uint64_t)src) ^ (uint64_t)dst) ^ (uint64_t)(uint32_t)tag);
   groups_[st->id] = st;
   GroupHandle h;

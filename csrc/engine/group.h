@@ -37,6 +37,7 @@ struct GroupState {
   int rank = -1;
   std::string label;
   std::shared_ptr<const HostLayout> hosts;  // set: all_reduce and barrier run hierarchically
+  std::chrono::milliseconds timeout{0};     // how long one of its ops may take
   uint64_t next_seq = 0;  // seq of the next op posted
   uint64_t head_seq = 0;  // seq of the oldest unfinished op; older messages are stale
   std::deque<Pending> queue;
@@ -59,10 +60,13 @@ class GroupRegistry {
 
   // Members agree on a group's id without talking: it is a function of the rank list and of how
   // many groups over that list this process made before (members make them in the same order,
-  // as with torch.distributed.new_group). Ranks must be reachable through `tr`.
-  std::vector<GroupHandle> create(const std::vector<std::vector<int>>& lists, TransportSet& tr);
+  // as with torch.distributed.new_group). Ranks must be reachable through `tr`. Every group
+  // made here gets `timeout` for its ops.
+  std::vector<GroupHandle> create(const std::vector<std::vector<int>>& lists, TransportSet& tr,
+                                  std::chrono::milliseconds timeout);
   // A send/recv channel: a two-member pseudo-group per (group, src, dst, tag), made on first use
-  // by each side alone; the k-th send from src to dst with a tag matches the k-th recv.
+  // by each side alone; the k-th send from src to dst with a tag matches the k-th recv. It
+  // times out as its group does.
   GroupHandle channel(const GroupHandle& g, int src, int dst, int tag);
   GroupState* find(uint64_t id) const {
     auto it = groups_.find(id);

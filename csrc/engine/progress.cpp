@@ -13,13 +13,11 @@ std::exception_ptr backend_error(const std::string& msg) {
 }
 }  // namespace
 
-Progress::Progress(std::mutex& mu, int rank, std::vector<int64_t> pids, std::chrono::milliseconds timeout,
-                   TransportSet& tr, MessageRouter& router,
+Progress::Progress(std::mutex& mu, int rank, std::vector<int64_t> pids, TransportSet& tr, MessageRouter& router,
                    std::function<void()> wake_background)
     : mu_(mu),
       rank_(rank),
       pids_(std::move(pids)),
-      timeout_(timeout),
       tr_(tr),
       router_(router),
       wake_background_(std::move(wake_background)),
@@ -34,7 +32,7 @@ std::string Progress::failure_prefix(const GroupState& g, const Pending& p) cons
 void Progress::post_locked(std::vector<std::pair<GroupState*, std::unique_ptr<Op>>> ops,
                            const c10::intrusive_ptr<Work>& work, Done& done) {
   if (work->is_async()) pending_async_.fetch_add(1);
-  const auto deadline = Clock::now() + timeout_;
+  const auto now = Clock::now();
   for (auto& [gp, op] : ops) {
     GroupState& g = *gp;
     int dead = -1;
@@ -51,7 +49,7 @@ void Progress::post_locked(std::vector<std::pair<GroupState*, std::unique_ptr<Op
     p.op = std::move(op);
     p.work = work;
     p.seq = g.next_seq++;
-    p.deadline = deadline;
+    p.deadline = now + g.timeout;
     g.queue.push_back(std::move(p));
     if (!g.busy) {
       g.busy = true;
@@ -186,7 +184,7 @@ void Progress::health_locked(Done& done) {
       const std::string why = tr_.of(dead)->death_reason(dead);
       if (!why.empty()) msg += " (" + why + ")";
     } else if (now >= p.deadline) {
-      msg = failure_prefix(g, p) + " timed out after " + std::to_string(timeout_.count()) +
+      msg = failure_prefix(g, p) + " timed out after " + std::to_string(g.timeout.count()) +
             " ms; a member stalled or issued this group's collectives in a different order";
     }
     if (msg.empty()) {

@@ -31,11 +31,11 @@ class Progress {
 
   // `wake_background`: wakes the thread that drives async ops (it completes Futures that a
   // caller unable to block left behind).
-  Progress(std::mutex& mu, int rank, std::vector<int64_t> pids, std::chrono::milliseconds timeout,
-           TransportSet& tr, MessageRouter& router, std::function<void()> wake_background);
+  Progress(std::mutex& mu, int rank, std::vector<int64_t> pids, TransportSet& tr, MessageRouter& router,
+           std::function<void()> wake_background);
 
-  // Under the lock. Queues `ops` on their groups as parts of `work` and runs the eager first
-  // pass, so small ops' sends leave before the caller even waits. A group with a member known
+  // Under the lock. Queues `ops` on their groups as parts of `work` (each with its group's
+  // timeout) and runs the eager first pass, so small ops' sends leave before the caller even waits. A group with a member known
   // dead fails its op at once, sending nothing.
   void post_locked(std::vector<std::pair<GroupState*, std::unique_ptr<Op>>> ops,
                    const c10::intrusive_ptr<Work>& work, Done& done);
@@ -76,7 +76,6 @@ class Progress {
   std::mutex& mu_;
   const int rank_;
   const std::vector<int64_t> pids_;
-  const std::chrono::milliseconds timeout_;
   TransportSet& tr_;
   MessageRouter& router_;
   const std::function<void()> wake_background_;

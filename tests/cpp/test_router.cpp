@@ -71,7 +71,7 @@ struct Fixture {
     auto t = std::make_unique<FakeTransport>(3);
     fake = t.get();
     tr.add(std::move(t), {1, 1, 1});
-    auto made = groups.create({{0, 1}, {0, 1}, {0, 2}}, tr);
+    auto made = groups.create({{0, 1}, {0, 1}, {0, 2}}, tr, std::chrono::milliseconds(1000));
     a = made[0];
     b = made[1];
     c = made[2];

@@ -1,0 +1,94 @@
+"""Per-group timeouts: a group made with its own timeout fails its stalled ops after that
+timeout, not init's. Through fastcomm's API (new_group / new_groups) and through the
+torch.distributed backend (dist.new_group(timeout=...)).
+
+In every run init's timeout is long (60 s) and the group's short (1 s); a member that never
+issues its side makes the other's op fail with "timed out after 1000 ms" well before init's
+timeout could fire. The staller stays alive (a death would be reported as such, not as a
+timeout) until the waiter has seen its error, told through the run's store."""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import harness
+
+import fastcomm as fc
+
+INIT_TIMEOUT = 60.0
+WELL_BEFORE = 30.0  # seconds: an op failing later than this was not timed by its group
+
+
+def expect_timeout(fn, *needles):
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistBackendError) as ei:
+        fn()
+    waited = time.monotonic() - t0
+    msg = str(ei.value)
+    for n in ("timed out after 1000 ms",) + needles:
+        assert n in msg, f"{n!r} not in {msg!r}"
+    assert waited < WELL_BEFORE, f"failed after {waited:.1f}s: timed by init's timeout? {msg}"
+    return waited
+
+
+def wait_for(store, key):
+    store.wait([key], timedelta(seconds=120))
+
+
+def _api_body(rank, world):
+    store = harness.child_store()
+    g = fc.new_group([0, 1], timeout=1)
+    (h,) = fc.new_groups([[0, 1]], timeout=timedelta(seconds=1))
+    t = torch.full((4,), float(rank + 1))
+    fc.all_reduce(t, group=g)  # both there once
+    assert torch.equal(t, torch.full((4,), 3.0))
+    if rank == 0:
+        expect_timeout(lambda: fc.all_reduce(torch.ones(4), group=g), "rank 0", "group [0, 1]")
+        expect_timeout(lambda: fc.all_reduce(torch.ones(4), group=h), "rank 0")
+        # A send/recv channel times out as its group does.
+        expect_timeout(lambda: fc.recv(torch.ones(4), src=1, group=g), "rank 0")
+        store.set("timed_out", "1")
+    else:
+        wait_for(store, "timed_out")
+    # The world group (init's timeout) is unaffected.
+    u = torch.full((3,), float(rank))
+    fc.all_reduce(u)
+    assert torch.equal(u, torch.full((3,), 1.0))
+    # Bad timeouts are refused before anything is made.
+    for bad in (0, -1, timedelta(0)):
+        with pytest.raises(ValueError, match="argument 'timeout' must be positive"):
+            fc.new_group([0, 1], timeout=bad)
+    return True
+
+
+def test_group_timeout_through_fastcomm_api():
+    harness.run(_api_body, 2, timeout=180, init_timeout=INIT_TIMEOUT)
+
+
+def _backend_body(rank, world):
+    store = harness.child_store()
+    dist.init_process_group("fastcomm", store=harness.child_store(), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=INIT_TIMEOUT))
+    g = dist.new_group([0, 1], backend="fastcomm", timeout=timedelta(seconds=1),
+                       use_local_synchronization=True)
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t, group=g)
+    assert torch.equal(t, torch.full((4,), 3.0))
+    if rank == 0:
+        expect_timeout(lambda: dist.all_reduce(torch.ones(4), group=g), "rank 0", "group [0, 1]")
+        store.set("timed_out", "1")
+    else:
+        wait_for(store, "timed_out")
+    u = torch.full((3,), float(rank))
+    dist.all_reduce(u)
+    assert torch.equal(u, torch.full((3,), 1.0))
+    dist.destroy_process_group()
+    return True
+
+
+def test_group_timeout_through_backend():
+    harness.run(_backend_body, 2, init=False, timeout=180)
