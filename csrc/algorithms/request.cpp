@@ -88,22 +88,4 @@ void check_request(const OpRequest& r, const GroupView& g) {
   collective_spec(r.kind).check(r, g);
 }
 
-std::vector<at::Tensor> request_outputs(const OpRequest& r) {
-  switch (r.kind) {
-    case OpKind::kAllGather:
-    case OpKind::kGather:  // empty on members other than dst
-    case OpKind::kAllToAll:
-      return r.list;
-    case OpKind::kAllGatherIntoTensor:
-    case OpKind::kReduceScatter:
-    case OpKind::kReduceScatterTensor:
-    case OpKind::kAllToAllSingle:
-      return {r.output};
-    case OpKind::kBarrier:
-      return {};
-    default:
-      return {r.tensor};
-  }
-}
-
 }  // namespace fastcomm

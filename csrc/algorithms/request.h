@@ -61,8 +61,6 @@ const CollectiveSpec& collective_spec(OpKind k);
 void check_request(const OpRequest& r, const GroupView& g);
 // The device every tensor of `r` is on (CPU for an op without tensors).
 c10::Device request_device(const OpRequest& r);
-// Every tensor of `r`, in the order the Work reports them as its result.
-std::vector<at::Tensor> request_outputs(const OpRequest& r);
 
 // What the kinds' checks are made of; messages name api, rank, group and argument.
 // check_tensor: defined, dense, on CPU or CUDA, contiguous, a supported dtype. check_like:
