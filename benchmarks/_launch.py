@@ -112,6 +112,21 @@ class Progress:
         self.total -= n
 
 
+def best_of_loops(step, barrier, iters, warmup, reps=3):
+    """Seconds per call of ``step`` on this rank: the best of ``reps`` timed loops of ``iters``
+    calls (the machine may be shared), each started by all ranks together after ``barrier``."""
+    for _ in range(warmup):
+        step()
+    best = float("inf")
+    for _ in range(reps):
+        barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            step()
+        best = min(best, (time.perf_counter() - start) / iters)
+    return best
+
+
 def _duration(s):
     if s < 90:
         return f"{s:.0f} s"

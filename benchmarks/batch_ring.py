@@ -35,8 +35,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from _launch import (STORE_TIMEOUT, JobError, Progress, cpu_model, finish, print_header,
-                     print_table, pyplot_or_none, run_job, save_plot)
+from _launch import (STORE_TIMEOUT, best_of_loops, cpu_model, finish, JobError, print_header,
+                     print_table, Progress, pyplot_or_none, run_job, save_plot)
 
 JOB_TIMEOUT_S = 120.0  # hard limit for one launch (all its ranks)
 SHAPE = (10, 10)
@@ -82,24 +82,6 @@ def ring_neighbours(rank, world):
 # What each rank runs
 # --------------------------------------------------------------------------------------------
 
-REPS = 3  # timed repetitions per cell; each rank keeps its best (the machine may be shared)
-
-
-def _timed(step, barrier, steps, warmup):
-    """Seconds per step on this rank: the best of REPS timed loops of ``steps`` steps, each
-    started by all ranks together after a barrier."""
-    for _ in range(warmup):
-        step()
-    best = float("inf")
-    for _ in range(REPS):
-        barrier()
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        best = min(best, (time.perf_counter() - start) / steps)
-    return best
-
-
 def _scaling_body(store, rank, world, k, steps, warmup):
     import fastcomm as fc
 
@@ -121,7 +103,7 @@ def _scaling_body(store, rank, world, k, steps, warmup):
 
         out = {}
         for name, step in (("single", single), ("batch", batched)):
-            out[name] = _timed(step, fc.barrier, steps, warmup)
+            out[name] = best_of_loops(step, fc.barrier, steps, warmup)
             # one checked step
             for (j, members, _), t in zip(mine, ts):
                 t.copy_(value(rank, j))
@@ -157,7 +139,7 @@ def _ring_fastcomm_body(store, rank, world, steps, warmup):
 
         out = {}
         for name, step in (("fastcomm batch of 2", batch2), ("fastcomm async_op pair", async2)):
-            out[name] = _timed(step, fc.barrier, steps, warmup)
+            out[name] = best_of_loops(step, fc.barrier, steps, warmup)
             # Slot j of a group = its lower rank, so both members agree on the values.
             tl.copy_(value(rank, lm[0]))
             tr.copy_(value(rank, rm[0]))
@@ -188,7 +170,7 @@ def _ring_gloo_body(store, rank, world, steps, warmup):
             wl.wait()
             wr.wait()
 
-        per_step = _timed(async2, dist.barrier, steps, warmup)
+        per_step = best_of_loops(async2, dist.barrier, steps, warmup)
         tl.copy_(value(rank, lm[0]))
         tr.copy_(value(rank, rm[0]))
         async2()

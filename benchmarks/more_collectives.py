@@ -29,7 +29,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from _launch import STORE_TIMEOUT, JobError, cpu_model, finish, print_header, print_table, run_job
+from _launch import (STORE_TIMEOUT, JobError, best_of_loops, cpu_model, finish, print_header, print_table,
+                     run_job)
 
 JOB_TIMEOUT_S = 300.0  # hard limit for one launch (all its ranks); a hang fails that cell only
 A2A_PER_PEER = 1024  # float32 elements each rank sends each member: 4 KB
@@ -99,24 +100,6 @@ def _a2a_op(lib, group, rank, members):
     return step, check
 
 
-REPS = 3  # timed loops per op; each rank keeps its best (the machine may be shared)
-
-
-def _timed(step, barrier, iters, warmup):
-    """Seconds per op on this rank: the best of REPS loops of ``iters`` ops, each started by
-    all ranks together after a barrier."""
-    for _ in range(warmup):
-        step()
-    best = float("inf")
-    for _ in range(REPS):
-        barrier()
-        start = time.perf_counter()
-        for _ in range(iters):
-            step()
-        best = min(best, (time.perf_counter() - start) / iters)
-    return best
-
-
 def _body(store, rank, world, lib_name, part, iters, warmup):
     """{op: seconds per op} on this rank for part "a2a" (groups of 4) or "pairs"."""
     size = 4 if part == "a2a" else 2
@@ -137,7 +120,7 @@ def _body(store, rank, world, lib_name, part, iters, warmup):
             name: _pair_op(lib, name, group, rank, lo) for name in PAIR_OPS}
         out = {}
         for name, (step, check) in ops.items():
-            out[name] = _timed(step, lib.barrier, iters, warmup)
+            out[name] = best_of_loops(step, lib.barrier, iters, warmup)
             check()
         return out
     finally:
