@@ -53,11 +53,20 @@ class Library:
         return torch.stack(out)
 
 
+def under_launcher():
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def world_size(args):
+    """The number of ranks the example will run on: the launcher's, else --nproc."""
+    return int(os.environ["WORLD_SIZE"]) if under_launcher() else args.nproc
+
+
 def run(body, args, title, details=None):
     """Runs ``body(lib, rank, world, args)`` on every rank, once per library asked for; its
     result on rank 0 (a dict with step_ms, comm_ms, loss_first, loss_final) is summarized there.
     ``details(result)`` adds an example-specific line. Returns the exit status."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if under_launcher():
         _run_rank(body, args, title, details)
         return 0
     return _spawn(body, args, title, details)

@@ -33,7 +33,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fastcomm as fc  # noqa: E402
-from _common import add_common_args, run  # noqa: E402
+from _common import add_common_args, run, world_size  # noqa: E402
 
 GROUP = 4  # experts (ranks) per expert group
 DIM = 32  # token width
@@ -211,11 +211,6 @@ def reference(args, world):
             o.step()
     return (torch.stack([m.flat() for m in models]),
             torch.tensor(losses, dtype=torch.float64))
-
-
-def world_size(args):
-    return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ \
-        else args.nproc
 
 
 def main():
