@@ -159,6 +159,11 @@ def _rendezvous(store: dist.Store, rank: int, world: int, timeout: timedelta) ->
     if len(set(host_of)) > 1:
         try:
             _gloo = _world_gloo(store, rank, world, timeout)
+            # A rank's mesh is complete before its peers' are: leaving init (and perhaps
+            # shutting down, closing its sockets) before every peer has finished connecting
+            # would fail a peer still inside its connect loop with "closed by peer".
+            store.set(f"gloo-connected/{rank}", "1")
+            store.wait([f"gloo-connected/{r}" for r in range(world)], timeout)
             engine.set_gloo(_gloo)
         except BaseException:
             engine.shutdown()
