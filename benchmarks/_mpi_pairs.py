@@ -1,10 +1,11 @@
 """MPI worker of forum_mwe.py: the same pairwise all_reduce loop, under mpirun.
 
-    mpirun -np 2P python benchmarks/_mpi_pairs.py NUMEL ITERS WARMUP
+    mpirun -np 2P python benchmarks/_mpi_pairs.py NUMEL ITERS WARMUP [fresh|same]
 
 Ranks 2i and 2i+1 form pair i (a communicator split from COMM_WORLD). Each rank times ITERS
 in-place Allreduce(SUM) calls on a float32 numpy buffer of NUMEL elements after WARMUP
-untimed ones, then checks one result. Rank 0 prints one JSON line:
+untimed ones (with "fresh", on a new random array each call, as the forum post's loop does),
+then checks one result. Rank 0 prints one JSON line:
 {"per_op_s": [seconds per op of every rank], "errors": [...]}. Imports no torch, so that the
 ranks start quickly."""
 import json
@@ -17,6 +18,8 @@ from mpi4py import MPI
 
 def main():
     numel, iters, warmup = (int(a) for a in sys.argv[1:4])
+    fresh = len(sys.argv) > 4 and sys.argv[4] == "fresh"
+    rng = np.random.default_rng(1234)
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     pair = world.Split(color=rank // 2, key=rank)
@@ -26,8 +29,12 @@ def main():
         pair.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
     world.Barrier()  # all pairs enter the timed loop together
     start = time.perf_counter()
-    for _ in range(iters):
-        pair.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    if fresh:
+        for _ in range(iters):
+            pair.Allreduce(MPI.IN_PLACE, rng.standard_normal(numel, dtype=np.float32), op=MPI.SUM)
+    else:
+        for _ in range(iters):
+            pair.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
     per_op = (time.perf_counter() - start) / iters
 
     lo = 2 * (rank // 2)

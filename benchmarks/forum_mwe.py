@@ -55,18 +55,23 @@ MPI_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mpi_pair
 # What each rank runs
 # --------------------------------------------------------------------------------------------
 
-def _timed_all_reduce(all_reduce, group, barrier, rank, numel, iters, warmup):
+def _timed_all_reduce(all_reduce, group, barrier, rank, numel, iters, warmup, fresh=False):
     """Seconds per op of ``all_reduce(t, group=group)`` on this rank, then one checked op.
 
     ``all_reduce`` is dist.all_reduce or fc.all_reduce (same signature), called directly in
-    the loop so that no wrapper of ours adds to the time of either."""
+    the loop so that no wrapper of ours adds to the time of either. ``fresh``: the forum
+    post's own loop, a new ``torch.randn`` tensor for every op."""
     t = torch.zeros(numel)  # zeros: the sum stays 0, so no number of ops overflows to inf
     for _ in range(warmup):
         all_reduce(t, group=group)
     barrier()  # all pairs enter the timed loop together and contend for the cores, as in the MWE
     start = time.perf_counter()
-    for _ in range(iters):
-        all_reduce(t, group=group)
+    if fresh:
+        for _ in range(iters):
+            all_reduce(torch.randn(numel), group=group)
+    else:
+        for _ in range(iters):
+            all_reduce(t, group=group)
     per_op = (time.perf_counter() - start) / iters
 
     # Distinct values per element and per rank (exact in float32 below 2**24), so a result
@@ -83,26 +88,26 @@ def _timed_all_reduce(all_reduce, group, barrier, rank, numel, iters, warmup):
     return per_op
 
 
-def _gloo_body(store, rank, world, numel, iters, warmup):
+def _gloo_body(store, rank, world, numel, iters, warmup, fresh=False):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=STORE_TIMEOUT)
     try:
         # torch requires every rank to create every group, in the same order, members or not.
         groups = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
         return _timed_all_reduce(dist.all_reduce, groups[rank // 2], dist.barrier, rank,
-                                 numel, iters, warmup)
+                                 numel, iters, warmup, fresh)
     finally:
         dist.destroy_process_group()
 
 
-def _fastcomm_body(store, rank, world, numel, iters, warmup):
+def _fastcomm_body(store, rank, world, numel, iters, warmup, fresh=False):
     import fastcomm as fc
 
     fc.init(store=store, rank=rank, world_size=world, timeout=STORE_TIMEOUT)
     try:
         lo = 2 * (rank // 2)
         group = fc.new_group([lo, lo + 1])  # only the two members call this
-        return _timed_all_reduce(fc.all_reduce, group, fc.barrier, rank, numel, iters, warmup)
+        return _timed_all_reduce(fc.all_reduce, group, fc.barrier, rank, numel, iters, warmup, fresh)
     finally:
         fc.shutdown()
 
@@ -132,10 +137,10 @@ def find_mpi():
     return cmd, version.strip().splitlines()[0] if version.strip() else mpirun
 
 
-def run_mpi(mpirun, world, numel, iters, warmup, timeout=JOB_TIMEOUT_S):
+def run_mpi(mpirun, world, numel, iters, warmup, fresh=False, timeout=JOB_TIMEOUT_S):
     """Per-rank seconds per op of the pairwise loop under MPI (the worker checks results)."""
     cmd = mpirun + ["-np", str(world), sys.executable, MPI_SCRIPT, str(numel), str(iters),
-                    str(warmup)]
+                    str(warmup), "fresh" if fresh else "same"]
     # Its own session, so that a timeout can kill mpirun and every rank it started at once.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -174,7 +179,7 @@ def memcpy_bandwidth(nbytes, reps):
 # Driver
 # --------------------------------------------------------------------------------------------
 
-def measure_row(backends, world, numel, iters, warmup, mpirun, repeat, what, progress):
+def measure_row(backends, world, numel, iters, warmup, mpirun, repeat, what, progress, fresh=False):
     """One table row: each backend's cell, {"runs": [per-rank seconds per op of each launch],
     "per_op_s": the median over launches of their max over ranks}, or with "error" once a
     launch failed. Launches alternate between backends, so that a burst of outside load on
@@ -188,10 +193,10 @@ def measure_row(backends, world, numel, iters, warmup, mpirun, repeat, what, pro
             progress.launch(f"{what}: {backend}, launch {rep + 1}/{repeat}")
             try:
                 if backend == "mpi":
-                    cell["runs"].append(run_mpi(mpirun, world, numel, iters, warmup))
+                    cell["runs"].append(run_mpi(mpirun, world, numel, iters, warmup, fresh))
                 else:
                     cell["runs"].append(run_job(BACKENDS[backend], world, numel, iters, warmup,
-                                                   timeout=JOB_TIMEOUT_S))
+                                                   fresh, timeout=JOB_TIMEOUT_S))
             except JobError as e:
                 print(f"  !! {what}, {backend}: {e}", file=sys.stderr, flush=True)
                 cell["error"] = str(e)
@@ -200,6 +205,19 @@ def measure_row(backends, world, numel, iters, warmup, mpirun, repeat, what, pro
         if "error" not in cell:
             cell["per_op_s"] = statistics.median(max(run) for run in cell["runs"])
     return row
+
+
+def pair_times(run):
+    """A launch's seconds per op by pair: the slower of its two ranks."""
+    return [max(run[i], run[i + 1]) for i in range(0, len(run) - 1, 2)]
+
+
+def fairness(cell):
+    """(slowest pair, median pair) seconds per op, medians over launches, and the largest
+    slowest / median ratio of any one launch."""
+    pairs = [pair_times(run) for run in cell["runs"]]
+    return (statistics.median(max(p) for p in pairs), statistics.median(statistics.median(p) for p in pairs),
+            max(max(p) / statistics.median(p) for p in pairs))
 
 
 def fmt_us(cell):
@@ -317,6 +335,9 @@ def main():
     ap.add_argument("--sizes", type=parse_size, nargs="+", default=list(LARGE_SIZES),
                     metavar="SIZE", help="tensor sizes for the one-pair large-message part, bytes "
                                          "with an optional K or M suffix (default: 1M 16M)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="the forum post's own loop: a new torch.randn tensor for every op (MPI: a "
+                         "new numpy array) instead of one reused tensor")
     ap.add_argument("--plot", metavar="FILE.png",
                     help="write a plot (needs matplotlib): µs per op against pairs, bandwidth "
                          "against size")
@@ -359,7 +380,7 @@ def main():
     for pairs in args.pairs:
         results["mwe"][str(pairs)] = measure_row(backends, 2 * pairs, MWE_NUMEL, args.iters,
                                                  warmup, mpirun, args.repeat,
-                                                 f"MWE, {pairs} pair(s)", progress)
+                                                 f"MWE, {pairs} pair(s)", progress, args.fresh)
     for nbytes in args.sizes:
         results["large"][str(nbytes)] = measure_row(
             backends, 2, nbytes // 4, sized(large_iters, nbytes, args.iters),
@@ -387,6 +408,26 @@ def main():
         rows.append(cells)
     print_table(head, rows)
     print("\n\"fastcomm vs X\" = X's time / fastcomm's time (how many times faster fastcomm is).")
+    if args.fresh:
+        print("Loop: a fresh torch.randn tensor for every op (--fresh, the forum post's loop).")
+
+    several = [p for p in args.pairs if p > 1]
+    if several:
+        print("\n### Fairness: every pair's µs per op (a pair's time: the slower of its ranks)\n")
+        print("The job's time is its slowest pair's; \"worst launch\" is the largest slowest / median "
+              "ratio of any single launch.\n")
+        rows = []
+        for pairs in several:
+            for backend in backends:
+                cell = results["mwe"][str(pairs)][backend]
+                if "error" in cell:
+                    rows.append([str(pairs), LABELS[backend], "FAILED", "", "", ""])
+                    continue
+                slow, med, worst = fairness(cell)
+                rows.append([str(pairs), LABELS[backend], f"{slow * 1e6:,.1f}", f"{med * 1e6:,.1f}",
+                             f"{slow / med:.1f}x", f"{worst:.1f}x"])
+        print_table(["pairs", "library", "slowest pair µs/op", "median pair µs/op", "slowest / median",
+                     "worst launch"], rows, left=2)
 
     counts = sorted({sized(large_iters, n, args.iters) for n in args.sizes})
     ops = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]} (by size)"
