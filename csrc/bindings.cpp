@@ -269,6 +269,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("new_groups", &Engine::new_groups, py::arg("lists"), py::arg("timeout_ms") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def(
+          "make_plan",
+          [](Engine& e, Batch& b) {
+            TORCH_CHECK(!b.posted, "fastcomm: rank ", e.rank(), ": batch posted twice");
+            b.posted = true;
+            py::gil_scoped_release nogil;  // the ops' last tensor references may be dropped
+            return e.make_plan(std::move(b.ops));
+          },
+          py::arg("batch"))
+      .def(
           "post_batch",
           // A blocking batch is driven by the caller alone: no background thread is woken.
           [](Engine& e, Batch& b, bool async_op) -> py::object {
@@ -284,6 +293,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("batch"), py::arg("async_op") = true);
 
   py::class_<Batch>(m, "Batch").def(py::init<>()).def("__len__", [](const Batch& b) { return b.ops.size(); });
+
+  py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan")
+      .def("__len__", &Plan::size)
+      .def(
+          "start",
+          [](const std::shared_ptr<Plan>& p, bool async_op) -> py::object {
+            c10::intrusive_ptr<Work> w;
+            {
+              py::gil_scoped_release nogil;
+              w = p->engine().start(p, async_op);
+            }
+            return async_op ? to_py_work(std::move(w)) : py::none();
+          },
+          py::arg("async_op") = true);
 
   // Engine.issue, the bare entry above, as a method of Engine (a descriptor checks `self`'s type).
   {

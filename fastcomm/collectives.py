@@ -241,6 +241,52 @@ class batch:
         return self._posted().get_future()
 
 
+class plan:
+    """A persistent batch: ``with fastcomm.plan() as p:`` records the ops issued in the block
+    (validated as in a batch, nothing sent), and ``p.start()`` runs all of them, as many times
+    as needed. Arguments are checked and the algorithms built once, at capture; a start only
+    queues the ops again, so it costs far less per op than issuing them anew. (MPI's persistent
+    collectives are the model; a plan may span any groups.)
+
+    The ops read and write their tensors' current contents at every start, so a loop refills
+    the inputs in place and starts the plan again. The tensors must keep their storage for the
+    plan's lifetime (no ``resize_`` or ``set_``), and every member of each group must start its
+    plans and issue its other ops on those groups in the same order. A plan runs one start at
+    a time: wait for a start before the next."""
+
+    def __init__(self):
+        self._engine = None
+        self._ops = None
+        self._plan = None
+
+    def __enter__(self) -> "plan":
+        if _tls.batch is not None:
+            raise RuntimeError("fastcomm.plan: a plan cannot be recorded inside a batch or another plan")
+        if self._plan is not None or self._ops is not None:
+            raise RuntimeError("fastcomm.plan: this plan was already recorded")
+        self._engine = _state._require("plan")
+        self._ops = _C.Batch()
+        _tls.batch = self._ops
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        _tls.batch = None
+        if exc_type is None:
+            self._plan = self._engine.make_plan(self._ops)
+        self._ops = None
+        return False
+
+    def __len__(self) -> int:
+        return len(self._plan) if self._plan is not None else 0
+
+    def start(self, async_op: bool = True) -> Optional[Work]:
+        """Runs every recorded op once. Returns their Work (``async_op=True``), or blocks until
+        they are done and returns None."""
+        if self._plan is None:
+            raise RuntimeError("fastcomm.plan: start() before the plan was recorded (leave the with-block first)")
+        return _wrap(self._plan.start(async_op))
+
+
 def all_reduce_many(tensors: Sequence[torch.Tensor], groups: Sequence, op=ReduceOp.SUM,
                     async_op: bool = False):
     """all_reduce of ``tensors[i]`` over ``groups[i]`` for every i, as one batch."""

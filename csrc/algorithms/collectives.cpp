@@ -66,6 +66,11 @@ class PhasedOp final : public Op {
   }
   bool done() const override { return phase_ == phases_; }
   std::vector<at::Tensor> outputs() const override { return outputs_; }
+  bool restartable() const override { return true; }
+  void restart() override {
+    phase_ = 0;
+    started_ = false;
+  }
 
  private:
   std::vector<at::Tensor> outputs_, keep_;

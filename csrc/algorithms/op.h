@@ -21,11 +21,28 @@ class Op {
   virtual bool done() const = 0;
   // Tensors handed to the user's Future when the op completes.
   virtual std::vector<at::Tensor> outputs() const = 0;
+  // A persistent plan's ops run again and again: restart() readies a completed op to run
+  // from the start, on its tensors' contents then.
+  virtual bool restartable() const { return false; }
+  virtual void restart() {}
   const OpDesc& desc() const { return desc_; }
 
  protected:
   OpDesc desc_;
 };
+
+// What a queue entry holds: an op it owns, or (not owned) one a persistent plan owns and
+// restarts. Converts from std::unique_ptr<Op>, which it then owns.
+struct OpRelease {
+  bool owned = true;
+  OpRelease() = default;
+  OpRelease(std::default_delete<Op>) {}  // NOLINT: implicit, from an owning unique_ptr
+  explicit OpRelease(bool o) : owned(o) {}
+  void operator()(Op* p) const {
+    if (owned) delete p;
+  }
+};
+using OpPtr = std::unique_ptr<Op, OpRelease>;
 
 // Where a group's members live, for the hierarchical collectives: given only for a group that
 // spans hosts and has several members on at least one of them (otherwise null: flat). Every

@@ -124,7 +124,7 @@ Engine::Prepared Engine::prepare(OpRequest req, const GroupHandle& g) {
     p.group = g;
   }
   if (p.device.is_cpu()) p.op = spec.make(req, view_of(*p.group.state, opts_.rank, rsag));
-  else p.req = std::move(req);
+  p.req = std::move(req);
   return p;
 }
 
@@ -176,6 +176,85 @@ c10::intrusive_ptr<Work> Engine::run(std::vector<Prepared> ops, bool async_op, b
     if (rethrow) w->rethrow_if_failed();
   }
   return w;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Persistent plans
+
+std::shared_ptr<Plan> Engine::make_plan(std::vector<Prepared> ops) {
+  auto plan = std::make_shared<Plan>();
+  plan->engine_ = shared_from_this();
+  plan->ops_.reserve(ops.size());
+  for (auto& p : ops) {
+    TORCH_CHECK_VALUE(p.device.is_cpu(), "fastcomm.plan: rank ", opts_.rank, ", group ", p.group.label(),
+                      ": plans hold host ops only; this ", op_kind_name(p.req.kind), " is on ", p.device);
+    TORCH_CHECK_VALUE(p.op && p.op->restartable(), "fastcomm.plan: rank ", opts_.rank, ", group ",
+                      p.group.label(), ": a ", op_kind_name(p.req.kind), " of this form cannot be part of a plan");
+    Plan::Entry e;
+    e.group = p.group;
+    e.op = std::move(p.op);
+    e.kind = p.req.kind;
+    auto note = [&](const at::Tensor& t) {
+      if (t.defined()) e.tensors.emplace_back(t, t.has_storage() ? t.storage().data() : nullptr);
+    };
+    note(p.req.tensor);
+    note(p.req.output);
+    for (const auto& t : p.req.list) note(t);
+    for (const auto& t : p.req.inputs) note(t);
+    plan->ops_.push_back(std::move(e));
+  }
+  return plan;
+}
+
+c10::intrusive_ptr<Work> Engine::start(const std::shared_ptr<Plan>& plan, bool async_op) {
+  Plan& pl = *plan;
+  TORCH_CHECK(pl.engine_.get() == this, "fastcomm.plan: rank ", opts_.rank, ": the plan belongs to another engine");
+  std::vector<at::Tensor> outputs;
+  for (size_t i = 0; i < pl.ops_.size(); ++i) {
+    const Plan::Entry& e = pl.ops_[i];
+    for (const auto& [t, data] : e.tensors)
+      TORCH_CHECK_VALUE((t.has_storage() ? t.storage().data() : nullptr) == data, "fastcomm.plan: rank ", opts_.rank,
+                        ", group ", e.group.label(), ": a tensor of op #", i, " (", op_kind_name(e.kind),
+                        ") has other storage than when the plan was recorded (resize_ or set_?); record the "
+                        "plan again");
+    if (async_op)
+      for (auto& t : e.op->outputs()) outputs.push_back(t);
+  }
+  auto work = c10::make_intrusive<Work>(shared_from_this(), opts_.rank,
+                                        pl.ops_.size() == 1 ? op_kind_type(pl.ops_[0].kind) : c10d::OpType::COALESCED,
+                                        std::move(outputs), (int)pl.ops_.size(), async_op);
+  Progress::Done done;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    TORCH_CHECK(!shut_down_, "fastcomm.plan: rank ", opts_.rank,
+                ": the plan was recorded before fastcomm.shutdown(); record it again after init()");
+    for (const auto& e : pl.ops_)
+      TORCH_CHECK(groups_.owns(*e.group.state), "fastcomm.plan: rank ", opts_.rank, ", group ", e.group.label(),
+                  ": the plan was recorded before fastcomm.shutdown(); record it again after init()");
+    TORCH_CHECK(!pl.last_ || pl.last_->done(), "fastcomm.plan: rank ", opts_.rank,
+                ": the plan's last start is still running; wait for it before starting the plan again");
+    pl.last_ = work;
+    if (pl.ops_.empty()) {
+      work->settle(nullptr, true);
+    } else {
+      // The last start is done, so no queue holds these ops: they can be rewound.
+      Progress::Posted queued;
+      queued.reserve(pl.ops_.size());
+      for (auto& e : pl.ops_) {
+        e.op->restart();
+        queued.emplace_back(e.group.state.get(), OpPtr(e.op.get(), OpRelease(false)));
+      }
+      progress_.post_locked(std::move(queued), work, done, plan);
+    }
+  }
+  progress_.finish(done);
+  if (async_op) {
+    if (!work->done()) driver_.ensure_background();
+  } else {
+    driver_.wait(*work, std::chrono::milliseconds(0));
+    work->rethrow_if_failed();
+  }
+  return work;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -35,6 +35,30 @@
 
 namespace fastcomm {
 
+class Engine;
+
+// A persistent plan (fastcomm.plan): host ops checked and built once, queued again at every
+// start. Each start's queue entries hold the plan, so dropping it while a start runs is safe.
+class Plan {
+ public:
+  size_t size() const { return ops_.size(); }
+  Engine& engine() const { return *engine_; }
+
+ private:
+  friend class Engine;
+  struct Entry {
+    GroupHandle group;  // for send/recv, the pair's channel
+    std::unique_ptr<Op> op;
+    OpKind kind = OpKind::kNone;
+    // Every tensor the op touches, with where its data was at recording: the algorithm holds
+    // raw pointers into it, so a tensor given other storage since must not run.
+    c10::SmallVector<std::pair<at::Tensor, const void*>, 2> tensors;
+  };
+  std::shared_ptr<Engine> engine_;
+  std::vector<Entry> ops_;
+  c10::intrusive_ptr<Work> last_;  // the latest start; the engine lock
+};
+
 class Engine final : public Waiter, public std::enable_shared_from_this<Engine> {
  public:
   explicit Engine(EngineOptions opts);
@@ -73,6 +97,10 @@ class Engine final : public Waiter, public std::enable_shared_from_this<Engine> 
   // post, and for a blocking host op, waits for it; `rethrow`: raise its error here (the torch
   // backend leaves it in the Work, which torch waits on next).
   c10::intrusive_ptr<Work> run(std::vector<Prepared> ops, bool async_op, bool rethrow);
+  // A persistent plan of host ops (a batch recorded once), and one run of all its ops. A plan
+  // runs one start at a time; a blocking start raises its error here.
+  std::shared_ptr<Plan> make_plan(std::vector<Prepared> ops);
+  c10::intrusive_ptr<Work> start(const std::shared_ptr<Plan>& plan, bool async_op);
   // Makes the device engine for `device` now rather than at its first op.
   void init_device(c10::Device device);
 

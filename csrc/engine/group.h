@@ -23,7 +23,8 @@ using Clock = std::chrono::steady_clock;
 
 // An op posted on a group, queued there until it finishes.
 struct Pending {
-  std::unique_ptr<Op> op;
+  OpPtr op;
+  std::shared_ptr<const void> keep;  // a plan's op: the plan, kept until the entry is dropped
   c10::intrusive_ptr<Work> work;
   uint64_t seq = 0;
   Clock::time_point deadline;

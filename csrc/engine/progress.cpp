@@ -29,8 +29,8 @@ std::string Progress::failure_prefix(const GroupState& g, const Pending& p) cons
          " (op #" + std::to_string(p.seq) + ")";
 }
 
-void Progress::post_locked(Posted ops,
-                           const c10::intrusive_ptr<Work>& work, Done& done) {
+void Progress::post_locked(Posted ops, const c10::intrusive_ptr<Work>& work, Done& done,
+                           const std::shared_ptr<const void>& keep) {
   if (work->is_async()) pending_async_.fetch_add(1);
   const auto now = Clock::now();
   for (auto& [gp, op] : ops) {
@@ -47,6 +47,7 @@ void Progress::post_locked(Posted ops,
     }
     Pending p;
     p.op = std::move(op);
+    p.keep = keep;
     p.work = work;
     p.seq = g.next_seq++;
     p.deadline = now + g.timeout;

@@ -41,9 +41,10 @@ class Progress {
   // Under the lock. Queues `ops` on their groups as parts of `work` (each with its group's
   // timeout) and runs the eager first pass, so small ops' sends leave before the caller even waits. A group with a member known
   // dead fails its op at once, sending nothing.
-  using Posted = c10::SmallVector<std::pair<GroupState*, std::unique_ptr<Op>>, 1>;
-  void post_locked(Posted ops,
-                   const c10::intrusive_ptr<Work>& work, Done& done);
+  // `keep`: held by every queue entry of this post (a plan, for the ops it owns).
+  using Posted = c10::SmallVector<std::pair<GroupState*, OpPtr>, 1>;
+  void post_locked(Posted ops, const c10::intrusive_ptr<Work>& work, Done& done,
+                   const std::shared_ptr<const void>& keep = nullptr);
   // One pass over the busy groups; true if anything moved.
   bool pass_locked(Done& done);
   // Slow path, run while waiting: peers that exited, ops past their deadline.
