@@ -117,6 +117,22 @@ Engine::Prepared Engine::prepare(OpRequest req, const GroupHandle& g) {
   p.type = op_kind_type(req.kind);
   if (spec.p2p) {
     const bool sending = req.kind == OpKind::kSend;
+    if (!sending && p.device.is_cpu()) {
+      p.recv = true;
+      p.recv_group = g.id;
+      p.tag = req.tag;
+    }
+    if (!sending && req.peer == kAnySource) {
+      // The channel, and so the op, is known once a member's message is matched to it.
+      TORCH_CHECK_VALUE(p.device.is_cpu(), "fastcomm.recv: rank ", opts_.rank, ", group ", g.label(),
+                        ": a recv from any source (src None) is not supported for ", p.device,
+                        " tensors; name the sender");
+      p.type = c10d::OpType::RECVANYSOURCE;
+      p.group = g;
+      p.op = std::make_unique<UnboundRecv>(std::move(req));
+      return p;
+    }
+    if (!sending) p.source = (int)(std::find(g.ranks.begin(), g.ranks.end(), req.peer) - g.ranks.begin());
     const int src = sending ? opts_.rank : req.peer, dst = sending ? req.peer : opts_.rank;
     std::lock_guard<std::mutex> lk(mu_);
     p.group = groups_.channel(g, src, dst, req.tag);
@@ -153,13 +169,24 @@ c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared> ops, bool async_op) 
     work->settle(nullptr, true);
     return work;
   }
-  std::vector<std::pair<GroupState*, std::unique_ptr<Op>>> queued;
-  queued.reserve(ops.size());
-  for (auto& p : ops) queued.emplace_back(p.group.state.get(), std::move(p.op));
+  std::vector<Progress::Posted> queued(ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) {
+    queued[i].group = ops[i].group.state.get();
+    queued[i].op = std::move(ops[i].op);
+    queued[i].any_source = ops[i].type == c10d::OpType::RECVANYSOURCE;
+    if (ops[i].source >= 0) work->set_source(ops[i].source);
+  }
   Progress::Done done;
   {
     std::lock_guard<std::mutex> lk(mu_);
     TORCH_CHECK(!shut_down_, "fastcomm: rank ", opts_.rank, ": fastcomm was shut down");
+    // Ports are looked up here, under the lock, so a recv is ordered against every other
+    // receive by the time it is posted, whichever thread posts first.
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (!ops[i].recv) continue;
+      queued[i].port = queued[i].any_source ? groups_.port(ops[i].group, ops[i].tag)
+                                            : groups_.find_port(ops[i].recv_group, ops[i].tag);
+    }
     progress_.post_locked(std::move(queued), work, done);
   }
   progress_.finish(done);

@@ -34,11 +34,19 @@ class Progress {
   Progress(std::mutex& mu, int rank, std::vector<int64_t> pids, TransportSet& tr, MessageRouter& router,
            std::function<void()> wake_background);
 
+  // One op of a post: its group (a send/recv's channel; an any-source recv's own group) and,
+  // for a recv, the port of its (group, tag) if there is one (always, from any source).
+  struct Posted {
+    GroupState* group = nullptr;
+    std::unique_ptr<Op> op;
+    RecvPort* port = nullptr;
+    bool any_source = false;
+  };
   // Under the lock. Queues `ops` on their groups as parts of `work` (each with its group's
-  // timeout) and runs the eager first pass, so small ops' sends leave before the caller even waits. A group with a member known
-  // dead fails its op at once, sending nothing.
-  void post_locked(std::vector<std::pair<GroupState*, std::unique_ptr<Op>>> ops,
-                   const c10::intrusive_ptr<Work>& work, Done& done);
+  // timeout; a recv that must be matched in posting order on its port) and runs the eager
+  // first pass, so small ops' sends leave before the caller even waits. A group with a member
+  // known dead fails its op at once, sending nothing.
+  void post_locked(std::vector<Posted> ops, const c10::intrusive_ptr<Work>& work, Done& done);
   // One pass over the busy groups; true if anything moved.
   bool pass_locked(Done& done);
   // Slow path, run while waiting: peers that exited, ops past their deadline.
@@ -71,6 +79,13 @@ class Progress {
   void settle_locked(Done& done, const c10::intrusive_ptr<Work>& w, std::exception_ptr e);
   void fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, bool tell_peers);
   void idle_locked(size_t i);  // drops busy_[i], whose queue is empty
+  void enqueue_locked(GroupState& g, Pending p);
+  // Binds the port's waiting receives, front first, to the channels their messages came on;
+  // stops at an any-source one no member has sent to yet. True if any was bound.
+  bool match_locked(RecvPort& port);
+  // The port's any-source receives fail with `msg` (the specific ones go on to their channels).
+  void fail_any_source_locked(RecvPort& port, const std::string& msg, Done& done);
+  std::string port_prefix(const RecvPort& port, const Pending& p) const;
   std::string failure_prefix(const GroupState& g, const Pending& p) const;
 
   std::mutex& mu_;
@@ -82,6 +97,7 @@ class Progress {
   const Doorbell bell_;
 
   std::vector<GroupState*> busy_;  // groups with queued ops
+  std::vector<RecvPort*> busy_ports_;  // ports with waiting receives
   std::vector<char> dead_;         // peers known to have exited
   Works publish_q_;                // settled Works whose Futures await completion
   bool publishing_ = false;        // a thread is completing publish_q_'s Futures
