@@ -40,7 +40,7 @@ void Progress::post_locked(std::vector<Posted> ops, const c10::intrusive_ptr<Wor
     if (dead >= 0) {
       settle_locked(done, work,
                     backend_error("fastcomm: rank " + std::to_string(rank_) + ", group " + g.label + ": " +
-                                  (x.any_source ? "recv from any source (tag " + std::to_string(x.port->tag) + ") "
+                                  (x.any_source ? "recv from any source (tag " + std::to_string(x.port->tag) + ")"
                                                 : describe(x.op->desc())) +
                                   " cannot run: rank " + std::to_string(dead) + " has exited"));
       continue;
