@@ -263,7 +263,7 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) ->
         missing = [r for r, bad in zip(ranks, answer.tolist()) if bad]
         if missing:
             raise DistBackendError(f"{where}: rank {ranks[0]} (the group's rank 0) reports "
-                                   f"{_ranks_failed(missing, secs)}")
+                                   f"{_ranks_failed(missing)}")
         return
     arrivals = [(r, issue(_RECV, r, torch.empty(0, dtype=torch.uint8))) for r in ranks[1:]]
     deadline = time.monotonic() + secs
@@ -298,10 +298,9 @@ def _wait_for(w, secs: float) -> Optional[str]:
         return str(err).splitlines()[0]
 
 
-def _ranks_failed(ranks: List[int], secs: float) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]} failed to pass monitored_barrier within {secs:g} s"
-    return f"ranks {', '.join(map(str, ranks))} failed to pass monitored_barrier within {secs:g} s"
+def _ranks_failed(ranks: List[int], secs: Optional[float] = None) -> str:
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    return f"{who} failed to pass monitored_barrier" + ("" if secs is None else f" within {secs:g} s")
 
 
 class batch:
