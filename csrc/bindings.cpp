@@ -16,12 +16,22 @@ using namespace fastcomm;
 
 namespace {
 
+// The C++ object behind `h` if it is a T (or derives from one), else null. pybind11's own
+// casters look the type up in a hash map keyed by the type's name on every call, a good part
+// of a blocking op's cost; the lookup is done once here.
+template <typename T>
+T* registered(const py::handle& h) {
+  static const py::detail::type_info* const ti = py::detail::get_type_info(typeid(T), /*throw_if_missing=*/true);
+  py::detail::type_caster_generic c(ti);
+  return c.load(h, /*convert=*/false) ? static_cast<T*>(c.value) : nullptr;
+}
+
 // Accepts torch.distributed.ReduceOp, its RedOpType members, a plain int, or None (SUM).
 // Checked by type, not by trying casts: a failed pybind cast costs a C++ exception per call.
 RedOp to_redop(const py::handle& op, const Engine& e, const GroupHandle& g, OpKind k) {
   if (op.is_none()) return c10d::ReduceOp::SUM;
-  if (py::isinstance<c10d::ReduceOp::RedOpType>(op)) return op.cast<c10d::ReduceOp::RedOpType>();
-  if (py::isinstance<c10d::ReduceOp>(op)) return op.cast<c10d::ReduceOp>().op_;
+  if (auto* t = registered<c10d::ReduceOp::RedOpType>(op)) return *t;
+  if (auto* r = registered<c10d::ReduceOp>(op)) return r->op_;
   if (py::isinstance<py::int_>(op)) return (RedOp)op.cast<int>();
   throw py::type_error(std::string("fastcomm.") + op_kind_name(k) + ": rank " + std::to_string(e.rank()) +
                        ", group " + g.label() + ": argument 'op' must be a torch.distributed.ReduceOp, got " +
@@ -72,6 +82,8 @@ void add_to_batch(Engine& e, Batch& b, Engine::Prepared prep) {
 
 py::object to_py_work(c10::intrusive_ptr<Work> w) { return py::cast(c10::intrusive_ptr<c10d::Work>(std::move(w))); }
 
+// Every op's entry. inputs: all_to_all's input list; splits: all_to_all_single's (output,
+// input) split sizes.
 py::object issue(Engine& e, int kind, const GroupHandle& g, const py::handle& tensor, const py::handle& output,
                  const py::handle& list, const py::handle& op, int peer, int tag, bool async_op, BatchArg batch,
                  const py::handle& inputs, const py::handle& splits) {
@@ -114,6 +126,48 @@ py::object issue(Engine& e, int kind, const GroupHandle& g, const py::handle& te
   if (k == OpKind::kRecv && !w->on_device()) return py::int_(g.ranks[w->sourceRank()]);
   return py::none();
 }
+
+int int_arg(PyObject* o, const char* name) {
+  const long v = PyLong_AsLong(o);
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  TORCH_CHECK_VALUE(v >= INT32_MIN && v <= INT32_MAX, "fastcomm: argument '", name, "' out of range: ", v);
+  return (int)v;
+}
+
+// Engine.issue as a bare CPython method (METH_FASTCALL): pybind11's dispatcher builds argument
+// vectors and a keep-alive frame per call, about as much as the rest of a blocking op in a
+// small group. Arguments as `issue` above, positional only.
+PyObject* issue_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  try {
+    if (nargs != 12)
+      throw py::type_error("Engine.issue takes 12 positional arguments, got " + std::to_string(nargs));
+    Engine* e = registered<Engine>(self);
+    if (e == nullptr) throw py::type_error("Engine.issue: 'self' is not a fastcomm Engine");
+    const GroupHandle* g = registered<GroupHandle>(args[1]);
+    if (g == nullptr)
+      throw py::type_error("fastcomm: rank " + std::to_string(e->rank()) +
+                           ": argument 'group' must be a fastcomm group handle, got " +
+                           std::string(py::str(py::type::of(args[1]))));
+    BatchArg batch;
+    if (args[9] != Py_None) {
+      batch.p = registered<Batch>(args[9]);
+      if (batch.p == nullptr) throw py::type_error("Engine.issue: argument 'batch' must be a Batch or None");
+    }
+    const int async_op = PyObject_IsTrue(args[8]);
+    if (async_op < 0) throw py::error_already_set();
+    py::object r = issue(*e, int_arg(args[0], "kind"), *g, args[2], args[3], args[4], args[5],
+                         int_arg(args[6], "peer"), int_arg(args[7], "tag"), async_op != 0, batch, args[10], args[11]);
+    return r.release().ptr();
+  } catch (...) {
+    py::detail::try_translate_exceptions();
+    return nullptr;
+  }
+}
+
+PyMethodDef issue_def = {
+    "issue", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&issue_entry)), METH_FASTCALL,
+    "issue(kind, group, tensor, output, list, op, peer, tag, async_op, batch, inputs, splits): every op's "
+    "entry (positional only; from fastcomm/collectives.py)"};
 
 }  // namespace
 
@@ -220,10 +274,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("new_groups", &Engine::new_groups, py::arg("lists"), py::arg("timeout_ms") = 0,
            py::call_guard<py::gil_scoped_release>())
-      // issue(kind, group, tensor, output, list, op, peer, tag, async_op, batch, inputs, splits):
-      // positional only, from fastcomm/collectives.py (keyword arguments cost a dict per call).
-      // inputs: all_to_all's input list; splits: all_to_all_single's (output, input) split sizes.
-      .def("issue", &issue)
       .def(
           "post_batch",
           // A blocking batch is driven by the caller alone: no background thread is woken.
@@ -240,6 +290,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("batch"), py::arg("async_op") = true);
 
   py::class_<Batch>(m, "Batch").def(py::init<>()).def("__len__", [](const Batch& b) { return b.ops.size(); });
+
+  // Engine.issue, the bare entry above, as a method of Engine (a descriptor checks `self`'s type).
+  {
+    py::object engine = m.attr("Engine");
+    PyObject* d = PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(engine.ptr()), &issue_def);
+    if (d == nullptr) throw py::error_already_set();
+    engine.attr("issue") = py::reinterpret_steal<py::object>(d);
+  }
 
   register_backend_bindings(m);  // the torch.distributed backend (csrc/backend)
 }

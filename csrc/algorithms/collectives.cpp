@@ -54,9 +54,7 @@ class PhasedOp final : public Op {
       if (phase_ == phases_) return any;
       if (!started_) {
         if (phase_ == 0 && local_) local_();
-        std::vector<at::Tensor> owners(outputs_);
-        owners.insert(owners.end(), keep_.begin(), keep_.end());
-        ex_.start(build_(phase_), rank_, size_, es_, c, std::move(owners));
+        ex_.start(build_(phase_), rank_, size_, es_, c, outputs_, keep_);
         started_ = true;
         any = true;
       }

@@ -57,15 +57,16 @@ ScratchPool& scratch_pool() {
 }
 
 void Exchange::start(ExchangePlan plan, int rank, int size, size_t elem_size, Comm& c,
-                     std::vector<at::Tensor> owners) {
+                     c10::ArrayRef<at::Tensor> owners, c10::ArrayRef<at::Tensor> more_owners) {
   plan_ = std::move(plan);
   rank_ = rank;
   size_ = size;
   es_ = std::max<size_t>(1, elem_size);
   piece_ = std::max(es_, (c.max_payload() / es_) * es_);
   owners_.clear();
-  for (const auto& t : owners)
-    if (t.defined() && t.has_storage()) owners_.push_back(t.storage());
+  for (auto list : {owners, more_owners})
+    for (const auto& t : list)
+      if (t.defined() && t.has_storage()) owners_.push_back(t.storage());
   sent_.assign(size, 0);
   recvd_.assign(size, 0);
   send_total_.assign(size, 0);

@@ -6,6 +6,8 @@
 // empty span still sends one message: its header is how mismatched collectives are caught.
 // Large spans may travel as bulk transfers where the transport has them (docs/design.md).
 #include <c10/core/ScalarType.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/SmallVector.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <ATen/core/Tensor.h>
@@ -19,6 +21,11 @@
 
 namespace fastcomm {
 
+// Arrays indexed by group rank. Inline up to 8 members, so an op in a small group allocates
+// nothing for them: a blocking small op's cost is mostly such bookkeeping.
+template <typename T>
+using PerMember = c10::SmallVector<T, 8>;
+
 struct Span {
   uint8_t* ptr = nullptr;
   size_t len = 0;
@@ -27,8 +34,8 @@ struct Span {
 };
 
 struct ExchangePlan {
-  std::vector<Span> send;  // by group rank
-  std::vector<Span> recv;  // by group rank; copy mode destinations
+  PerMember<Span> send;  // by group rank
+  PerMember<Span> recv;  // by group rank; copy mode destinations
   bool fold = false;       // fold mode: every active recv span is reduced into `out`
   Span out;                // fold output
   const uint8_t* own = nullptr;  // this rank's contribution to the fold (may alias out)
@@ -59,7 +66,7 @@ class Exchange {
   // `owners`: tensors whose memory the plan's spans point into; bulk transfers keep them alive
   // for as long as the transport may touch that memory.
   void start(ExchangePlan plan, int rank, int size, size_t elem_size, Comm& c,
-             std::vector<at::Tensor> owners);
+             c10::ArrayRef<at::Tensor> owners, c10::ArrayRef<at::Tensor> more_owners = {});
   bool step(Comm& c);
   bool done() const { return done_; }
 
@@ -78,20 +85,20 @@ class Exchange {
   ExchangePlan plan_;
   int rank_ = 0, size_ = 1;
   size_t es_ = 1, piece_ = 1;
-  std::vector<size_t> sent_, send_total_, recvd_, recv_total_;
+  PerMember<size_t> sent_, send_total_, recvd_, recv_total_;
   size_t folded_ = 0, fold_total_ = 0;
   int fold_next_ = 0;
   bool inplace_ = false, direct_ = false, acc_started_ = false, done_ = false;
   std::vector<uint8_t> tmp_;
   // Bulk transfers by group rank (null: that direction uses ordinary messages), and the
   // scratch a bulk fold receives into.
-  std::vector<char> bulk_send_;
-  std::vector<char> bulk_from_;  // the peer's transport has bulk transfers: it may send an offer
-  std::vector<std::shared_ptr<Bulk>> bsend_, brecv_;
-  std::vector<at::Tensor> scratch_;
+  PerMember<char> bulk_send_;
+  PerMember<char> bulk_from_;  // the peer's transport has bulk transfers: it may send an offer
+  PerMember<std::shared_ptr<Bulk>> bsend_, brecv_;
+  PerMember<at::Tensor> scratch_;
   // The storages the spans point into (not the tensors: a tensor can be given new storage,
   // say by set_(), while a transfer still uses the old one).
-  std::vector<c10::Storage> owners_;
+  c10::SmallVector<c10::Storage, 2> owners_;
 };
 
 }  // namespace fastcomm

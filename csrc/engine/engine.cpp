@@ -144,7 +144,7 @@ Engine::Prepared Engine::prepare(OpRequest req, const GroupHandle& g) {
   return p;
 }
 
-c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared> ops, bool async_op) {
+c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared> ops, bool async_op, bool hidden) {
   if (!ops.empty() && !ops[0].device.is_cpu()) {
     const c10::Device dev = ops[0].device;
     std::vector<DeviceOp> dops;
@@ -160,7 +160,8 @@ c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared> ops, bool async_op) 
   for (auto& p : ops) {
     TORCH_CHECK_VALUE(p.device.is_cpu(), "fastcomm.batch: rank ", opts_.rank,
                       ": a batch runs on one device; it holds ops on cpu and on ", p.device);
-    for (auto& t : p.op->outputs()) outputs.push_back(t);
+    if (!hidden)
+      for (auto& t : p.op->outputs()) outputs.push_back(t);
   }
   const c10d::OpType type = ops.size() == 1 ? ops[0].type : c10d::OpType::COALESCED;
   auto work = c10::make_intrusive<Work>(shared_from_this(), opts_.rank, type, std::move(outputs), (int)ops.size(),
@@ -169,12 +170,14 @@ c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared> ops, bool async_op) 
     work->settle(nullptr, true);
     return work;
   }
-  std::vector<Progress::Posted> queued(ops.size());
-  for (size_t i = 0; i < ops.size(); ++i) {
-    queued[i].group = ops[i].group.state.get();
-    queued[i].op = std::move(ops[i].op);
-    queued[i].any_source = ops[i].type == c10d::OpType::RECVANYSOURCE;
-    if (ops[i].source >= 0) work->set_source(ops[i].source);
+  Progress::PostedOps queued;
+  queued.reserve(ops.size());
+  for (auto& p : ops) {
+    queued.emplace_back();
+    queued.back().group = p.group.state.get();
+    queued.back().op = std::move(p.op);
+    queued.back().any_source = p.type == c10d::OpType::RECVANYSOURCE;
+    if (p.source >= 0) work->set_source(p.source);
   }
   Progress::Done done;
   {
@@ -195,7 +198,8 @@ c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared> ops, bool async_op) 
 }
 
 c10::intrusive_ptr<Work> Engine::run(std::vector<Prepared> ops, bool async_op, bool rethrow) {
-  auto w = post(std::move(ops), async_op);
+  // A blocking call that raises its own error hands no Work to anyone (the native API).
+  auto w = post(std::move(ops), async_op, /*hidden=*/!async_op && rethrow);
   if (!async_op && !w->on_device()) {
     driver_.wait(*w, std::chrono::milliseconds(0));
     if (rethrow) w->rethrow_if_failed();

@@ -74,7 +74,8 @@ class Engine final : public Waiter, public std::enable_shared_from_this<Engine> 
   Prepared prepare(OpRequest req, const GroupHandle& g);
   // Issues the ops together (one pass, one write and wake-up per peer) as one Work that
   // completes when all have (its error is the first op's). All on one device.
-  c10::intrusive_ptr<Work> post(std::vector<Prepared> ops, bool async_op);
+  // `hidden`: the Work reaches no caller, so it keeps no outputs for result() or its Future.
+  c10::intrusive_ptr<Work> post(std::vector<Prepared> ops, bool async_op, bool hidden = false);
   // post, and for a blocking host op, waits for it; `rethrow`: raise its error here (the torch
   // backend leaves it in the Work, which torch waits on next).
   c10::intrusive_ptr<Work> run(std::vector<Prepared> ops, bool async_op, bool rethrow);

@@ -29,7 +29,7 @@ std::string Progress::failure_prefix(const GroupState& g, const Pending& p) cons
          " (op #" + std::to_string(p.seq) + ")";
 }
 
-void Progress::post_locked(std::vector<Posted> ops, const c10::intrusive_ptr<Work>& work, Done& done) {
+void Progress::post_locked(PostedOps ops, const c10::intrusive_ptr<Work>& work, Done& done) {
   if (work->is_async()) pending_async_.fetch_add(1);
   const auto now = Clock::now();
   for (auto& x : ops) {

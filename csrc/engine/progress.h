@@ -6,6 +6,8 @@
 // Ops are destroyed outside the lock too: an op may hold the last C++ reference to a tensor
 // Python still sees, and dropping that takes the GIL, which a thread waiting for the lock may
 // hold (new_group, say). So a pass collects what it finished in a Done, dropped after unlock.
+#include <c10/util/SmallVector.h>
+
 #include <atomic>
 #include <cstdint>
 #include <exception>
@@ -23,9 +25,11 @@ namespace fastcomm {
 class Progress {
  public:
   using Works = std::vector<c10::intrusive_ptr<Work>>;
+  // Inline storage: a blocking op's pass finishes one op, and allocating here would be a
+  // measurable part of its cost.
   struct Done {
-    Works works;
-    std::vector<Pending> gone;
+    c10::SmallVector<c10::intrusive_ptr<Work>, 2> works;
+    c10::SmallVector<Pending, 2> gone;
     bool empty() const { return works.empty(); }
   };
 
@@ -45,8 +49,9 @@ class Progress {
   // Under the lock. Queues `ops` on their groups as parts of `work` (each with its group's
   // timeout; a recv that must be matched in posting order on its port) and runs the eager
   // first pass, so small ops' sends leave before the caller even waits. A group with a member
-  // known dead fails its op at once, sending nothing.
-  void post_locked(std::vector<Posted> ops, const c10::intrusive_ptr<Work>& work, Done& done);
+  // known dead fails its op at once, sending nothing. (Inline storage: a blocking op posts one.)
+  using PostedOps = c10::SmallVector<Posted, 1>;
+  void post_locked(PostedOps ops, const c10::intrusive_ptr<Work>& work, Done& done);
   // One pass over the busy groups; true if anything moved.
   bool pass_locked(Done& done);
   // Slow path, run while waiting: peers that exited, ops past their deadline.

@@ -70,7 +70,8 @@ struct Fixture {
     req.tensor = r.t;
     req.peer = src;
     req.tag = kTag;
-    std::vector<Progress::Posted> ops(1);
+    Progress::PostedOps ops;
+    ops.emplace_back();
     ops[0].any_source = any;
     if (any) {
       ops[0].group = g.state.get();
