@@ -120,8 +120,11 @@ py::object issue(Engine& e, int kind, const GroupHandle& g, const py::handle& te
     ops.push_back(e.prepare(std::move(r), g));
     w = e.run(std::move(ops), async_op, /*rethrow=*/true);
   }
-  // Python objects (even None's reference count) only with the GIL held again.
-  return async_op ? to_py_work(std::move(w)) : py::none();
+  // Python objects (even None's reference count) only with the GIL held again. A blocking recv
+  // returns its sender's global rank (torch's recv does), found only now for one from any source.
+  if (async_op) return to_py_work(std::move(w));
+  if (k == OpKind::kRecv && !w->on_device()) return py::int_(g.ranks[w->sourceRank()]);
+  return py::none();
 }
 
 int int_arg(PyObject* o, const char* name) {
@@ -214,6 +217,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("rank", &GroupHandle::rank)
       .def_readonly("id", &GroupHandle::id)
       .def_property_readonly("is_member", [](const GroupHandle& g) { return g.state != nullptr; })
+      // How long each op of the group may take (fixed at creation); 0 on a non-member.
+      .def_property_readonly("timeout_ms",
+                             [](const GroupHandle& g) { return g.state ? (int64_t)g.state->timeout.count() : 0; })
       .def("__repr__", [](const GroupHandle& g) { return "<fastcomm group " + g.label() + ">"; });
 
   // The engine lock is taken without the GIL, always: a progress pass holding it may need the

@@ -6,10 +6,12 @@ the same calls are validated and queued instead, and the batch issues them toget
 from __future__ import annotations
 
 import threading
+import time
+from datetime import timedelta
 from typing import List, Optional, Sequence
 
 import torch
-from torch.distributed import ReduceOp
+from torch.distributed import DistBackendError, ReduceOp
 
 from . import _C, _state
 from .work import Work
@@ -21,6 +23,10 @@ _REDUCE_SCATTER, _REDUCE_SCATTER_TENSOR = _K["reduce_scatter"], _K["reduce_scatt
 _SEND, _RECV = _K["send"], _K["recv"]
 _REDUCE, _GATHER, _SCATTER = _K["reduce"], _K["gather"], _K["scatter"]
 _ALL_TO_ALL, _ALL_TO_ALL_SINGLE = _K["all_to_all"], _K["all_to_all_single"]
+_ANY_SOURCE = -1  # recv's peer when src and group_src are both None
+# monitored_barrier's messages travel on the send/recv channels of this tag, which send and
+# recv refuse, so user messages never meet them.
+_MONITORED_BARRIER_TAG = -(2 ** 31)
 
 
 class _Local(threading.local):
@@ -159,36 +165,142 @@ def barrier(group=None, async_op: bool = False) -> Optional[Work]:
     return _wrap(e.issue(_BARRIER, h, None, None, None, None, -1, 0, async_op, _tls.batch, None, None))
 
 
+def _reserved_tag(api: str):
+    raise ValueError(f"fastcomm.{api}: rank {_state.get_rank()}: argument 'tag' {_MONITORED_BARRIER_TAG} is "
+                     f"reserved (fastcomm.monitored_barrier uses it)")
+
+
 def isend(tensor: torch.Tensor, dst: Optional[int] = None, group=None, tag: int = 0,
           group_dst: Optional[int] = None) -> Optional[Work]:
     """Sends ``tensor`` to global rank ``dst``; matched, in order, by the recv with the same
-    source, group and tag on ``dst``."""
+    source, group and tag on ``dst`` (or by one from any source there)."""
     e, h = _handle(group, "isend")
+    if tag == _MONITORED_BARRIER_TAG:
+        _reserved_tag("isend")
     dst = _global_rank(group, dst, group_dst, "isend", "dst")
-    return _wrap(e.issue(_SEND, h, tensor, None, None, None, dst, tag, True, _tls.batch, None, None))
+    return _wrap(e.issue(_SEND, h, tensor, None, None, None, dst, tag, True, _tls.batch, None,
+                         None))
 
 
 def irecv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0,
           group_src: Optional[int] = None) -> Optional[Work]:
+    """Receives into ``tensor`` from global rank ``src`` (or group rank ``group_src``); with
+    neither, from whichever member's message with this tag comes first. The Work's
+    ``source_rank()`` is the sender's global rank once it completed."""
     e, h = _handle(group, "irecv")
-    src = _global_rank(group, src, group_src, "irecv", "src")
-    return _wrap(e.issue(_RECV, h, tensor, None, None, None, src, tag, True, _tls.batch, None, None))
+    if tag == _MONITORED_BARRIER_TAG:
+        _reserved_tag("irecv")
+    src = _ANY_SOURCE if src is None and group_src is None else _global_rank(group, src, group_src, "irecv", "src")
+    w = e.issue(_RECV, h, tensor, None, None, None, src, tag, True, _tls.batch, None, None)
+    return None if w is None else Work(w, h)
 
 
 def send(tensor: torch.Tensor, dst: Optional[int] = None, group=None, tag: int = 0,
          group_dst: Optional[int] = None) -> None:
     e, h = _handle(group, "send")
+    if tag == _MONITORED_BARRIER_TAG:
+        _reserved_tag("send")
     dst = _global_rank(group, dst, group_dst, "send", "dst")
     e.issue(_SEND, h, tensor, None, None, None, dst, tag, False, _tls.batch, None, None)
 
 
 def recv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0,
-         group_src: Optional[int] = None) -> int:
-    """Receives into ``tensor``; returns the sender's global rank, as torch does."""
+         group_src: Optional[int] = None) -> Optional[int]:
+    """Receives into ``tensor`` from global rank ``src`` (or group rank ``group_src``); with
+    neither, from whichever member's message with this tag comes first (messages of one sender
+    still arrive in the order sent, and receives are matched in the order they were posted).
+    Returns the sender's global rank, as torch does (inside a batch, for a named source only)."""
     e, h = _handle(group, "recv")
-    src = _global_rank(group, src, group_src, "recv", "src")
-    e.issue(_RECV, h, tensor, None, None, None, src, tag, False, _tls.batch, None, None)
-    return src
+    if tag == _MONITORED_BARRIER_TAG:
+        _reserved_tag("recv")
+    src = _ANY_SOURCE if src is None and group_src is None else _global_rank(group, src, group_src, "recv", "src")
+    got = e.issue(_RECV, h, tensor, None, None, None, src, tag, False, _tls.batch, None, None)
+    if got is not None:
+        return got
+    return None if src == _ANY_SOURCE else src
+
+
+def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) -> None:
+    """A barrier that names who is missing. Every member reports to the group's rank 0, which
+    waits at most ``timeout`` (a timedelta or seconds; default: the group's timeout) for them,
+    in group-rank order, then answers each. If a member did not arrive in time (or has exited),
+    rank 0 raises DistBackendError naming the first such rank, or with ``wait_all_ranks`` every
+    one of them, and tells the others, which raise naming the same ranks. A member that hears
+    nothing from rank 0 within twice ``timeout`` raises too. Nothing spins meanwhile."""
+    e, h = _handle(group, "monitored_barrier")
+    me = e.rank
+    if _tls.batch is not None:
+        raise RuntimeError(f"fastcomm.monitored_barrier: rank {me}: not allowed inside fastcomm.batch()")
+    ranks = list(h.ranks)
+    where = f"fastcomm.monitored_barrier: rank {me}, group {ranks}"
+    if not h.is_member:
+        raise ValueError(f"{where}: rank {me} is not a member of the group (argument 'group')")
+    if timeout is None:
+        timeout = timedelta(milliseconds=h.timeout_ms)
+    elif not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    if timeout <= timedelta(0):
+        raise ValueError(f"{where}: argument 'timeout' must be positive, got {timeout}")
+    k = len(ranks)
+    if k == 1:
+        return
+    secs = timeout.total_seconds()
+    tag = _MONITORED_BARRIER_TAG
+
+    def issue(kind, peer, t):
+        return e.issue(kind, h, t, None, None, None, peer, tag, True, None, None, None)
+
+    # Rank 0's answer: one flag per group rank, 1 for a member that did not arrive. It is sent
+    # even when some failed, so every member's k-th answer is rank 0's k-th whatever happened.
+    if me != ranks[0]:
+        issue(_SEND, ranks[0], torch.empty(0, dtype=torch.uint8))
+        answer = torch.zeros(k, dtype=torch.int64)
+        w = issue(_RECV, ranks[0], answer)
+        why = _wait_for(w, 2 * secs)
+        if why is not None:
+            raise DistBackendError(f"{where}: no answer from rank {ranks[0]} (the group's rank 0) within "
+                                   f"{2 * secs:g} s: {why}")
+        missing = [r for r, bad in zip(ranks, answer.tolist()) if bad]
+        if missing:
+            raise DistBackendError(f"{where}: rank {ranks[0]} (the group's rank 0) reports "
+                                   f"{_ranks_failed(missing)}")
+        return
+    arrivals = [(r, issue(_RECV, r, torch.empty(0, dtype=torch.uint8))) for r in ranks[1:]]
+    deadline = time.monotonic() + secs
+    failed = []
+    for r, w in arrivals:
+        why = _wait_for(w, deadline - time.monotonic())
+        if why is not None:
+            failed.append((r, why))
+            if not wait_all_ranks:
+                break
+    answer = torch.zeros(k, dtype=torch.int64)
+    for r, _ in failed:
+        answer[ranks.index(r)] = 1
+    sends = [issue(_SEND, r, answer) for r in ranks[1:]]
+    if failed:
+        # (The answers are not waited for: a member that exited never takes its own.)
+        details = "; ".join(f"rank {r}: {why}" for r, why in failed)
+        raise DistBackendError(f"{where}: {_ranks_failed([r for r, _ in failed], secs)} ({details})")
+    for w in sends:
+        w.wait()
+
+
+def _wait_for(w, secs: float) -> Optional[str]:
+    """Waits up to ``secs`` (at least a millisecond) for the engine Work ``w``; None once it
+    succeeded, else why not."""
+    try:
+        w.wait(timedelta(seconds=max(secs, 0.001)))
+        return None
+    except RuntimeError as err:
+        if not w.is_completed():
+            return "no message within the timeout"
+        return str(err).splitlines()[0]
+
+
+def _ranks_failed(ranks: List[int], secs: Optional[float] = None) -> str:
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    return f"{who} failed to pass monitored_barrier" + ("" if secs is None else f" within {secs:g} s")
 
 
 class batch:

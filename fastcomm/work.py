@@ -11,10 +11,11 @@ class Work:
     ``exception()``, ``get_future()``, ``result()``. Wraps the engine's c10d Work; waiting
     drives the engine on the calling thread with the GIL released."""
 
-    __slots__ = ("_w",)
+    __slots__ = ("_w", "_g")
 
-    def __init__(self, w):
+    def __init__(self, w, group=None):
         self._w = w
+        self._g = group  # irecv's group handle: maps the sender's group rank to a global one
 
     def wait(self, timeout=None) -> bool:
         if timeout is None:
@@ -41,6 +42,12 @@ class Work:
 
     def get_future(self) -> torch.futures.Future:
         return self._w.get_future()
+
+    def source_rank(self) -> int:
+        """An irecv's sender, as a global rank, once the receive completed (for one from any
+        source, the member whose message it took). Raises for other Works, and before then."""
+        r = self._w._source_rank()
+        return r if self._g is None else self._g.ranks[r]
 
     def result(self):
         return self._w.result()

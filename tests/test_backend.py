@@ -357,13 +357,8 @@ def errors_body(rank, world):
     init(rank, world)
     pair = dist.new_group([0, 1], backend="fastcomm", use_local_synchronization=True)
     t = torch.ones(4)
-    # (reduce, gather, scatter and all_to_all are tested in test_more_collectives.py)
-    unsupported = {
-        "recvAnysource": lambda: dist.recv(torch.zeros(1)),
-    }
-    for op, call in unsupported.items():
-        with pytest.raises(RuntimeError, match=f"Backend fastcomm does not support {op}"):
-            call()
+    # (reduce, gather, scatter and all_to_all are tested in test_more_collectives.py, recv
+    # without src in test_any_source.py)
 
     # Arguments the engine rejects, before anything is sent (so the group stays in step)
     with pytest.raises(ValueError, match="exactly one tensor"):

@@ -511,6 +511,11 @@ void check_p2p(const OpRequest& r, const GroupView& g) {
   const char* api = op_kind_name(r.kind);
   const char* arg = r.kind == OpKind::kSend ? "dst" : "src";
   check_tensor(r.tensor, g, r.kind, "tensor");
+  if (r.kind == OpKind::kRecv && r.peer == kAnySource) {
+    TORCH_CHECK_VALUE(g.size() >= 2, "fastcomm.recv: rank ", g.global_rank, ", group ", g.label(),
+                      ": argument 'src' is None (any source), but the group has no other member");
+    return;
+  }
   g.group_rank_of(r.peer, api, arg);
   TORCH_CHECK_VALUE(r.peer != g.global_rank, "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(),
                     ": argument '", arg, "' is this rank itself");

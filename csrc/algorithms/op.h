@@ -36,7 +36,8 @@ class Op {
 struct OpRelease {
   bool owned = true;
   OpRelease() = default;
-  OpRelease(std::default_delete<Op>) {}  // NOLINT: implicit, from an owning unique_ptr
+  template <typename T>
+  OpRelease(std::default_delete<T>) {}  // NOLINT: implicit, from an owning unique_ptr
   explicit OpRelease(bool o) : owned(o) {}
   void operator()(Op* p) const {
     if (owned) delete p;

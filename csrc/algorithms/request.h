@@ -15,6 +15,9 @@ namespace fastcomm {
 
 using RedOp = c10d::ReduceOp::RedOpType;
 
+// recv's peer when it takes the first matching message from any other member of its group.
+constexpr int kAnySource = -1;
+
 struct OpRequest {
   OpKind kind = OpKind::kNone;
   at::Tensor tensor;             // the op's tensor (in place), or its input
@@ -28,7 +31,7 @@ struct OpRequest {
   std::vector<int64_t> output_splits, input_splits;
   RedOp redop = c10d::ReduceOp::SUM;
   int peer = -1;                 // a global rank: broadcast's and scatter's src, reduce's and
-                                 // gather's dst, send's dst, recv's src
+                                 // gather's dst, send's dst, recv's src (or kAnySource)
   int tag = 0;                   // send/recv
 };
 
@@ -50,7 +53,8 @@ struct CollectiveSpec {
   // Checks beyond those every op gets (membership, tensor basics); throws naming rank, group
   // and argument.
   void (*check)(const OpRequest& r, const GroupView& g);
-  // The host algorithm. For send/recv, `g` is the two-member channel of the pair.
+  // The host algorithm. For send/recv, `g` is the two-member channel of the pair (a recv from
+  // any source is made once its sender is known).
   std::unique_ptr<Op> (*make)(const OpRequest& r, const GroupView& g);
   bool p2p;  // runs on a channel per (group, src, dst, tag) instead of the group itself
 };

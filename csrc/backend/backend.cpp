@@ -247,6 +247,13 @@ c10::intrusive_ptr<c10d::Work> FastcommBackend::recv(std::vector<at::Tensor>& te
   return run(std::move(r), true);
 }
 
+c10::intrusive_ptr<c10d::Work> FastcommBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  OpRequest r = request(OpKind::kRecv, single(tensors, "recvAnysource", "tensors"));
+  r.peer = kAnySource;
+  r.tag = tag;
+  return run(std::move(r), true);
+}
+
 void FastcommBackend::shutdown() {
   // A subgroup's backend owns nothing but its group record. The world group's backend made the
   // engine, so destroy_process_group() releases it (fails pending ops, stops its thread).

@@ -117,6 +117,22 @@ Engine::Prepared Engine::prepare(OpRequest req, const GroupHandle& g) {
   p.type = op_kind_type(req.kind);
   if (spec.p2p) {
     const bool sending = req.kind == OpKind::kSend;
+    if (!sending && p.device.is_cpu()) {
+      p.recv = true;
+      p.recv_group = g.id;
+      p.tag = req.tag;
+    }
+    if (!sending && req.peer == kAnySource) {
+      // The channel, and so the op, is known once a member's message is matched to it.
+      TORCH_CHECK_VALUE(p.device.is_cpu(), "fastcomm.recv: rank ", opts_.rank, ", group ", g.label(),
+                        ": a recv from any source (src None) is not supported for ", p.device,
+                        " tensors; name the sender");
+      p.type = c10d::OpType::RECVANYSOURCE;
+      p.group = g;
+      p.op = std::make_unique<UnboundRecv>(std::move(req));
+      return p;
+    }
+    if (!sending) p.source = (int)(std::find(g.ranks.begin(), g.ranks.end(), req.peer) - g.ranks.begin());
     const int src = sending ? opts_.rank : req.peer, dst = sending ? req.peer : opts_.rank;
     std::lock_guard<std::mutex> lk(mu_);
     p.group = groups_.channel(g, src, dst, req.tag);
@@ -154,13 +170,26 @@ c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared> ops, bool async_op, 
     work->settle(nullptr, true);
     return work;
   }
-  Progress::Posted queued;
+  Progress::PostedOps queued;
   queued.reserve(ops.size());
-  for (auto& p : ops) queued.emplace_back(p.group.state.get(), std::move(p.op));
+  for (auto& p : ops) {
+    queued.emplace_back();
+    queued.back().group = p.group.state.get();
+    queued.back().op = std::move(p.op);
+    queued.back().any_source = p.type == c10d::OpType::RECVANYSOURCE;
+    if (p.source >= 0) work->set_source(p.source);
+  }
   Progress::Done done;
   {
     std::lock_guard<std::mutex> lk(mu_);
     TORCH_CHECK(!shut_down_, "fastcomm: rank ", opts_.rank, ": fastcomm was shut down");
+    // Ports are looked up here, under the lock, so a recv is ordered against every other
+    // receive by the time it is posted, whichever thread posts first.
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (!ops[i].recv) continue;
+      queued[i].port = queued[i].any_source ? groups_.port(ops[i].group, ops[i].tag)
+                                            : groups_.find_port(ops[i].recv_group, ops[i].tag);
+    }
     progress_.post_locked(std::move(queued), work, done);
   }
   progress_.finish(done);
@@ -188,12 +217,18 @@ std::shared_ptr<Plan> Engine::make_plan(std::vector<Prepared> ops) {
   for (auto& p : ops) {
     TORCH_CHECK_VALUE(p.device.is_cpu(), "fastcomm.plan: rank ", opts_.rank, ", group ", p.group.label(),
                       ": plans hold host ops only; this ", op_kind_name(p.req.kind), " is on ", p.device);
-    TORCH_CHECK_VALUE(p.op && p.op->restartable(), "fastcomm.plan: rank ", opts_.rank, ", group ",
-                      p.group.label(), ": a ", op_kind_name(p.req.kind), " of this form cannot be part of a plan");
+    TORCH_CHECK_VALUE(p.type != c10d::OpType::RECVANYSOURCE, "fastcomm.plan: rank ", opts_.rank, ", group ",
+                      p.group.label(), ": a receive from any source cannot be part of a plan (its sender is "
+                      "matched anew each time)");
+    TORCH_INTERNAL_ASSERT(p.op && p.op->restartable(), "fastcomm.plan: ", op_kind_name(p.req.kind),
+                          " op cannot restart");
     Plan::Entry e;
     e.group = p.group;
     e.op = std::move(p.op);
     e.kind = p.req.kind;
+    e.recv = p.recv;
+    e.recv_group = p.recv_group;
+    e.tag = p.tag;
     auto note = [&](const at::Tensor& t) {
       if (t.defined()) e.tensors.emplace_back(t, t.has_storage() ? t.storage().data() : nullptr);
     };
@@ -238,11 +273,14 @@ c10::intrusive_ptr<Work> Engine::start(const std::shared_ptr<Plan>& plan, bool a
       work->settle(nullptr, true);
     } else {
       // The last start is done, so no queue holds these ops: they can be rewound.
-      Progress::Posted queued;
+      Progress::PostedOps queued;
       queued.reserve(pl.ops_.size());
       for (auto& e : pl.ops_) {
         e.op->restart();
-        queued.emplace_back(e.group.state.get(), OpPtr(e.op.get(), OpRelease(false)));
+        queued.emplace_back();
+        queued.back().group = e.group.state.get();
+        queued.back().op = OpPtr(e.op.get(), OpRelease(false));
+        if (e.recv) queued.back().port = groups_.find_port(e.recv_group, e.tag);
       }
       progress_.post_locked(std::move(queued), work, done, plan);
     }

@@ -50,6 +50,9 @@ class Plan {
     GroupHandle group;  // for send/recv, the pair's channel
     std::unique_ptr<Op> op;
     OpKind kind = OpKind::kNone;
+    bool recv = false;  // a recv from a known source, matched after any-source receives
+    uint64_t recv_group = 0;  // posted before it (Engine::Prepared)
+    int tag = 0;
     // Every tensor the op touches, with where its data was at recording: the algorithm holds
     // raw pointers into it, so a tensor given other storage since must not run.
     c10::SmallVector<std::pair<at::Tensor, const void*>, 2> tensors;
@@ -82,11 +85,17 @@ class Engine final : public Waiter, public std::enable_shared_from_this<Engine> 
 
   // A checked op, not yet issued: the host algorithm, or the request for a device engine.
   struct Prepared {
-    GroupHandle group;  // for send/recv, the pair's channel
+    GroupHandle group;  // for send/recv, the pair's channel; for a recv from any source, the group
     c10::Device device = c10::Device(c10::kCPU);
     c10d::OpType type = c10d::OpType::UNKNOWN;
     std::unique_ptr<Op> op;  // host ops
-    OpRequest req;           // device ops
+    OpRequest req;           // a device op's input; for a host op, its tensors (plans check them)
+    // A host recv: the (group, tag) whose port, if any, it is matched on in posting order
+    // (engine/group.h, RecvPort), and its sender's group rank (-1: any source, not known yet).
+    bool recv = false;
+    uint64_t recv_group = 0;
+    int tag = 0;
+    int source = -1;
   };
   // Every argument check, before anything is sent. Takes the lock for send/recv (channels).
   Prepared prepare(OpRequest req, const GroupHandle& g);

@@ -108,6 +108,19 @@ GroupHandle GroupRegistry::channel(const GroupHandle& g, int src, int dst, int t
   return h;
 }
 
+RecvPort* GroupRegistry::port(const GroupHandle& g, int tag) {
+  auto& slot = ports_[{g.id, tag}];
+  if (slot) return slot.get();
+  auto port = std::make_unique<RecvPort>();
+  port->group = g.state;
+  port->tag = tag;
+  port->from.resize(g.ranks.size(), nullptr);
+  for (size_t i = 0; i < g.ranks.size(); ++i)
+    if (g.ranks[i] != rank_) port->from[i] = channel(g, g.ranks[i], rank_, tag).state.get();
+  slot = std::move(port);
+  return slot.get();
+}
+
 // Null unless the group spans hosts with several members on one of them: with one host there
 // is no Gloo at all, and with a member per host the flat exchange is already one message per
 // pair of hosts.
@@ -126,6 +139,7 @@ std::shared_ptr<const HostLayout> GroupRegistry::host_layout(const std::vector<i
 }
 
 void GroupRegistry::clear() {
+  ports_.clear();
   groups_.clear();
   channels_.clear();
 }

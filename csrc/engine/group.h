@@ -45,6 +45,44 @@ struct GroupState {
   bool busy = false;  // in the progress pass's list of groups with queued ops
 };
 
+// A receive waiting in a RecvPort to be matched to a sender: its Pending (seq unset until it
+// is bound to a channel) and, for a specific-source receive, that channel (null: any source).
+struct WaitingRecv {
+  Pending p;
+  GroupState* channel = nullptr;
+};
+
+// The receives of one (group, tag) on this rank that must be matched in posting order, as MPI
+// does: a message goes to the earliest posted receive that accepts its sender. Every
+// any-source receive waits here, and so does a specific one posted while an any-source one is
+// still waiting (it could otherwise take a message meant for that one); a specific receive
+// posted while none waits goes straight to its channel. Made at the group's first any-source
+// receive with that tag, with the channels from every other member. Under the engine lock.
+struct RecvPort {
+  std::shared_ptr<GroupState> group;  // the group the receives were posted on
+  int tag = 0;
+  std::vector<GroupState*> from;  // by group rank: the channel from that member (null: this rank)
+  std::deque<WaitingRecv> waiting;
+  size_t next_try = 0;  // the member tried first at the next match (fairness among senders)
+  bool busy = false;    // in the progress pass's list of ports with waiting receives
+};
+
+// The op of an any-source receive until it is matched: it holds the request (its tensor) for
+// the receive op made once the sender is known, and is never stepped.
+class UnboundRecv final : public Op {
+ public:
+  explicit UnboundRecv(OpRequest r)
+      : Op(OpDesc{OpKind::kSend, r.tensor.scalar_type(), c10d::ReduceOp::SUM, (uint64_t)r.tensor.numel(), -1}),
+        req_(std::move(r)) {}
+  bool step(Comm&) override { return false; }
+  bool done() const override { return false; }
+  std::vector<at::Tensor> outputs() const override { return {req_.tensor}; }
+  const OpRequest& request() const { return req_; }
+
+ private:
+  OpRequest req_;
+};
+
 // What Python holds for a group. `state` is null on a rank that is not a member.
 struct GroupHandle {
   std::vector<int> ranks;  // sorted global ranks; group rank i is ranks[i]
@@ -69,6 +107,14 @@ class GroupRegistry {
   // by each side alone; the k-th send from src to dst with a tag matches the k-th recv. It
   // times out as its group does.
   GroupHandle channel(const GroupHandle& g, int src, int dst, int tag);
+  // The receive port of (group, tag), made with its channels on first use.
+  RecvPort* port(const GroupHandle& g, int tag);
+  // The port of (group id, tag) if one was made, else null.
+  RecvPort* find_port(uint64_t group, int tag) const {
+    if (ports_.empty()) return nullptr;
+    auto it = ports_.find({group, tag});
+    return it == ports_.end() ? nullptr : it->second.get();
+  }
   GroupState* find(uint64_t id) const {
     auto it = groups_.find(id);
     return it == groups_.end() ? nullptr : it->second.get();
@@ -87,6 +133,7 @@ class GroupRegistry {
   std::unordered_map<uint64_t, std::shared_ptr<GroupState>> groups_;
   std::map<std::vector<int>, uint32_t> instances_;  // how many groups over each rank list
   std::map<std::tuple<uint64_t, int, int, int>, GroupHandle> channels_;
+  std::map<std::pair<uint64_t, int>, std::unique_ptr<RecvPort>> ports_;
 };
 
 // What checks and algorithms see of a member's group.

@@ -29,33 +29,37 @@ std::string Progress::failure_prefix(const GroupState& g, const Pending& p) cons
          " (op #" + std::to_string(p.seq) + ")";
 }
 
-void Progress::post_locked(Posted ops, const c10::intrusive_ptr<Work>& work, Done& done,
+void Progress::post_locked(PostedOps ops, const c10::intrusive_ptr<Work>& work, Done& done,
                            const std::shared_ptr<const void>& keep) {
   if (work->is_async()) pending_async_.fetch_add(1);
   const auto now = Clock::now();
-  for (auto& [gp, op] : ops) {
-    GroupState& g = *gp;
+  for (auto& x : ops) {
+    GroupState& g = *x.group;
     int dead = -1;
     for (int r : g.ranks)
       if (dead_[r]) dead = r;
     if (dead >= 0) {
       settle_locked(done, work,
                     backend_error("fastcomm: rank " + std::to_string(rank_) + ", group " + g.label + ": " +
-                                  describe(op->desc()) + " cannot run: rank " + std::to_string(dead) +
-                                  " has exited"));
+                                  (x.any_source ? "recv from any source (tag " + std::to_string(x.port->tag) + ")"
+                                                : describe(x.op->desc())) +
+                                  " cannot run: rank " + std::to_string(dead) + " has exited"));
       continue;
     }
     Pending p;
-    p.op = std::move(op);
+    p.op = std::move(x.op);
     p.keep = keep;
     p.work = work;
-    p.seq = g.next_seq++;
     p.deadline = now + g.timeout;
-    g.queue.push_back(std::move(p));
-    if (!g.busy) {
-      g.busy = true;
-      busy_.push_back(&g);
+    if (x.port && (x.any_source || !x.port->waiting.empty())) {
+      x.port->waiting.push_back(WaitingRecv{std::move(p), x.any_source ? nullptr : &g});
+      if (!x.port->busy) {
+        x.port->busy = true;
+        busy_ports_.push_back(x.port);
+      }
+      continue;
     }
+    enqueue_locked(g, std::move(p));
   }
   posting_batch_ = ops.size() > 1;
   const size_t stashed = router_.stashed();
@@ -64,6 +68,70 @@ void Progress::post_locked(Posted ops, const c10::intrusive_ptr<Work>& work, Don
   // Once more if a transport thread was refused meanwhile, or if the pass stashed messages
   // (maybe of an op it had already stepped, which nobody would ring for).
   if (rerun_.load() || router_.stashed() > stashed) pass_locked(done);
+}
+
+void Progress::enqueue_locked(GroupState& g, Pending p) {
+  p.seq = g.next_seq++;
+  g.queue.push_back(std::move(p));
+  if (!g.busy) {
+    g.busy = true;
+    busy_.push_back(&g);
+  }
+}
+
+// A receive is bound to a channel by taking that channel's next seq, so the k-th message on
+// every (src, dst, tag) channel still goes to the k-th receive bound there (non-overtaking).
+// Specific receives already bound hold the seqs below next_seq, so an any-source one only ever
+// takes a message no earlier receive was waiting for.
+bool Progress::match_locked(RecvPort& port) {
+  bool any = false;
+  const std::vector<int>& ranks = port.group->ranks;
+  const size_t n = ranks.size();
+  while (!port.waiting.empty()) {
+    WaitingRecv& w = port.waiting.front();
+    GroupState* ch = w.channel;
+    if (ch == nullptr) {
+      // The first member, from the one after the last match on, whose next message on its
+      // channel is here: no sender is starved by a busier one.
+      size_t from = n;
+      for (size_t k = 0; k < n && from == n; ++k) {
+        const size_t i = (port.next_try + k) % n;
+        GroupState* c = port.from[i];
+        if (c != nullptr && router_.peek(*c, c->next_seq, ranks[i]) != nullptr) from = i;
+      }
+      if (from == n) break;  // later receives wait too: this one comes first for any sender
+      port.next_try = (from + 1) % n;
+      ch = port.from[from];
+      OpRequest r = static_cast<const UnboundRecv&>(*w.p.op).request();
+      r.peer = ranks[from];
+      // (The placeholder is dropped under the lock: the new op holds the same tensor.)
+      w.p.op = collective_spec(OpKind::kRecv).make(r, view_of(*ch, rank_, 0));
+      w.p.work->set_source((int)from);
+    }
+    enqueue_locked(*ch, std::move(w.p));
+    port.waiting.pop_front();
+    any = true;
+  }
+  return any;
+}
+
+std::string Progress::port_prefix(const RecvPort& port, const Pending& p) const {
+  const OpDesc& d = p.op->desc();
+  return "fastcomm: rank " + std::to_string(rank_) + ", group " + port.group->label + ": recv from any source (tag " +
+         std::to_string(port.tag) + ", dtype=" + c10::toString(d.dtype) + ", numel=" + std::to_string(d.numel) + ")";
+}
+
+void Progress::fail_any_source_locked(RecvPort& port, const std::string& msg, Done& done) {
+  std::deque<WaitingRecv> keep;
+  for (auto& w : port.waiting) {
+    if (w.channel != nullptr) {
+      keep.push_back(std::move(w));
+      continue;
+    }
+    settle_locked(done, w.p.work, backend_error(port_prefix(port, w.p) + msg));
+    done.gone.push_back(std::move(w.p));
+  }
+  port.waiting.swap(keep);
 }
 
 void Progress::idle_locked(size_t i) {
@@ -78,6 +146,18 @@ bool Progress::pass_locked(Done& done) {
   if (rerun_.load()) rerun_.store(false);
   const bool more_ops = posting_batch_ || pending_async_.load() > 1;
   bool any = false;
+  // Receives matched now are stepped in this same pass, on their channels.
+  for (size_t i = 0; i < busy_ports_.size();) {
+    RecvPort& port = *busy_ports_[i];
+    any |= match_locked(port);
+    if (!port.waiting.empty()) {
+      ++i;
+      continue;
+    }
+    port.busy = false;
+    busy_ports_[i] = busy_ports_.back();
+    busy_ports_.pop_back();
+  }
   for (size_t i = 0; i < busy_.size();) {
     GroupState& g = *busy_[i];
     Pending& p = g.queue.front();
@@ -150,8 +230,8 @@ void Progress::fail_front_locked(GroupState& g, std::exception_ptr e, Done& done
 void Progress::health_locked(Done& done) {
   if (stopped_) return;
   std::vector<int> newly_dead;
-  for (GroupState* g : busy_)
-    for (int r : g->ranks) {
+  auto look = [&](const std::vector<int>& ranks) {
+    for (int r : ranks) {
       if (r == rank_ || dead_[r]) continue;
       // A remote peer's death shows as a failed receive, so it needs a receiver even when this
       // rank's ops never read from it (a hierarchical op's member, or leader, on another host).
@@ -162,6 +242,9 @@ void Progress::health_locked(Done& done) {
         newly_dead.push_back(r);
       }
     }
+  };
+  for (GroupState* g : busy_) look(g->ranks);
+  for (RecvPort* port : busy_ports_) look(port->group->ranks);
   if (!newly_dead.empty()) {
     for (int pass = 0; pass < 256 && pass_locked(done); ++pass) {
     }
@@ -202,6 +285,42 @@ void Progress::health_locked(Done& done) {
     if (g.queue.empty()) idle_locked(i);
     else ++i;
   }
+  // Waiting receives: an any-source one fails once any member is gone (that one may have been
+  // its sender), or at its deadline; specific ones reach their channels and fail there.
+  for (size_t i = 0; i < busy_ports_.size();) {
+    RecvPort& port = *busy_ports_[i];
+    int dead = -1;
+    for (int r : port.group->ranks)
+      if (r != rank_ && dead_[r]) {
+        dead = r;
+        break;
+      }
+    if (dead >= 0) {
+      std::string msg = " failed: rank " + std::to_string(dead) + " (pid " + std::to_string(pids_[dead]) +
+                        ") has exited, and may have been the sender";
+      const std::string why = tr_.of(dead)->death_reason(dead);
+      if (!why.empty()) msg += " (" + why + ")";
+      fail_any_source_locked(port, msg, done);
+    } else {
+      while (!port.waiting.empty() && port.waiting.front().channel == nullptr &&
+             now >= port.waiting.front().p.deadline) {
+        Pending& p = port.waiting.front().p;
+        settle_locked(done, p.work,
+                      backend_error(port_prefix(port, p) + " timed out after " +
+                                    std::to_string(port.group->timeout.count()) +
+                                    " ms: no member sent this rank a message with that tag"));
+        done.gone.push_back(std::move(p));
+        port.waiting.pop_front();
+      }
+    }
+    if (!port.waiting.empty()) {
+      ++i;
+      continue;
+    }
+    port.busy = false;
+    busy_ports_[i] = busy_ports_.back();
+    busy_ports_.pop_back();
+  }
   tr_.flush();  // abort notices
 }
 
@@ -221,6 +340,15 @@ void Progress::stop_locked(std::exception_ptr e, Done& done) {
     g->busy = false;
   }
   busy_.clear();
+  for (RecvPort* port : busy_ports_) {
+    for (auto& w : port->waiting) {
+      settle_locked(done, w.p.work, e);
+      done.gone.push_back(std::move(w.p));
+    }
+    port->waiting.clear();
+    port->busy = false;
+  }
+  busy_ports_.clear();
 }
 
 // Works become done here, in the order the passes finish ops, never later from another

@@ -38,12 +38,21 @@ class Progress {
   Progress(std::mutex& mu, int rank, std::vector<int64_t> pids, TransportSet& tr, MessageRouter& router,
            std::function<void()> wake_background);
 
+  // One op of a post: its group (a send/recv's channel; an any-source recv's own group) and,
+  // for a recv, the port of its (group, tag) if there is one (always, from any source).
+  struct Posted {
+    GroupState* group = nullptr;
+    OpPtr op;
+    RecvPort* port = nullptr;
+    bool any_source = false;
+  };
   // Under the lock. Queues `ops` on their groups as parts of `work` (each with its group's
-  // timeout) and runs the eager first pass, so small ops' sends leave before the caller even waits. A group with a member known
-  // dead fails its op at once, sending nothing.
+  // timeout; a recv that must be matched in posting order on its port) and runs the eager
+  // first pass, so small ops' sends leave before the caller even waits. A group with a member
+  // known dead fails its op at once, sending nothing. (Inline storage: a blocking op posts one.)
   // `keep`: held by every queue entry of this post (a plan, for the ops it owns).
-  using Posted = c10::SmallVector<std::pair<GroupState*, OpPtr>, 1>;
-  void post_locked(Posted ops, const c10::intrusive_ptr<Work>& work, Done& done,
+  using PostedOps = c10::SmallVector<Posted, 1>;
+  void post_locked(PostedOps ops, const c10::intrusive_ptr<Work>& work, Done& done,
                    const std::shared_ptr<const void>& keep = nullptr);
   // One pass over the busy groups; true if anything moved.
   bool pass_locked(Done& done);
@@ -77,6 +86,13 @@ class Progress {
   void settle_locked(Done& done, const c10::intrusive_ptr<Work>& w, std::exception_ptr e);
   void fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, bool tell_peers);
   void idle_locked(size_t i);  // drops busy_[i], whose queue is empty
+  void enqueue_locked(GroupState& g, Pending p);
+  // Binds the port's waiting receives, front first, to the channels their messages came on;
+  // stops at an any-source one no member has sent to yet. True if any was bound.
+  bool match_locked(RecvPort& port);
+  // The port's any-source receives fail with `msg` (the specific ones go on to their channels).
+  void fail_any_source_locked(RecvPort& port, const std::string& msg, Done& done);
+  std::string port_prefix(const RecvPort& port, const Pending& p) const;
   std::string failure_prefix(const GroupState& g, const Pending& p) const;
 
   std::mutex& mu_;
@@ -88,6 +104,7 @@ class Progress {
   const Doorbell bell_;
 
   std::vector<GroupState*> busy_;  // groups with queued ops
+  std::vector<RecvPort*> busy_ports_;  // ports with waiting receives
   std::vector<char> dead_;         // peers known to have exited
   Works publish_q_;                // settled Works whose Futures await completion
   bool publishing_ = false;        // a thread is completing publish_q_'s Futures

@@ -10,7 +10,17 @@ Work::Work(std::shared_ptr<Waiter> waiter, int rank, c10d::OpType type,
       outputs_(std::move(outputs)),
       waiter_(std::move(waiter)),
       remaining_(parts),
+      parts_(parts),
       async_(async_op) {}
+
+int Work::sourceRank() const {
+  const int s = source_.load(std::memory_order_acquire);
+  TORCH_CHECK(s >= 0, "fastcomm: rank ", rank_, ": source rank requested of a Work that is ",
+              (parts_ == 1 && (opType_ == c10d::OpType::RECV || opType_ == c10d::OpType::RECVANYSOURCE)
+                   ? "a recv not matched to a sender yet (wait for it first)"
+                   : "not a single recv"));
+  return s;
+}
 
 bool Work::isCompleted() {
   if (!done()) waiter_->poll();

@@ -40,6 +40,15 @@ class Work : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
+  // The sender of a Work of one recv, as a group rank of the group it was posted on (c10d's
+  // contract: torch maps it to a global rank). Known once the recv is matched to a sender (a
+  // specific-source one at once); raises before that, and for any other Work.
+  int sourceRank() const override;
+  // Engine side, before the Work settles; ignored for a Work of several ops (a batch's).
+  void set_source(int group_rank) {
+    if (parts_ == 1) source_.store(group_rank, std::memory_order_release);
+  }
+
   // Whether the op is done only once the device has run it (a blocking call then returns at
   // once, the caller's stream ordered after the op, as torch's NCCL backend does).
   virtual bool on_device() const { return false; }
@@ -66,6 +75,8 @@ class Work : public c10d::Work {
   std::shared_ptr<Waiter> waiter_;
   std::atomic<bool> done_{false};
   int remaining_;  // parts not yet finished; mutex_
+  const int parts_;
+  std::atomic<int> source_{-1};  // sourceRank(); -1 until known
   const bool async_;
   bool future_published_ = false;  // mutex_
 };

@@ -9,50 +9,13 @@
 
 #include "engine/group.h"
 #include "engine/router.h"
+#include "fake_transport.h"
 #include "transport/transport_set.h"
 #include "unit.h"
 
 using namespace fastcomm;
 
 namespace {
-
-// An in-memory transport: a queue of messages per peer, filled by the test.
-struct FakeTransport final : Transport {
-  struct Rec {
-    Header hdr;
-    std::vector<uint8_t> data;
-  };
-  std::vector<std::deque<Rec>> in;
-  Message cur;
-  std::vector<uint64_t> drained;  // tags of the offers drained
-
-  explicit FakeTransport(int world) : in(world) {}
-  const char* name() const override { return "fake"; }
-  size_t max_payload() const override { return 1024; }
-  bool try_send(int, const Header&, const void*) override { return true; }
-  void flush() override {}
-  const Message* peek(int peer) override {
-    if (in[peer].empty()) return nullptr;
-    cur.hdr = in[peer].front().hdr;
-    cur.data = in[peer].front().data.data();
-    return &cur;
-  }
-  void pop(int peer) override { in[peer].pop_front(); }
-  bool peer_alive(int) override { return true; }
-  void drain_bulk(int, const Message& offer) override { drained.push_back(offer.hdr.tag); }
-
-  void deliver(int peer, uint64_t group, uint64_t seq, uint32_t tag, const std::string& payload,
-               uint8_t flags = 0) {
-    Rec r;
-    r.hdr.group = group;
-    r.hdr.seq = seq;
-    r.hdr.tag = tag;
-    r.hdr.flags = flags;
-    r.hdr.len = (uint32_t)payload.size();
-    r.data.assign(payload.begin(), payload.end());
-    in[peer].push_back(std::move(r));
-  }
-};
 
 std::string text(const Message* m) {
   return m ? std::string(reinterpret_cast<const char*>(m->data), m->hdr.len) : std::string("<none>");
