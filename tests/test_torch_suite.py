@@ -73,7 +73,7 @@ def run_backend(backend, out_dir, extra=()):
     root = os.path.dirname(os.path.dirname(os.path.abspath(fastcomm.__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     cmd = [sys.executable, DRIVER, "--backend", backend, "--tests-file", SELECTION,
-           "--test-timeout", str(TEST_TIMEOUT), "--out", out, *extra]
+           "--test-timeout", str(TEST_TIMEOUT), "--out", out, "--work-dir", out_dir, *extra]
     t0 = time.monotonic()
     with open(log, "w") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,

@@ -68,6 +68,8 @@ def parse_args(argv):
     p.add_argument("-k", dest="patterns", action="append", default=[],
                    help="regular expression a test name must match (any of several); default all")
     p.add_argument("--tests-file", help="file of exact test names, one a line (# comments)")
+    p.add_argument("--work-dir", help="where the run's temporary directory is made (default: "
+                   "the system's); a caller that may kill the run removes this one itself")
     p.add_argument("--test-timeout", type=int, default=120,
                    help="seconds one test may take before its ranks are terminated")
     p.add_argument("--ungate", action="store_true",
@@ -211,6 +213,14 @@ def _tail(err, lines=40):
     return "\n".join(text.splitlines()[-lines:])
 
 
+def reason(detail):
+    """The line of a skip reason or failure that says what happened: a failure's last
+    exception line (torch's harness appends lines on how to rerun it)."""
+    lines = [l for l in detail.splitlines() if l.strip()]
+    errors = [l for l in lines if re.match(r"^[\w.]*(Error|Exception)\b", l)]
+    return (errors or lines or [""])[-1][:300]
+
+
 def differences(reference, other):
     """{test: (reference outcome, other outcome)} for every test the two reports (the JSON this
     script writes) both ran and whose outcomes differ."""
@@ -235,8 +245,7 @@ def compare_main(paths):
     diff = differences(ref, other)
     for name, (x, y) in diff.items():
         detail = other["tests"][name]["detail"] or ref["tests"][name]["detail"]
-        last = [l for l in detail.splitlines() if l.strip()][-1:] or [""]
-        print(f"{name}: {ref['backend']} {x}, {other['backend']} {y}: {last[0][:300]}")
+        print(f"{name}: {ref['backend']} {x}, {other['backend']} {y}: {reason(detail)}")
     print(f"{len(diff)} of {len(set(ref['tests']) & set(other['tests']))} tests differ")
     return 1 if diff else 0
 
@@ -250,7 +259,7 @@ def main(argv=None):
             raise SystemExit("usage: run_suite.py --compare REFERENCE.json OTHER.json")
         return compare_main(argv[1:])
     args = parse_args(argv)
-    run_dir = tempfile.mkdtemp(prefix=f"torch_suite_{args.backend}_")
+    run_dir = tempfile.mkdtemp(prefix=f"torch_suite_{args.backend}_", dir=args.work_dir)
     try:
         setup_environment(args, run_dir)
         import torch.distributed as dist
