@@ -442,3 +442,43 @@ def lifecycle_body(rank, world):
 
 def test_lifecycle_destroy_and_reinit():
     harness.run(lifecycle_body, 2, init=False, timeout=90)
+
+
+def debug_detail_body(rank, world):
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL: torch wraps every group it makes in its checking wrapper,
+    # which needs the backend's sequence numbers (the world group's creation failed without).
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        init(rank, world)
+        pair = dist.new_group([0, 1], backend="fastcomm", use_local_synchronization=True)
+        for name, g in (("world", None), ("pair", pair)):
+            backend = (g or dist.group.WORLD)._get_backend(torch.device("cpu"))
+            seq = backend._get_sequence_number_for_group()
+            t = torch.full((3,), float(rank + 1))
+            dist.all_reduce(t, group=g)
+            same(t, torch.full((3,), 3.0), f"all_reduce on {name} under DETAIL")
+            objs = [None] * 2
+            dist.all_gather_object(objs, f"r{rank}", group=g)
+            assert objs == ["r0", "r1"], objs
+            dist.send(torch.ones(1), dst=1 - rank, group=g) if rank == 0 else \
+                dist.recv(torch.ones(1), src=0, group=g)
+            # all_reduce, then all_gather_object's two all_gathers; send/recv are not counted
+            assert backend._get_sequence_number_for_group() == seq + 3, name
+        # The wrapper compares the members' next collectives (kind, sequence number, tensors)
+        # before running them: a mismatch is an error on both, and the group goes on.
+        with pytest.raises(RuntimeError, match="Detected mismatch between collectives"):
+            if rank == 0:
+                dist.all_reduce(torch.ones(3), group=pair)
+            else:
+                dist.broadcast(torch.ones(3), src=0, group=pair)
+        u = torch.full((2,), float(rank))
+        dist.all_reduce(u, group=pair)
+        same(u, torch.ones(2), "all_reduce after a detected mismatch")
+        dist.destroy_process_group()
+    finally:
+        dist.set_debug_level(dist.DebugLevel.OFF)
+    return True
+
+
+def test_debug_detail_wrapper_and_sequence_numbers():
+    harness.run(debug_detail_body, 2, init=False, timeout=90)

@@ -47,7 +47,9 @@ std::vector<at::Tensor> FastcommBackend::root_list(const std::vector<std::vector
 c10::intrusive_ptr<c10d::Work> FastcommBackend::run(std::vector<OpRequest> reqs, bool async_op) {
   std::vector<Engine::Prepared> ops;
   ops.reserve(reqs.size());
+  const bool p2p = !reqs.empty() && (reqs[0].kind == OpKind::kSend || reqs[0].kind == OpKind::kRecv);
   for (auto& r : reqs) ops.push_back(engine_->prepare(std::move(r), group_));
+  if (!p2p) ++collectives_;  // as Gloo counts: calls that passed their checks, not messages
   // The error, if any, stays in the Work: torch's Python layer calls wait() next, which raises it.
   return engine_->run(std::move(ops), async_op, /*rethrow=*/false);
 }

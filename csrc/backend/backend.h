@@ -7,6 +7,7 @@
 // "Backend fastcomm does not support <op>".
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -78,6 +79,12 @@ class FastcommBackend final : public c10d::Backend {
   void shutdown() override;
   void abort() override;
 
+  // Sequence numbers, which torch's debug wrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL) compares
+  // across members before each collective: the count of collectives issued on this group. Every
+  // member counts from 0 when it makes the group, so setting one needs no agreement.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return collectives_.load(); }
+
   const GroupHandle& group() const { return group_; }
   bool owns_engine() const { return owns_engine_; }
 
@@ -97,6 +104,7 @@ class FastcommBackend final : public c10d::Backend {
   std::shared_ptr<Engine> engine_;
   GroupHandle group_;
   const bool owns_engine_;
+  std::atomic<uint64_t> collectives_{0};  // collectives posted (send/recv are not counted)
 };
 
 // Adds the backend class to the `_C` module (as `_C.FastcommBackend`, a subclass of torch's c10d Backend).

@@ -268,8 +268,11 @@ void Progress::health_locked(Done& done) {
       const std::string why = tr_.of(dead)->death_reason(dead);
       if (!why.empty()) msg += " (" + why + ")";
     } else if (now >= p.deadline) {
+      // Names the timeout that ran out (and keeps the word "timeout", which torch's own
+      // suite and users' handlers match, as they match Gloo's "Timed out").
       msg = failure_prefix(g, p) + " timed out after " + std::to_string(g.timeout.count()) +
-            " ms; a member stalled or issued this group's collectives in a different order";
+            " ms, the group's timeout (new_group's, else init's); a member stalled or issued "
+            "this group's collectives in a different order";
     }
     if (msg.empty()) {
       ++i;
