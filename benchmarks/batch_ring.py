@@ -4,13 +4,15 @@ overlapping neighbour groups, fastcomm vs torch Gloo.
 
 (a) Batch scaling. Every rank issues k all_reduces of a 10x10 float32 tensor over k distinct
     groups, per step, either as k blocking ``fc.all_reduce`` calls ("single") or as one batch
-    of k (``fc.all_reduce_many``, i.e. ``with fc.batch()``). World 2: the k groups are all
+    of k (``fc.all_reduce_many``, i.e. ``with fc.batch()``), or as one start of a plan that
+    recorded the k ops once (``with fc.plan() as p`` ... ``p.start(async_op=False)``). World 2: the k groups are all
     over [0, 1] (made with ``fc.new_groups``). World 4: the k groups are pairs that cycle
     through the three perfect matchings of 4 ranks ({01,23}, {02,13}, {03,12}), so each rank
     has k distinct groups and its partner changes from one group to the next.
 (b) Ring of overlapping neighbour groups at world 4: every step each rank i all_reduces a
     10x10 float32 with its left group (i-1, i) and another with its right group (i, i+1).
-    fastcomm as a batch of 2 and as two async_op=True calls then two waits, against torch
+    fastcomm as a batch of 2, as a plan of the 2 started each step, and as two async_op=True
+    calls then two waits, against torch
     Gloo's async version (``dist.new_group`` for every neighbour pair, created by all ranks,
     two ``dist.all_reduce(..., async_op=True)`` then both waits).
 
@@ -101,8 +103,15 @@ def _scaling_body(store, rank, world, k, steps, warmup):
         def batched():
             fc.all_reduce_many(ts, gs)
 
+        with fc.plan() as p:
+            for t, g in zip(ts, gs):
+                fc.all_reduce(t, group=g)
+
+        def planned():
+            p.start(async_op=False)
+
         out = {}
-        for name, step in (("single", single), ("batch", batched)):
+        for name, step in (("single", single), ("batch", batched), ("plan", planned)):
             out[name] = best_of_loops(step, fc.barrier, steps, warmup)
             # one checked step
             for (j, members, _), t in zip(mine, ts):
@@ -131,6 +140,13 @@ def _ring_fastcomm_body(store, rank, world, steps, warmup):
                 fc.all_reduce(tr, group=right)
             b.wait()
 
+        with fc.plan() as p:
+            fc.all_reduce(tl, group=left)
+            fc.all_reduce(tr, group=right)
+
+        def plan2():
+            p.start(async_op=False)
+
         def async2():
             wl = fc.all_reduce(tl, group=left, async_op=True)
             wr = fc.all_reduce(tr, group=right, async_op=True)
@@ -138,7 +154,8 @@ def _ring_fastcomm_body(store, rank, world, steps, warmup):
             wr.wait()
 
         out = {}
-        for name, step in (("fastcomm batch of 2", batch2), ("fastcomm async_op pair", async2)):
+        for name, step in (("fastcomm batch of 2", batch2), ("fastcomm plan of 2", plan2),
+                           ("fastcomm async_op pair", async2)):
             out[name] = best_of_loops(step, fc.barrier, steps, warmup)
             # Slot j of a group = its lower rank, so both members agree on the values.
             tl.copy_(value(rank, lm[0]))
@@ -205,7 +222,7 @@ def write_plot(path, results):
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for world in WORLDS:
-        for name, style in (("single", "o-"), ("batch", "s--")):
+        for name, style in (("single", "o-"), ("batch", "s--"), ("plan", "^:")):
             pts = [(k, results["scaling"][f"{world}/{k}"][name] * 1e6) for k in KS
                    if "error" not in results["scaling"][f"{world}/{k}"]]
             if pts:
@@ -253,18 +270,18 @@ def main():
     fcr = measure(_ring_fastcomm_body, 4, steps_ring, warmup)
     progress.launch(f"(b): torch Gloo, {steps_gloo} steps")
     gl = measure(_ring_gloo_body, 4, steps_gloo, min(warmup, 20))
-    for name in ("torch Gloo async_op pair", "fastcomm batch of 2", "fastcomm async_op pair"):
+    for name in ("torch Gloo async_op pair", "fastcomm batch of 2", "fastcomm plan of 2", "fastcomm async_op pair"):
         src = gl if name.startswith("torch") else fcr
         results["ring"][name] = src.get(name)
     steps_of = {"torch Gloo async_op pair": steps_gloo, "fastcomm batch of 2": steps_ring,
-                "fastcomm async_op pair": steps_ring}
+                "fastcomm plan of 2": steps_ring, "fastcomm async_op pair": steps_ring}
 
     print("## (a) Batch scaling: k all_reduces of a 10x10 float32 over k distinct groups per step\n")
     print("single = k blocking `fc.all_reduce` calls; batch = one `fc.all_reduce_many` of k "
-          "(a `with fc.batch()` block). World 2: k groups over [0, 1]; world 4: k pair groups "
+          "(a `with fc.batch()` block); plan = one start of a plan of the k. World 2: k groups over [0, 1]; world 4: k pair groups "
           "cycling through the 3 perfect matchings of 4 ranks.\n")
-    head = ["world", "k", "steps/loop", "single µs/step", "batch µs/step", "single µs/op", "batch µs/op",
-            "batch/single"]
+    head = ["world", "k", "steps/loop", "single µs/op", "batch µs/op", "plan µs/op", "batch/single",
+            "plan/single"]
     rows = []
     for world in WORLDS:
         for k in KS:
@@ -272,12 +289,13 @@ def main():
             if "error" in cell:
                 cells = [str(world), str(k), str(cell["steps"])] + ["FAILED"] * 5
             else:
-                s, b = cell["single"], cell["batch"]
-                cells = [str(world), str(k), str(cell["steps"]), fmt_us(s), fmt_us(b),
-                         f"{s / k * 1e6:,.2f}", f"{b / k * 1e6:,.2f}", f"{b / s:.2f}"]
+                s, b, pl = cell["single"], cell["batch"], cell["plan"]
+                cells = [str(world), str(k), str(cell["steps"]), f"{s / k * 1e6:,.2f}", f"{b / k * 1e6:,.2f}",
+                         f"{pl / k * 1e6:,.2f}", f"{b / s:.2f}", f"{pl / s:.2f}"]
             rows.append(cells)
     print_table(head, rows)
-    print("\nbatch/single < 1: the batch of k costs less than k single ops.")
+    print("\nbatch/single < 1: the batch of k costs less than k single ops (plan/single: the same "
+          "for a plan's start).")
 
     print("\n## (b) Ring of overlapping neighbour groups, world 4: per step every rank "
           "all_reduces a 10x10 float32 with (i-1, i) and with (i, i+1)\n")
