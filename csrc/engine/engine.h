@@ -62,6 +62,8 @@ class Engine final : public Waiter, public std::enable_shared_from_this<Engine> 
     c10::Device device = c10::Device(c10::kCPU);
     c10d::OpType type = c10d::OpType::UNKNOWN;
     std::unique_ptr<Op> op;  // host ops
+    std::vector<at::Tensor> outputs;  // host ops: what the Work's future holds (complex
+                                      // tensors as the caller gave them, not their real views)
     OpRequest req;           // device ops
   };
   // Every argument check, before anything is sent. Takes the lock for send/recv (channels).
