@@ -262,15 +262,17 @@ std::unique_ptr<Op> make_broadcast(const at::Tensor& t, int root, int rank, int 
       });
 }
 
+// `outs`: member q's block; `reported`: what the op hands the caller's future (the blocks
+// themselves, or the one tensor they are views of).
 std::unique_ptr<Op> make_all_gather(const std::vector<at::Tensor>& outs, const at::Tensor& in,
-                                    int rank, int size) {
+                                    int rank, int size, std::vector<at::Tensor> reported) {
   OpDesc d{OpKind::kAllGather, in.scalar_type(), RedOp::SUM, (uint64_t)in.numel(), -1};
   uint8_t* src = bytes(in);
   const size_t len = nbytes(in);
   std::vector<uint8_t*> dst;
   for (const auto& o : outs) dst.push_back(bytes(o));
   std::vector<at::Tensor> keep{in};
-  return std::make_unique<PhasedOp>(d, outs, keep, rank, size, 1, in.element_size(),
+  return std::make_unique<PhasedOp>(d, std::move(reported), keep, rank, size, 1, in.element_size(),
       [=](int) {
         ExchangePlan p = blank_plan(size);
         for (int q = 0; q < size; ++q) {
@@ -461,7 +463,7 @@ void check_all_gather(const OpRequest& r, const GroupView& g) {
 }
 
 std::unique_ptr<Op> lower_all_gather(const OpRequest& r, const GroupView& g) {
-  return make_all_gather(r.list, r.tensor, g.rank, g.size());
+  return make_all_gather(r.list, r.tensor, g.rank, g.size(), r.list);
 }
 
 // One block of `whole` per member (chunk() of an empty tensor yields a single chunk).
@@ -477,7 +479,7 @@ void check_all_gather_into_tensor(const OpRequest& r, const GroupView& g) {
 }
 
 std::unique_ptr<Op> lower_all_gather_into_tensor(const OpRequest& r, const GroupView& g) {
-  return make_all_gather(blocks(r.output, g.size()), r.tensor, g.rank, g.size());
+  return make_all_gather(blocks(r.output, g.size()), r.tensor, g.rank, g.size(), {r.output});
 }
 
 void check_reduce_scatter(const OpRequest& r, const GroupView& g) {
