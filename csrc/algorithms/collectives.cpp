@@ -458,6 +458,14 @@ void check_all_gather(const OpRequest& r, const GroupView& g) {
   TORCH_CHECK_VALUE(r.list.size() == g.ranks.size(), "fastcomm.all_gather: rank ", g.global_rank, ", group ",
                     g.label(), ": argument 'tensor_list' has ", r.list.size(), " tensors, expected ",
                     g.ranks.size());
+  // Every member's block is as large as its input: torch's Gloo refuses uneven blocks too
+  // (all_to_all is the collective whose sizes may differ).
+  for (size_t i = 0; i < r.list.size(); ++i)
+    TORCH_CHECK_VALUE(!r.list[i].defined() || r.list[i].numel() == r.tensor.numel(), "fastcomm.all_gather: rank ",
+                      g.global_rank, ", group ", g.label(), ": argument 'tensor_list[", i, "]' has ",
+                      r.list[i].numel(), " elements, expected ", r.tensor.numel(),
+                      " (those of 'tensor'): all_gather's blocks must all be the size of its input, as in torch's ",
+                      "Gloo backend");
   for (size_t i = 0; i < r.list.size(); ++i)
     check_like(r.list[i], r.tensor, r.tensor.numel(), g, r.kind, "tensor_list[" + std::to_string(i) + "]");
 }
