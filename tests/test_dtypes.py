@@ -296,7 +296,7 @@ REFUSED = [
      lambda g: fc.all_gather([_c(), _c().conj()], _c(), group=g), ["'tensor_list[1]'", "resolve_conj"]),
     ("neg-send", ValueError, lambda g: fc.send(_c(1).conj().imag, 1, group=g), ["'tensor'", "resolve_neg"]),
     ("complex-vs-real-list", TypeError,
-     lambda g: fc.all_gather([_c(), torch.ones(4, 2)], _c(), group=g), ["'tensor_list[1]'", "dtype"]),
+     lambda g: fc.all_gather([_c(), torch.ones(4)], _c(), group=g), ["'tensor_list[1]'", "dtype", "Float"]),
     ("uint32-still-refused", TypeError, lambda g: fc.broadcast(torch.ones(4, dtype=torch.uint32), 0, group=g),
      ["'tensor'", "dtype", "UInt32"]),
 ]
