@@ -37,8 +37,10 @@ import test_all_reduce
 import test_backend
 import test_batch
 import test_collectives as tc
+import test_dtypes
 import test_errors
 import test_faults
+import test_uneven_all_gather
 import _helpers
 from _helpers import all_reduce_ref, expect, gen
 
@@ -98,6 +100,21 @@ def test_collectives_sweep_across_hosts(shape, hosts):
     sizes = tc.SIZES + [tc.BIG]  # 0, 1, odd, and several pieces of max_payload / Gloo heads
     results = run(tc._sweep_body, 4, shape, sizes, 8, hosts=hosts)
     tc.check_members_identical(results)
+
+
+# Complex tensors (their real view) through Gloo between hosts and hierarchically (the world
+# on THREE: two members on host A fold there first); an uneven all_gather refused on every
+# member without a message crossing hosts.
+@pytest.mark.parametrize("shape,hosts", [("pair", ALTERNATE), ("world", THREE)])
+def test_complex_collectives_across_hosts(shape, hosts):
+    results = run(test_dtypes._complex_body, 4, shape, test_dtypes.SIZES + [tc.BIG], hosts=hosts, timeout=180)
+    failures = [f for res in results for f in res]
+    assert not failures, f"{len(failures)} wrong results:\n" + "\n".join(failures[:15])
+
+
+def test_uneven_all_gather_refused_across_hosts():
+    results = run(test_uneven_all_gather._native_body, 4, "world")
+    assert all(len(m) == 8 for m in results), results
 
 
 # Every span of one byte or more as a bulk transfer (FASTCOMM_GLOO_BULK_BYTES=1): the same

@@ -51,8 +51,23 @@ ARG_ERRORS = [
      lambda g: fc.all_reduce(torch.arange(10.0)[::2], group=g), [G, "'tensor'", "contiguous"]),
     ("dtype-uint32", TypeError,
      lambda g: fc.all_reduce(torch.ones(4, dtype=torch.uint32), group=g), [G, "'tensor'", "dtype", "UInt32"]),
-    ("dtype-complex64", TypeError,
-     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.complex64), group=g), [G, "'tensor'", "dtype"]),
+    # complex runs as its real view, so only SUM and AVG fold it (torch's supports_complex)
+    ("dtype-complex64", ValueError,
+     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.complex64), op=ReduceOp.MAX, group=g),
+     [G, "'op'", "MAX", "complex", "ComplexFloat"]),
+    ("dtype-complex128-PRODUCT", ValueError,
+     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.complex128), op=ReduceOp.PRODUCT, group=g),
+     [G, "'op'", "PRODUCT", "ComplexDouble"]),
+    ("dtype-complex-BXOR", ValueError,
+     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.complex64), op=ReduceOp.BXOR, group=g), [G, "'op'", "BXOR"]),
+    ("complex-conj-view", ValueError,
+     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.complex64).conj(), group=g), [G, "'tensor'", "resolve_conj"]),
+    ("neg-bit-view", ValueError,
+     lambda g: fc.all_reduce(torch.ones(1, dtype=torch.complex64).conj().imag, group=g),  # 1 element: contiguous
+     [G, "'tensor'", "resolve_neg"]),
+    ("op-PREMUL_SUM", ValueError,
+     lambda g: fc.all_reduce(torch.ones(4), op=dist._make_nccl_premul_sum(2.0), group=g),
+     [G, "'op'", "PREMUL_SUM", "Gloo"]),
     ("sparse", ValueError, lambda g: fc.all_reduce(torch.ones(4).to_sparse(), group=g), [G, "'tensor'"]),
     ("meta-device", ValueError,
      lambda g: fc.all_reduce(torch.empty(4, device="meta"), group=g), [G, "'tensor'", "meta"]),
@@ -74,8 +89,9 @@ ARG_ERRORS = [
     # -- group of the wrong type -----------------------------------------------------------
     ("group-not-a-Group", TypeError, lambda g: fc.all_reduce(torch.ones(4), group=[0, 1]), ["'group'"]),
     # -- async_op=True refuses the same way, at the call ----------------------------------
-    ("dtype-complex-async", TypeError,
-     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.complex64), group=g, async_op=True), [G, "'tensor'"]),
+    ("dtype-complex-async", ValueError,
+     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.complex64), op=ReduceOp.MIN, group=g, async_op=True),
+     [G, "'op'", "MIN"]),
 ]
 XFAIL_ARG = {}
 

@@ -265,15 +265,17 @@ std::unique_ptr<Op> make_broadcast(const at::Tensor& t, int root, int rank, int 
       });
 }
 
+// `outs`: member q's block; `reported`: what the op hands the caller's future (the blocks
+// themselves, or the one tensor they are views of).
 std::unique_ptr<Op> make_all_gather(const std::vector<at::Tensor>& outs, const at::Tensor& in,
-                                    int rank, int size) {
+                                    int rank, int size, std::vector<at::Tensor> reported) {
   OpDesc d{OpKind::kAllGather, in.scalar_type(), RedOp::SUM, (uint64_t)in.numel(), -1};
   uint8_t* src = bytes(in);
   const size_t len = nbytes(in);
   std::vector<uint8_t*> dst;
   for (const auto& o : outs) dst.push_back(bytes(o));
   std::vector<at::Tensor> keep{in};
-  return std::make_unique<PhasedOp>(d, outs, keep, rank, size, 1, in.element_size(),
+  return std::make_unique<PhasedOp>(d, std::move(reported), keep, rank, size, 1, in.element_size(),
       [=](int) {
         ExchangePlan p = blank_plan(size);
         for (int q = 0; q < size; ++q) {
@@ -459,12 +461,20 @@ void check_all_gather(const OpRequest& r, const GroupView& g) {
   TORCH_CHECK_VALUE(r.list.size() == g.ranks.size(), "fastcomm.all_gather: rank ", g.global_rank, ", group ",
                     g.label(), ": argument 'tensor_list' has ", r.list.size(), " tensors, expected ",
                     g.ranks.size());
+  // Every member's block is as large as its input: torch's Gloo refuses uneven blocks too
+  // (all_to_all is the collective whose sizes may differ).
+  for (size_t i = 0; i < r.list.size(); ++i)
+    TORCH_CHECK_VALUE(!r.list[i].defined() || r.list[i].numel() == r.tensor.numel(), "fastcomm.all_gather: rank ",
+                      g.global_rank, ", group ", g.label(), ": argument 'tensor_list[", i, "]' has ",
+                      r.list[i].numel(), " elements, expected ", r.tensor.numel(),
+                      " (those of 'tensor'): all_gather's blocks must all be the size of its input, as in torch's ",
+                      "Gloo backend");
   for (size_t i = 0; i < r.list.size(); ++i)
     check_like(r.list[i], r.tensor, r.tensor.numel(), g, r.kind, "tensor_list[" + std::to_string(i) + "]");
 }
 
 std::unique_ptr<Op> lower_all_gather(const OpRequest& r, const GroupView& g) {
-  return make_all_gather(r.list, r.tensor, g.rank, g.size());
+  return make_all_gather(r.list, r.tensor, g.rank, g.size(), r.list);
 }
 
 // One block of `whole` per member (chunk() of an empty tensor yields a single chunk).
@@ -480,7 +490,7 @@ void check_all_gather_into_tensor(const OpRequest& r, const GroupView& g) {
 }
 
 std::unique_ptr<Op> lower_all_gather_into_tensor(const OpRequest& r, const GroupView& g) {
-  return make_all_gather(blocks(r.output, g.size()), r.tensor, g.rank, g.size());
+  return make_all_gather(blocks(r.output, g.size()), r.tensor, g.rank, g.size(), {r.output});
 }
 
 void check_reduce_scatter(const OpRequest& r, const GroupView& g) {

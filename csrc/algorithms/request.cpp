@@ -1,5 +1,7 @@
 #include "algorithms/request.h"
 
+#include <ATen/ops/view_as_real.h>
+
 #include <algorithm>
 #include <sstream>
 
@@ -35,8 +37,15 @@ void check_tensor(const at::Tensor& t, const GroupView& g, OpKind k, const char*
                     "; CPU and CUDA tensors are supported");
   TORCH_CHECK_VALUE(t.is_contiguous(), "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(),
                     ": argument '", arg, "' must be contiguous");
-  TORCH_CHECK_TYPE(dtype_supported(t.scalar_type()), "fastcomm.", api, ": rank ", g.global_rank, ", group ",
-                   g.label(), ": argument '", arg, "' has unsupported dtype ", t.scalar_type());
+  TORCH_CHECK_TYPE(dtype_supported(t.scalar_type()) || c10::isComplexType(t.scalar_type()), "fastcomm.", api,
+                   ": rank ", g.global_rank, ", group ", g.label(), ": argument '", arg, "' has unsupported dtype ",
+                   t.scalar_type());
+  // The bits say how to read the memory, which travels as is: a lazily conjugated or negated
+  // view would be sent (and folded) as the tensor it was made from.
+  TORCH_CHECK_VALUE(!t.is_conj(), "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(), ": argument '",
+                    arg, "' is a lazily conjugated view; call resolve_conj() on it first");
+  TORCH_CHECK_VALUE(!t.is_neg(), "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(), ": argument '",
+                    arg, "' is a lazily negated view (such as x.conj().imag); call resolve_neg() on it first");
 }
 
 void check_like(const at::Tensor& t, const at::Tensor& ref, int64_t numel, const GroupView& g, OpKind k,
@@ -57,11 +66,19 @@ void check_reduce_op(RedOp op, c10::ScalarType dt, const GroupView& g, OpKind k)
   using R = c10d::ReduceOp;
   const char* api = op_kind_name(k);
   const bool bitwise = op == R::BAND || op == R::BOR || op == R::BXOR;
+  // torch's Gloo refuses it too; the same result is a multiply by the factor, then SUM.
+  TORCH_CHECK_VALUE(op != R::PREMUL_SUM, "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(),
+                    ": argument 'op' PREMUL_SUM is not supported (as in torch's Gloo backend); multiply the ",
+                    "tensor by the factor and use SUM");
   TORCH_CHECK_VALUE(op == R::SUM || op == R::AVG || op == R::PRODUCT || op == R::MIN || op == R::MAX || bitwise,
                     "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(), ": argument 'op' ",
                     redop_name(op), " is not supported (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR are)");
-  TORCH_CHECK_VALUE(op != R::AVG || c10::isFloatingType(dt), "fastcomm.", api, ": rank ", g.global_rank,
-                    ", group ", g.label(), ": argument 'op' AVG needs a floating dtype, got ", dt);
+  TORCH_CHECK_VALUE(!c10::isComplexType(dt) || op == R::SUM || op == R::AVG, "fastcomm.", api, ": rank ",
+                    g.global_rank, ", group ", g.label(), ": argument 'op' ", redop_name(op),
+                    " is not supported on complex dtype ", dt, " (SUM and AVG are)");
+  TORCH_CHECK_VALUE(op != R::AVG || c10::isFloatingType(dt) || c10::isComplexType(dt), "fastcomm.", api,
+                    ": rank ", g.global_rank, ", group ", g.label(), ": argument 'op' AVG needs a floating dtype, got ",
+                    dt);
   TORCH_CHECK_VALUE(!bitwise || c10::isIntegralType(dt, /*includeBool=*/true), "fastcomm.", api, ": rank ",
                     g.global_rank, ", group ", g.label(), ": argument 'op' ", redop_name(op),
                     " needs an integer or bool dtype, got ", dt);
@@ -80,6 +97,33 @@ const at::Tensor* first_tensor(const OpRequest& r) {
 c10::Device request_device(const OpRequest& r) {
   const at::Tensor* t = first_tensor(r);
   return t ? t->device() : c10::Device(c10::kCPU);
+}
+
+namespace {
+void view_as_real_into(at::Tensor& t, RealViews& views) {
+  if (!t.defined() || !t.is_complex()) return;
+  at::Tensor real = at::view_as_real(t);
+  views.emplace_back(real, t);
+  t = std::move(real);
+}
+}  // namespace
+
+RealViews view_complex_as_real(OpRequest& r) {
+  RealViews views;
+  view_as_real_into(r.tensor, views);
+  view_as_real_into(r.output, views);
+  for (auto& t : r.list) view_as_real_into(t, views);
+  for (auto& t : r.inputs) view_as_real_into(t, views);
+  return views;
+}
+
+void restore_complex(std::vector<at::Tensor>& ts, const RealViews& views) {
+  for (auto& t : ts)
+    for (const auto& [real, given] : views)
+      if (t.unsafeGetTensorImpl() == real.unsafeGetTensorImpl()) {
+        t = given;
+        break;
+      }
 }
 
 void check_request(const OpRequest& r, const GroupView& g) {

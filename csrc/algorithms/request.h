@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "algorithms/op.h"
@@ -67,11 +68,24 @@ void check_request(const OpRequest& r, const GroupView& g);
 c10::Device request_device(const OpRequest& r);
 
 // What the kinds' checks are made of; messages name api, rank, group and argument.
-// check_tensor: defined, dense, on CPU or CUDA, contiguous, a supported dtype. check_like:
-// that, and the dtype and device of `ref` with `numel` elements (any number if negative).
+// check_tensor: defined, dense, on CPU or CUDA, contiguous, no lazy conjugate or negative bit,
+// a supported dtype (those the kernels fold, and complex ones). check_like: that, and the
+// dtype and device of `ref` with `numel` elements (any number if negative).
 void check_tensor(const at::Tensor& t, const GroupView& g, OpKind k, const char* arg);
 void check_like(const at::Tensor& t, const at::Tensor& ref, int64_t numel, const GroupView& g, OpKind k,
                 const std::string& arg);
+// Whether `op` folds dtype `dt`: complex dtypes only with SUM and AVG, which fold the real and
+// imaginary parts apart (torch's supports_complex); AVG on floating and complex dtypes, bitwise
+// ops on integers and bool.
 void check_reduce_op(RedOp op, c10::ScalarType dt, const GroupView& g, OpKind k);
+
+// Complex tensors run as their real view (two reals per element), as torch's Python layer
+// hands them to a backend: the algorithms and kernels below see only real dtypes. Replaces
+// every complex tensor of a checked request by its view; returns (view, tensor as given)
+// pairs, so that what the op reports can be given back as the caller passed it.
+using RealViews = std::vector<std::pair<at::Tensor, at::Tensor>>;
+RealViews view_complex_as_real(OpRequest& r);
+// Each of `ts` that is one of the views, replaced by the caller's tensor.
+void restore_complex(std::vector<at::Tensor>& ts, const RealViews& views);
 
 }  // namespace fastcomm

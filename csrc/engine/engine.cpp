@@ -111,6 +111,7 @@ Engine::Prepared Engine::prepare(OpRequest req, const GroupHandle& g) {
   check_member(g, req.kind);
   const size_t rsag = opts_.settings.rsag_threshold;
   check_request(req, view_of(*g.state, opts_.rank, rsag));
+  const RealViews complex = view_complex_as_real(req);
   const CollectiveSpec& spec = collective_spec(req.kind);
   Prepared p;
   p.device = request_device(req);
@@ -139,7 +140,14 @@ Engine::Prepared Engine::prepare(OpRequest req, const GroupHandle& g) {
   } else {
     p.group = g;
   }
-  if (p.device.is_cpu()) p.op = spec.make(req, view_of(*p.group.state, opts_.rank, rsag));
+  if (p.device.is_cpu()) {
+    p.op = spec.make(req, view_of(*p.group.state, opts_.rank, rsag));
+    // The Work's future holds complex tensors as the caller gave them, not their real views.
+    if (!complex.empty()) {
+      p.outputs = p.op->outputs();
+      restore_complex(p.outputs, complex);
+    }
+  }
   p.req = std::move(req);
   return p;
 }
@@ -161,7 +169,7 @@ c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared> ops, bool async_op, 
     TORCH_CHECK_VALUE(p.device.is_cpu(), "fastcomm.batch: rank ", opts_.rank,
                       ": a batch runs on one device; it holds ops on cpu and on ", p.device);
     if (!hidden)
-      for (auto& t : p.op->outputs()) outputs.push_back(t);
+      for (auto& t : (p.outputs.empty() ? p.op->outputs() : p.outputs)) outputs.push_back(t);
   }
   const c10d::OpType type = ops.size() == 1 ? ops[0].type : c10d::OpType::COALESCED;
   auto work = c10::make_intrusive<Work>(shared_from_this(), opts_.rank, type, std::move(outputs), (int)ops.size(),

@@ -89,6 +89,9 @@ class Engine final : public Waiter, public std::enable_shared_from_this<Engine> 
     c10::Device device = c10::Device(c10::kCPU);
     c10d::OpType type = c10d::OpType::UNKNOWN;
     std::unique_ptr<Op> op;  // host ops
+    // Host ops with complex tensors: what the Work's future holds (the tensors as the caller
+    // gave them, not their real views); empty: the op's own outputs.
+    std::vector<at::Tensor> outputs;
     OpRequest req;           // a device op's input; for a host op, its tensors (plans check them)
     // A host recv: the (group, tag) whose port, if any, it is matched on in posting order
     // (engine/group.h, RecvPort), and its sender's group rank (-1: any source, not known yet).
