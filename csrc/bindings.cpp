@@ -114,11 +114,14 @@ py::object issue(Engine& e, int kind, const GroupHandle& g, const py::handle& te
     return py::none();
   }
   c10::intrusive_ptr<Work> w;
+  // Outlives the unlocked section: its requests hold the last C++ references to the caller's
+  // tensors, and dropping such a reference releases the tensor's Python object, which without
+  // the GIL means taking it again (a measurable part of a blocking op).
+  std::vector<Engine::Prepared> ops;
   {
     py::gil_scoped_release nogil;
-    std::vector<Engine::Prepared> ops;
     ops.push_back(e.prepare(std::move(r), g));
-    w = e.run(std::move(ops), async_op, /*rethrow=*/true);
+    w = e.run(ops, async_op, /*rethrow=*/true);
   }
   // Python objects (even None's reference count) only with the GIL held again. A blocking recv
   // returns its sender's global rank (torch's recv does), found only now for one from any source.
@@ -292,8 +295,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             c10::intrusive_ptr<Work> w;
             {
               py::gil_scoped_release nogil;
-              w = e.run(std::move(b.ops), async_op, /*rethrow=*/true);
+              w = e.run(b.ops, async_op, /*rethrow=*/true);
             }
+            b.ops.clear();  // with the GIL held (see issue())
             return async_op ? to_py_work(std::move(w)) : py::none();
           },
           py::arg("batch"), py::arg("async_op") = true);

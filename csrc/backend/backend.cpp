@@ -51,7 +51,7 @@ c10::intrusive_ptr<c10d::Work> FastcommBackend::run(std::vector<OpRequest> reqs,
   for (auto& r : reqs) ops.push_back(engine_->prepare(std::move(r), group_));
   if (!p2p) ++collectives_;  // as Gloo counts: calls that passed their checks, not messages
   // The error, if any, stays in the Work: torch's Python layer calls wait() next, which raises it.
-  return engine_->run(std::move(ops), async_op, /*rethrow=*/false);
+  return engine_->run(ops, async_op, /*rethrow=*/false);
 }
 
 c10::intrusive_ptr<c10d::Work> FastcommBackend::run(OpRequest req, bool async_op) {

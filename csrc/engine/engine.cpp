@@ -152,7 +152,7 @@ Engine::Prepared Engine::prepare(OpRequest req, const GroupHandle& g) {
   return p;
 }
 
-c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared> ops, bool async_op, bool hidden) {
+c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared>& ops, bool async_op, bool hidden) {
   if (!ops.empty() && !ops[0].device.is_cpu()) {
     const c10::Device dev = ops[0].device;
     std::vector<DeviceOp> dops;
@@ -205,9 +205,9 @@ c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared> ops, bool async_op, 
   return work;
 }
 
-c10::intrusive_ptr<Work> Engine::run(std::vector<Prepared> ops, bool async_op, bool rethrow) {
+c10::intrusive_ptr<Work> Engine::run(std::vector<Prepared>& ops, bool async_op, bool rethrow) {
   // A blocking call that raises its own error hands no Work to anyone (the native API).
-  auto w = post(std::move(ops), async_op, /*hidden=*/!async_op && rethrow);
+  auto w = post(ops, async_op, /*hidden=*/!async_op && rethrow);
   if (!async_op && !w->on_device()) {
     driver_.wait(*w, std::chrono::milliseconds(0));
     if (rethrow) w->rethrow_if_failed();

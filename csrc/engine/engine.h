@@ -105,10 +105,12 @@ class Engine final : public Waiter, public std::enable_shared_from_this<Engine> 
   // Issues the ops together (one pass, one write and wake-up per peer) as one Work that
   // completes when all have (its error is the first op's). All on one device.
   // `hidden`: the Work reaches no caller, so it keeps no outputs for result() or its Future.
-  c10::intrusive_ptr<Work> post(std::vector<Prepared> ops, bool async_op, bool hidden = false);
+  // Takes each op's algorithm (or device request); the rest of `ops` stays with the caller,
+  // who chooses where its tensor references are dropped (bindings: with the GIL held).
+  c10::intrusive_ptr<Work> post(std::vector<Prepared>& ops, bool async_op, bool hidden = false);
   // post, and for a blocking host op, waits for it; `rethrow`: raise its error here (the torch
   // backend leaves it in the Work, which torch waits on next).
-  c10::intrusive_ptr<Work> run(std::vector<Prepared> ops, bool async_op, bool rethrow);
+  c10::intrusive_ptr<Work> run(std::vector<Prepared>& ops, bool async_op, bool rethrow);
   // A persistent plan of host ops (a batch recorded once), and one run of all its ops. A plan
   // runs one start at a time; a blocking start raises its error here.
   std::shared_ptr<Plan> make_plan(std::vector<Prepared> ops);
