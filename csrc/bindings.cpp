@@ -167,6 +167,75 @@ PyObject* issue_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   }
 }
 
+// fastcomm.all_reduce, the hottest call, without a Python frame: the engine and the world
+// group are set by fastcomm.init/shutdown (set_current), the thread's batch by batch/plan
+// (set_thread_batch). Whatever is not the plain case (not initialized, inside a batch, a group
+// that is not a fastcomm Group, odd arguments) goes to the Python wrapper, which handles and
+// reports it as before. Strong references, dropped by set_current(None, None) at shutdown.
+PyObject* g_engine = nullptr;
+PyObject* g_world = nullptr;     // the world's GroupHandle
+PyObject* g_fallback = nullptr;  // fastcomm.collectives._all_reduce_py
+PyObject* g_work_cls = nullptr;  // fastcomm.work.Work
+thread_local bool t_in_batch = false;
+
+void set_ref(PyObject*& slot, PyObject* v) {
+  Py_XINCREF(v);
+  Py_XDECREF(slot);
+  slot = v;
+}
+
+PyObject* all_reduce_entry(PyObject*, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  PyObject* a[4] = {nullptr, nullptr, nullptr, nullptr};  // tensor, op, group, async_op
+  bool plain = nargs >= 1 && nargs <= 4 && g_engine != nullptr && g_fallback != nullptr && !t_in_batch;
+  for (Py_ssize_t i = 0; plain && i < nargs; ++i) a[i] = args[i];
+  if (plain && kwnames != nullptr) {
+    static const char* const names[4] = {"tensor", "op", "group", "async_op"};
+    for (Py_ssize_t k = 0; plain && k < PyTuple_GET_SIZE(kwnames); ++k) {
+      PyObject* name = PyTuple_GET_ITEM(kwnames, k);
+      int slot = -1;
+      for (int j = 0; j < 4 && slot < 0; ++j)
+        if (PyUnicode_CompareWithASCIIString(name, names[j]) == 0) slot = j;
+      if (slot < 0 || a[slot] != nullptr) plain = false;
+      else a[slot] = args[nargs + k];
+    }
+  }
+  if (!plain || a[0] == nullptr) return PyObject_Vectorcall(g_fallback, args, nargsf, kwnames);
+  try {
+    py::object handle;  // keeps the group's handle alive during the call
+    const GroupHandle* g = nullptr;
+    if (a[2] == nullptr || a[2] == Py_None) {
+      g = registered<GroupHandle>(g_world);
+    } else {
+      PyObject* h = PyObject_GetAttrString(a[2], "_h");
+      if (h == nullptr) {
+        PyErr_Clear();
+        return PyObject_Vectorcall(g_fallback, args, nargsf, kwnames);
+      }
+      handle = py::reinterpret_steal<py::object>(h);
+      g = registered<GroupHandle>(h);
+    }
+    Engine* e = registered<Engine>(g_engine);
+    if (g == nullptr || e == nullptr) return PyObject_Vectorcall(g_fallback, args, nargsf, kwnames);
+    int async_op = 0;
+    if (a[3] != nullptr && (async_op = PyObject_IsTrue(a[3])) < 0) throw py::error_already_set();
+    py::object w = issue(*e, (int)OpKind::kAllReduce, *g, a[0], Py_None, Py_None, a[1] ? a[1] : Py_None, -1, 0,
+                         async_op != 0, BatchArg{}, Py_None, Py_None);
+    if (!async_op) return w.release().ptr();
+    return PyObject_CallOneArg(g_work_cls, w.ptr());
+  } catch (...) {
+    py::detail::try_translate_exceptions();
+    return nullptr;
+  }
+}
+
+PyMethodDef all_reduce_def = {
+    "all_reduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&all_reduce_entry)),
+    METH_FASTCALL | METH_KEYWORDS,
+    "all_reduce(tensor, op=None, group=None, async_op=False)\n--\n\n"
+    "Reduces ``tensor`` in place across ``group`` (default: all ranks) with ``op`` (a "
+    "torch.distributed.ReduceOp; None: SUM)."};
+
 PyMethodDef issue_def = {
     "issue", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&issue_entry)), METH_FASTCALL,
     "issue(kind, group, tensor, output, list, op, peer, tag, async_op, batch, inputs, splits): every op's "
@@ -317,6 +386,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return async_op ? to_py_work(std::move(w)) : py::none();
           },
           py::arg("async_op") = true);
+
+  m.add_object("all_reduce", py::reinterpret_steal<py::object>(PyCFunction_NewEx(&all_reduce_def, nullptr, m.attr("__name__").ptr())));
+  m.def(
+      "set_current",
+      [](py::handle engine, py::handle world) {
+        set_ref(g_engine, engine.is_none() ? nullptr : engine.ptr());
+        set_ref(g_world, world.is_none() ? nullptr : world.ptr());
+      },
+      "The engine and world group handle fastcomm.all_reduce uses (None, None: not initialized)");
+  m.def(
+      "set_fast_entry",
+      [](py::handle fallback, py::handle work_cls) {
+        set_ref(g_fallback, fallback.ptr());
+        set_ref(g_work_cls, work_cls.ptr());
+      },
+      "The Python wrapper fastcomm.all_reduce falls back to, and the Work class it returns");
+  m.def(
+      "set_thread_batch", [](bool in_batch) { t_in_batch = in_batch; },
+      "Whether this thread is recording a batch or plan (fastcomm.all_reduce then takes the Python path)");
 
   // Engine.issue, the bare entry above, as a method of Engine (a descriptor checks `self`'s type).
   {

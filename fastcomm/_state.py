@@ -116,6 +116,7 @@ def init(timeout=None, store: Optional[dist.Store] = None, rank: Optional[int] =
             engine.shutdown()
             raise
         _engine, _world = engine, Group(world)
+        _C.set_current(engine, world)
 
 
 def _rendezvous(store: dist.Store, rank: int, world: int, timeout: timedelta) -> _C.Engine:
@@ -214,6 +215,7 @@ def _live() -> Optional[_C.Engine]:
         with _lock:
             if _engine is e:
                 _engine, _world = None, None
+                _C.set_current(None, None)
         e = None
     return e
 
@@ -302,6 +304,7 @@ def shutdown() -> None:
     global _engine, _world
     with _lock:
         e, _engine, _world = _engine, None, None
+        _C.set_current(None, None)
     if e is not None:
         global _gloo
         _gloo = None  # the engine holds its own reference until it is gone

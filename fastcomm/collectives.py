@@ -64,8 +64,10 @@ def _global_rank(group, rank, group_rank, api: str, arg: str) -> int:
     return ranks[group_rank]
 
 
-def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False) -> Optional[Work]:
-    """Reduces ``tensor`` in place across ``group`` (default: all ranks)."""
+def _all_reduce_py(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False) -> Optional[Work]:
+    """Reduces ``tensor`` in place across ``group`` (default: all ranks). (fastcomm.all_reduce
+    is _C.all_reduce, which runs the plain case without a Python frame and comes here for the
+    rest: inside a batch, before init, a wrong argument.)"""
     e, h = _handle(group, "all_reduce")
     return _wrap(e.issue(_ALL_REDUCE, h, tensor, None, None, op, -1, 0, async_op, _tls.batch, None, None))
 
@@ -321,10 +323,12 @@ class batch:
         self._engine = _state._require("batch")
         self._ops = _C.Batch()
         _tls.batch = self._ops
+        _C.set_thread_batch(True)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         _tls.batch = None
+        _C.set_thread_batch(False)
         if exc_type is None:
             self._work = Work(self._engine.post_batch(self._ops))
         return False
@@ -379,10 +383,12 @@ class plan:
         self._engine = _state._require("plan")
         self._ops = _C.Batch()
         _tls.batch = self._ops
+        _C.set_thread_batch(True)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         _tls.batch = None
+        _C.set_thread_batch(False)
         if exc_type is None:
             self._plan = self._engine.make_plan(self._ops)
         self._ops = None
@@ -419,3 +425,7 @@ def all_reduce_many(tensors: Sequence[torch.Tensor], groups: Sequence, op=Reduce
         e.issue(_ALL_REDUCE, _handle(g, "all_reduce_many")[1], t, None, None, op, -1, 0, False, ops, None, None)
     e.post_batch(ops, False)
     return None
+
+
+_C.set_fast_entry(_all_reduce_py, Work)
+all_reduce = _C.all_reduce
