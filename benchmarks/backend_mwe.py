@@ -10,10 +10,15 @@ loop runs three ways on the same engine, on local processes this script launches
 - ``pg.allreduce``: the same group's ProcessGroup called directly
   (``pg.allreduce([t], opts).wait()``), which skips the Python wrapper of ``dist.all_reduce``
   but keeps torch's C++ path (ProcessGroup, op dispatcher, Backend);
-- ``fc.all_reduce``: fastcomm's native API (``fc.init``, ``fc.new_group``).
+- ``fc.all_reduce``: fastcomm's native API (``fc.init``, ``fc.new_group``);
+- ``fake``: ``dist.all_reduce`` on torch's own do-nothing backend ("fake", a C++ Backend from
+  ``torch.testing._internal.distributed.fake_pg``, registered through the same creator hook as
+  fastcomm's), which costs torch's layers and nothing else.
 
 The difference between the first and the last is the cost of going through torch.distributed;
 the middle column splits it into torch's Python layer (dist - pg) and its C++ path (pg - fc).
+In the group of one, what the backend adds beyond torch's layers (fake) and the op itself (fc)
+is dist - fake - fc.
 Pair count 0 runs one rank alone in a group of one (no communication at all), which isolates
 that per-call overhead from the noise of the communication itself.
 Time per op = the max over ranks of each rank's mean over the timed loop (all pairs run at
@@ -39,7 +44,7 @@ from _launch import (STORE_TIMEOUT, JobError, Progress, assert_no_children, comm
 
 JOB_TIMEOUT_S = 180.0  # hard limit for one launch, all its ranks
 NUMEL = 10 * 10
-MODES = ("dist.all_reduce", "pg.allreduce", "fc.all_reduce")
+MODES = ("dist.all_reduce", "pg.allreduce", "fc.all_reduce", "fake")
 
 
 def _loop(op, barrier, iters, warmup, repeats):
@@ -84,6 +89,17 @@ def body(store, rank, world, mode, iters, warmup, repeats):
         finally:
             fc.shutdown()
         return times
+    if mode == "fake":
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            groups = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
+            g = groups[rank // 2] if world > 1 else dist.new_group([0])
+            # Nothing to check: the fake backend leaves the tensor as it is.
+            return _loop(lambda: dist.all_reduce(t, group=g), lambda: None, iters, warmup, repeats)
+        finally:
+            dist.destroy_process_group()
     # The forum MWE: every rank creates every pair group, then all_reduces on its own.
     dist.init_process_group("fastcomm", store=store, rank=rank, world_size=world, timeout=STORE_TIMEOUT)
     try:
@@ -144,8 +160,8 @@ def main():
         rows.append((pairs, cells))
 
     head = ["pairs", "ranks", "dist.all_reduce µs/op", "pg.allreduce µs/op", "fc.all_reduce µs/op",
-            "torch overhead µs/op (dist - fc)", "of which Python (dist - pg)", "of which C++ (pg - fc)",
-            "dist / fc"]
+            "fake µs/op", "torch overhead µs/op (dist - fc)", "of which Python (dist - pg)",
+            "of which C++ (pg - fc)", "backend's own (dist - fake - fc)", "dist / fc"]
 
     def us(x):
         return "FAILED" if x is None else f"{x * 1e6:,.2f}"
@@ -155,10 +171,11 @@ def main():
 
     table = []
     for pairs, c in rows:
-        d, p, f = c["dist.all_reduce"], c["pg.allreduce"], c["fc.all_reduce"]
+        d, p, f, k = c["dist.all_reduce"], c["pg.allreduce"], c["fc.all_reduce"], c["fake"]
         ratio = "n/a" if d is None or f is None else f"{d / f:.2f}x"
+        own = "n/a" if None in (d, f, k) else f"{(d - k - f) * 1e6:+,.2f}"
         table.append([str(pairs) if pairs else "0 (alone)", str(max(1, 2 * pairs)), us(d), us(p),
-                      us(f), diff(d, f), diff(d, p), diff(p, f), ratio])
+                      us(f), us(k), diff(d, f), diff(d, p), diff(p, f), own, ratio])
     print_table(head, table)
     if 0 in args.pairs:
         print("\nRow \"0 (alone)\": one rank, a group of one, so no data moves: the columns differ "
