@@ -202,9 +202,13 @@ PyObject* all_reduce_entry(PyObject*, PyObject* const* args, size_t nargsf, PyOb
   }
   if (!plain || a[0] == nullptr) return PyObject_Vectorcall(g_fallback, args, nargsf, kwnames);
   try {
-    py::object handle;  // keeps the group's handle alive during the call
+    // Held for the call: another thread may shut fastcomm down (set_current(None, None))
+    // while this one waits without the GIL.
+    const py::object engine = py::reinterpret_borrow<py::object>(g_engine);
+    py::object handle;  // the group's handle, held likewise
     const GroupHandle* g = nullptr;
     if (a[2] == nullptr || a[2] == Py_None) {
+      handle = py::reinterpret_borrow<py::object>(g_world);
       g = registered<GroupHandle>(g_world);
     } else {
       PyObject* h = PyObject_GetAttrString(a[2], "_h");
@@ -215,7 +219,7 @@ PyObject* all_reduce_entry(PyObject*, PyObject* const* args, size_t nargsf, PyOb
       handle = py::reinterpret_steal<py::object>(h);
       g = registered<GroupHandle>(h);
     }
-    Engine* e = registered<Engine>(g_engine);
+    Engine* e = registered<Engine>(engine);
     if (g == nullptr || e == nullptr) return PyObject_Vectorcall(g_fallback, args, nargsf, kwnames);
     int async_op = 0;
     if (a[3] != nullptr && (async_op = PyObject_IsTrue(a[3])) < 0) throw py::error_already_set();
