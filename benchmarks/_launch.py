@@ -12,12 +12,15 @@ dump, the plot's matplotlib import, and the end-of-run check that no child proce
 behind."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import multiprocessing as mp
 import os
 import platform
 import shlex
+import shutil
 import signal
+import subprocess
 import statistics
 import sys
 import time
@@ -261,6 +264,45 @@ def run_job(body, world, *args, timeout):
     if errors:
         raise JobError(_summarize(errors))
     return results
+
+
+def find_mpi():
+    """The mpirun command prefix, or None with the reason why MPI is skipped."""
+    if importlib.util.find_spec("mpi4py") is None:
+        return None, "mpi4py is not installed"
+    mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
+    if mpirun is None:
+        return None, "mpi4py is installed but neither mpirun nor mpiexec is on PATH"
+    cmd = [mpirun]
+    version = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
+    if "Open MPI" in version or "OpenRTE" in version:
+        # Open MPI refuses more ranks than cores, and running as root, unless told.
+        cmd.append("--oversubscribe")
+        if os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+    return cmd, version.strip().splitlines()[0] if version.strip() else mpirun
+
+
+def run_mpi_worker(mpirun, world, script, args, timeout):
+    """Runs ``script`` (an mpi4py worker printing one JSON line, with an "errors" list) on
+    ``world`` ranks under ``mpirun``; returns that line's object, or raises JobError. A hang
+    past ``timeout`` seconds kills mpirun and every rank it started."""
+    cmd = mpirun + ["-np", str(world), sys.executable, script] + [str(a) for a in args]
+    # Its own session, so that a timeout can kill mpirun and every rank it started at once.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise JobError(f"mpirun: no result within {timeout:.0f} s (hung)") from None
+    if proc.returncode != 0:
+        raise JobError(f"mpirun exited with {proc.returncode}: {err.strip()[-500:]}")
+    result = json.loads(out.strip().splitlines()[-1])
+    if result["errors"]:
+        raise JobError("; ".join(result["errors"]))
+    return result
 
 
 def assert_no_children():

@@ -23,19 +23,16 @@ walk are checked against a reference afterwards, so a wrong result fails its cel
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
-from _launch import (STORE_TIMEOUT, JobError, Progress, finish, print_header, print_table, run_job)
+from _launch import (STORE_TIMEOUT, JobError, Progress, find_mpi, finish, print_header, print_table, run_job,
+                     run_mpi_worker)
 from _partners import NUMEL, issue_mode, workload
-from forum_mwe import find_mpi
 
 JOB_TIMEOUT_S = 300.0
 MPI_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mpi_partners.py")
@@ -88,20 +85,7 @@ def _fastcomm_body(store, rank, world, n_groups, n_ops, seed, mixed):
 
 
 def run_mpi(mpirun, world, n_groups, n_ops, seed):
-    cmd = mpirun + ["-np", str(world), sys.executable, MPI_SCRIPT, str(n_groups), str(n_ops), str(seed)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise JobError(f"mpirun: no result within {JOB_TIMEOUT_S:.0f} s (hung)") from None
-    if proc.returncode != 0:
-        raise JobError(f"mpirun exited with {proc.returncode}: {err.strip()[-500:]}")
-    res = json.loads(out.strip().splitlines()[-1])
-    if res["errors"]:
-        raise JobError("; ".join(res["errors"]))
+    res = run_mpi_worker(mpirun, world, MPI_SCRIPT, [n_groups, n_ops, seed], JOB_TIMEOUT_S)
     return [{"setup_s": s, "walk_s": w, "ops": n} for s, w, n in zip(res["setup_s"], res["walk_s"], res["ops"])]
 
 

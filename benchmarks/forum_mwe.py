@@ -27,23 +27,18 @@ counts) and the bandwidth of one pair against the message size.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import math
 import os
 import platform
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from _launch import (STORE_TIMEOUT, JobError, Progress, command, cpu_model, finish, machine,
-                     print_table, pyplot_or_none, run_job, save_plot)
+from _launch import (STORE_TIMEOUT, JobError, Progress, command, cpu_model, find_mpi, finish, machine,
+                     print_table, pyplot_or_none, run_job, run_mpi_worker, save_plot)
 
 JOB_TIMEOUT_S = 150.0  # hard limit for one launch (all its ranks); a hang fails that cell only
 MWE_NUMEL = 10 * 10
@@ -120,42 +115,10 @@ LABELS = {"gloo": "torch Gloo", "fastcomm": "fastcomm", "mpi": "MPI"}
 # MPI (optional): the same loop under mpirun, in benchmarks/_mpi_pairs.py
 # --------------------------------------------------------------------------------------------
 
-def find_mpi():
-    """The mpirun command prefix, or None with the reason why MPI is skipped."""
-    if importlib.util.find_spec("mpi4py") is None:
-        return None, "mpi4py is not installed"
-    mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
-    if mpirun is None:
-        return None, "mpi4py is installed but neither mpirun nor mpiexec is on PATH"
-    cmd = [mpirun]
-    version = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
-    if "Open MPI" in version or "OpenRTE" in version:
-        # Open MPI refuses more ranks than cores, and running as root, unless told.
-        cmd.append("--oversubscribe")
-        if os.geteuid() == 0:
-            cmd.append("--allow-run-as-root")
-    return cmd, version.strip().splitlines()[0] if version.strip() else mpirun
-
-
 def run_mpi(mpirun, world, numel, iters, warmup, fresh=False, timeout=JOB_TIMEOUT_S):
     """Per-rank seconds per op of the pairwise loop under MPI (the worker checks results)."""
-    cmd = mpirun + ["-np", str(world), sys.executable, MPI_SCRIPT, str(numel), str(iters),
-                    str(warmup), "fresh" if fresh else "same"]
-    # Its own session, so that a timeout can kill mpirun and every rank it started at once.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise JobError(f"mpirun: no result within {timeout:.0f} s (hung)") from None
-    if proc.returncode != 0:
-        raise JobError(f"mpirun exited with {proc.returncode}: {err.strip()[-500:]}")
-    result = json.loads(out.strip().splitlines()[-1])
-    if result["errors"]:
-        raise JobError("; ".join(result["errors"]))
-    return result["per_op_s"]
+    return run_mpi_worker(mpirun, world, MPI_SCRIPT, [numel, iters, warmup, "fresh" if fresh else "same"],
+                          timeout)["per_op_s"]
 
 
 # --------------------------------------------------------------------------------------------

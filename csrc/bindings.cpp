@@ -211,7 +211,8 @@ PyObject* all_reduce_entry(PyObject*, PyObject* const* args, size_t nargsf, PyOb
       handle = py::reinterpret_borrow<py::object>(g_world);
       g = registered<GroupHandle>(g_world);
     } else {
-      PyObject* h = PyObject_GetAttrString(a[2], "_h");
+      static PyObject* const name = PyUnicode_InternFromString("_h");  // not a new string per call
+      PyObject* h = PyObject_GetAttr(a[2], name);
       if (h == nullptr) {
         PyErr_Clear();
         return PyObject_Vectorcall(g_fallback, args, nargsf, kwnames);

@@ -305,6 +305,21 @@ def _ranks_failed(ranks: List[int], secs: Optional[float] = None) -> str:
     return f"{who} failed to pass monitored_barrier" + ("" if secs is None else f" within {secs:g} s")
 
 
+def _start_recording(api: str):
+    """(engine, ops): this thread's ops are validated into ``ops`` instead of issued, both on the
+    Python path (_tls) and on _C.all_reduce's native one (set_thread_batch)."""
+    engine = _state._require(api)
+    ops = _C.Batch()
+    _tls.batch = ops
+    _C.set_thread_batch(True)
+    return engine, ops
+
+
+def _stop_recording() -> None:
+    _tls.batch = None
+    _C.set_thread_batch(False)
+
+
 class batch:
     """``with fastcomm.batch() as b:`` -- every op issued in the block (any groups, overlapping
     or not) is validated at once and issued together when the block ends, as one fused step:
@@ -320,15 +335,11 @@ class batch:
     def __enter__(self) -> "batch":
         if _tls.batch is not None:
             raise RuntimeError("fastcomm.batch: batches do not nest")
-        self._engine = _state._require("batch")
-        self._ops = _C.Batch()
-        _tls.batch = self._ops
-        _C.set_thread_batch(True)
+        self._engine, self._ops = _start_recording("batch")
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        _tls.batch = None
-        _C.set_thread_batch(False)
+        _stop_recording()
         if exc_type is None:
             self._work = Work(self._engine.post_batch(self._ops))
         return False
@@ -380,15 +391,11 @@ class plan:
             raise RuntimeError("fastcomm.plan: a plan cannot be recorded inside a batch or another plan")
         if self._plan is not None or self._ops is not None:
             raise RuntimeError("fastcomm.plan: this plan was already recorded")
-        self._engine = _state._require("plan")
-        self._ops = _C.Batch()
-        _tls.batch = self._ops
-        _C.set_thread_batch(True)
+        self._engine, self._ops = _start_recording("plan")
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        _tls.batch = None
-        _C.set_thread_batch(False)
+        _stop_recording()
         if exc_type is None:
             self._plan = self._engine.make_plan(self._ops)
         self._ops = None

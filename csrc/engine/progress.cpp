@@ -134,6 +134,12 @@ void Progress::fail_any_source_locked(RecvPort& port, const std::string& msg, Do
   port.waiting.swap(keep);
 }
 
+void Progress::idle_port_locked(size_t i) {
+  busy_ports_[i]->busy = false;
+  busy_ports_[i] = busy_ports_.back();
+  busy_ports_.pop_back();
+}
+
 void Progress::idle_locked(size_t i) {
   busy_[i]->busy = false;
   busy_[i] = busy_.back();
@@ -150,13 +156,8 @@ bool Progress::pass_locked(Done& done) {
   for (size_t i = 0; i < busy_ports_.size();) {
     RecvPort& port = *busy_ports_[i];
     any |= match_locked(port);
-    if (!port.waiting.empty()) {
-      ++i;
-      continue;
-    }
-    port.busy = false;
-    busy_ports_[i] = busy_ports_.back();
-    busy_ports_.pop_back();
+    if (port.waiting.empty()) idle_port_locked(i);
+    else ++i;
   }
   for (size_t i = 0; i < busy_.size();) {
     GroupState& g = *busy_[i];
@@ -316,13 +317,8 @@ void Progress::health_locked(Done& done) {
         port.waiting.pop_front();
       }
     }
-    if (!port.waiting.empty()) {
-      ++i;
-      continue;
-    }
-    port.busy = false;
-    busy_ports_[i] = busy_ports_.back();
-    busy_ports_.pop_back();
+    if (port.waiting.empty()) idle_port_locked(i);
+    else ++i;
   }
   tr_.flush();  // abort notices
 }

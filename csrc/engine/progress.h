@@ -86,6 +86,7 @@ class Progress {
   void settle_locked(Done& done, const c10::intrusive_ptr<Work>& w, std::exception_ptr e);
   void fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, bool tell_peers);
   void idle_locked(size_t i);  // drops busy_[i], whose queue is empty
+  void idle_port_locked(size_t i);  // drops busy_ports_[i], with no receive waiting
   void enqueue_locked(GroupState& g, Pending p);
   // Binds the port's waiting receives, front first, to the channels their messages came on;
   // stops at an any-source one no member has sent to yet. True if any was bound.
