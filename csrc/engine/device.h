@@ -5,6 +5,7 @@
 // returns; it never looks inside.
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -21,6 +22,8 @@ struct DeviceOp {
   OpRequest req;
   std::vector<int> ranks;  // sorted global ranks; group rank i is ranks[i]
   int rank = -1;           // this member's group rank
+  uint64_t id = 0;         // the group's id (send/recv: the pair channel's), equal on all members
+  std::chrono::milliseconds timeout{0};  // the group's op timeout
   std::string label;
 };
 
@@ -28,14 +31,35 @@ class DeviceEngine {
  public:
   virtual ~DeviceEngine() = default;
   // Issues the ops together; one Work for all of them. A blocking call (async_op false)
-  // returns with the caller's current stream ordered after them.
-  virtual c10::intrusive_ptr<Work> post(std::vector<DeviceOp> ops, bool async_op) = 0;
-  // Fails what is pending; later posts raise.
+  // returns once they have run (raising their error), or, for the torch backend (`rethrow`
+  // false) and inside a CUDA graph capture, with the caller's current stream ordered after them.
+  virtual c10::intrusive_ptr<Work> post(std::vector<DeviceOp> ops, bool async_op, bool rethrow) = 0;
+  // Fails what is pending; later posts raise. Never blocks on a peer.
   virtual void shutdown() = 0;
 };
 
+// What a device engine uses of the host engine: ordered control messages to any peer over the
+// host transports (shared memory, Gloo), on a tag of their own. Each is a host Work that fails
+// with DistBackendError naming the peer when it dies or the timeout passes.
+class HostLink {
+ public:
+  virtual ~HostLink() = default;
+  virtual c10::intrusive_ptr<Work> control_send(int peer, at::Tensor bytes) = 0;
+  virtual c10::intrusive_ptr<Work> control_recv(int peer, at::Tensor bytes) = 0;
+  // False once the host transports know the peer process is gone.
+  virtual bool peer_alive(int peer) = 0;
+};
+
+namespace device {
+class Runtime;
+}
+// The device engine (device/engine.cpp) over a runtime: the real one (cuda/runtime.cpp) or the
+// fake (FASTCOMM_FAKE_DEVICE=1 routes CPU tensors through it, for tests).
+std::shared_ptr<DeviceEngine> make_device_engine(const EngineOptions& opts, HostLink& host,
+                                                 std::unique_ptr<device::Runtime> runtime);
+
 using DeviceEngineFactory =
-    std::function<std::shared_ptr<DeviceEngine>(const EngineOptions& opts, c10d::Store& store, int index)>;
+    std::function<std::shared_ptr<DeviceEngine>(const EngineOptions& opts, HostLink& host, int index)>;
 // Called once per device type, at static initialisation, by the device's path.
 bool register_device_engine(c10::DeviceType type, DeviceEngineFactory factory);
 const DeviceEngineFactory* device_engine_factory(c10::DeviceType type);

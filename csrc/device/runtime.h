@@ -1,0 +1,123 @@
+#pragma once
+// The one narrow interface between the device engine (device/engine.h) and a GPU: the CUDA
+// stream and event calls and the NCCL calls it uses, nothing else. Two implementations repeat
+// it: the real one over CUDA and NCCL (cuda/runtime.cpp, CUDA builds only) and a CPU one that
+// keeps their semantics (device/fake_runtime.cpp, every build), on which CI runs the device
+// engine's whole logic without a GPU.
+//
+// Semantics every implementation keeps (those of CUDA and NCCL):
+// - A stream runs its work in the order it was enqueued; work on different streams is
+//   unordered unless a wait() orders it. wait(s, e) orders s after the work the latest
+//   record(e, .) before the call covered (a never-recorded event is complete).
+// - A communicator of n ranks is made from a UniqueId one rank made and gave the others, and
+//   is non-blocking: comm_init returns at once, comm_state says kPending until it is usable.
+//   It connects to a peer at the first work that involves that peer (first contact), inside
+//   the stream's execution, not at init.
+// - Between group_start() and group_end() calls on any communicators are one group: their
+//   sends and receives progress together (a send and a receive to the same peer do not wait on
+//   each other). A communicator matches its sends and receives with each peer in issue order.
+//   A send completes only once its matching receive runs: a peer that never posts it leaves
+//   the sender's stream stuck.
+// - Errors found later (a peer gone, a connection refused) are asynchronous: comm_state
+//   reports kFailed with the reason. comm_abort ends the communicator's work, which then
+//   completes without moving data (so streams behind it drain); it may be called from any
+//   thread while none is inside another call on that communicator.
+// Failures of the calls themselves raise CommError (common/errors.h) naming the call.
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace fastcomm {
+namespace device {
+
+using Stream = void*;  // cudaStream_t, or the fake's stream
+using Event = void*;   // cudaEvent_t, or the fake's event
+using Comm = void*;    // ncclComm_t, or the fake's communicator
+
+struct UniqueId {
+  std::array<uint8_t, 128> bytes{};  // ncclUniqueId's size
+};
+
+enum class State { kReady, kPending, kFailed };
+
+// One reduction the fold kernel runs: dst[i] = fold over group ranks 0..n-1 of their
+// contribution, `own` at position `me` and the others' in `scratch` ((n - 1) * numel, in
+// group-rank order). Folded in group-rank order, so every member gets bit-identical results.
+// MIN and MAX propagate NaN, as torch does.
+struct FoldJob {
+  void* dst;
+  const void* own;
+  const void* scratch;
+  int64_t numel;
+  int32_t n;
+  int32_t me;
+  c10::ScalarType dtype;
+  c10d::ReduceOp::RedOpType op;  // SUM, AVG, PRODUCT, MIN, MAX
+};
+
+class Runtime {
+ public:
+  virtual ~Runtime() = default;
+  virtual const char* name() const = 0;  // "nccl" or "fake"
+  virtual int device() const = 0;        // the device index this runtime drives
+
+  // ---- streams, events, memory (all on this runtime's device)
+  virtual Stream new_stream() = 0;
+  virtual void destroy_stream(Stream s) = 0;
+  // The calling thread's current stream (torch's current CUDA stream); not owned.
+  virtual Stream current_stream() = 0;
+  // Whether `s` is being captured into a CUDA graph (work enqueued then runs at replay).
+  virtual bool capturing(Stream s) = 0;
+  virtual Event new_event() = 0;
+  virtual void destroy_event(Event e) = 0;
+  virtual void record(Event e, Stream s) = 0;
+  virtual void wait(Stream s, Event e) = 0;
+  // kReady once the work the latest record covered has run; kPending before. Never kFailed.
+  virtual State query(Event e) = 0;
+  // Host-blocks until the event is ready (synchronize).
+  virtual void synchronize(Event e) = 0;
+  virtual void copy(void* dst, const void* src, size_t bytes, Stream s) = 0;
+  // Enqueues the folds of `count` jobs on `s`.
+  virtual void fold(const FoldJob* jobs, int count, Stream s) = 0;
+  // A tensor of `numel` elements like `like`, whose memory the allocator reuses only after
+  // the work enqueued on `s` until now (torch's caching allocator on a side stream).
+  virtual at::Tensor scratch(int64_t numel, const at::Tensor& like, Stream s) = 0;
+  // Keeps `t`'s memory from reuse until the work enqueued on `s` until now has run
+  // (recordStream).
+  virtual void keep(const at::Tensor& t, Stream s) = 0;
+
+  // ---- communicators (NCCL)
+  virtual UniqueId new_id() = 0;
+  virtual Comm comm_init(const UniqueId& id, int nranks, int rank) = 0;
+  // The communicator's init progress and asynchronous errors; `why` gets the reason of kFailed.
+  virtual State comm_state(Comm c, std::string* why) = 0;
+  virtual void comm_abort(Comm c) = 0;
+  // Frees a communicator whose work has all run, or that was aborted.
+  virtual void comm_destroy(Comm c) = 0;
+  virtual void group_start() = 0;
+  virtual void group_end() = 0;
+  virtual void send(const void* buf, size_t bytes, int peer, Comm c, Stream s) = 0;
+  virtual void recv(void* buf, size_t bytes, int peer, Comm c, Stream s) = 0;
+  // Collectives over all of a communicator's ranks, `count` elements of `dtype` per rank
+  // (SUM, AVG, PRODUCT only; MIN and MAX go through fold, which propagates NaN).
+  virtual void all_reduce(const void* in, void* out, int64_t count, c10::ScalarType dtype,
+                          c10d::ReduceOp::RedOpType op, Comm c, Stream s) = 0;
+  virtual void broadcast(void* buf, size_t bytes, int root, Comm c, Stream s) = 0;
+  // `out` holds nranks blocks of `bytes`, rank i's at i * bytes.
+  virtual void all_gather(const void* in, void* out, size_t bytes, Comm c, Stream s) = 0;
+  // `in` holds nranks blocks of `count` elements; rank i gets the reduction of block i.
+  virtual void reduce_scatter(const void* in, void* out, int64_t count, c10::ScalarType dtype,
+                              c10d::ReduceOp::RedOpType op, Comm c, Stream s) = 0;
+};
+
+// The fake (device/fake_runtime.cpp): "device" memory is host memory (CPU tensors), each
+// stream is a thread, communicators talk over local sockets, so ranks must share a host.
+std::unique_ptr<Runtime> make_fake_runtime();
+
+}  // namespace device
+}  // namespace fastcomm
