@@ -331,7 +331,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("unlink_segment", &Engine::unlink_segment, py::call_guard<py::gil_scoped_release>())
       .def("abandon_init", &Engine::abandon_init, py::call_guard<py::gil_scoped_release>())
       .def("set_gloo", &Engine::set_gloo, py::arg("process_group"), py::call_guard<py::gil_scoped_release>())
-      .def("set_store", &Engine::set_store, py::arg("store"), py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
       .def(
           "init_cuda", [](Engine& e, int device) { e.init_device(c10::Device(c10::kCUDA, (c10::DeviceIndex)device)); },

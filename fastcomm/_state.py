@@ -108,8 +108,6 @@ def init(timeout=None, store: Optional[dist.Store] = None, rank: Optional[int] =
         _generation += 1
         store = dist.PrefixStore(f"fastcomm/{_generation}/", store)
         engine = _rendezvous(store, rank, world_size, timeout)
-        # Kept for the NCCL path, whose world communicator is made at the first CUDA op.
-        engine.set_store(store)
         try:
             world = engine.new_group(list(range(world_size)))
         except Exception:
@@ -279,9 +277,9 @@ def new_groups(lists: Sequence[Iterable[int]], timeout=None) -> List[Group]:
 
 
 def init_cuda(device=None) -> None:
-    """Creates the world NCCL communicator now instead of at the first CUDA op (collective:
-    every rank calls it, or issues a CUDA op). ``device``: an index or torch.device; default
-    the current CUDA device."""
+    """Starts the CUDA device engine now instead of at the first CUDA op. Not collective: the
+    NCCL channel to each peer is made at the first op with it. ``device``: an index or
+    torch.device; default the current CUDA device."""
     import torch
 
     e = _require("init_cuda")

@@ -3,8 +3,6 @@
 // first such op from a factory that the device's path registers (csrc/cuda). The host engine
 // hands it requests that passed the common checks (algorithms/request.h) and the Works it
 // returns; it never looks inside.
-#include <torch/csrc/distributed/c10d/Store.hpp>
-
 #include <chrono>
 #include <functional>
 #include <memory>

@@ -4,6 +4,7 @@
 
 #include "algorithms/reduce.h"
 #include "common/errors.h"
+#include "device/runtime.h"
 
 namespace fastcomm {
 
@@ -20,6 +21,18 @@ const EngineOptions& checked(const EngineOptions& o) {
                     "fastcomm: rendezvous data does not cover the world");
   select_reduce_kernels(o.settings.baseline_kernels);
   return o;
+}
+
+// The kinds the device path runs (device/engine.cpp); under FASTCOMM_FAKE_DEVICE these go to
+// the fake device runtime with CPU tensors, everything else stays on the host.
+bool fake_device_kind(OpKind k) {
+  switch (k) {
+    case OpKind::kAllReduce: case OpKind::kBroadcast: case OpKind::kAllGather: case OpKind::kAllGatherIntoTensor:
+    case OpKind::kReduceScatter: case OpKind::kReduceScatterTensor: case OpKind::kSend: case OpKind::kRecv:
+      return true;
+    default:
+      return false;
+  }
 }
 
 int local_ranks(const EngineOptions& o) {
@@ -69,11 +82,6 @@ void Engine::set_gloo(c10::intrusive_ptr<c10d::Backend> pg) {
   transports_.set_delivery_hook([this] { return progress_.from_transport(); });
 }
 
-void Engine::set_store(c10::intrusive_ptr<c10d::Store> s) {
-  std::lock_guard<std::mutex> lk(device_mu_);
-  store_ = std::move(s);
-}
-
 std::map<std::string, uint64_t> Engine::counters() {
   std::lock_guard<std::mutex> lk(mu_);
   return transports_.counters();
@@ -115,19 +123,20 @@ Engine::Prepared Engine::prepare(OpRequest req, const GroupHandle& g) {
   const CollectiveSpec& spec = collective_spec(req.kind);
   Prepared p;
   p.device = request_device(req);
+  p.on_device = !p.device.is_cpu() || (opts_.settings.fake_device && fake_device_kind(req.kind));
   p.type = op_kind_type(req.kind);
   if (spec.p2p) {
     const bool sending = req.kind == OpKind::kSend;
-    if (!sending && p.device.is_cpu()) {
+    if (!sending && !p.on_device) {
       p.recv = true;
       p.recv_group = g.id;
       p.tag = req.tag;
     }
     if (!sending && req.peer == kAnySource) {
       // The channel, and so the op, is known once a member's message is matched to it.
-      TORCH_CHECK_VALUE(p.device.is_cpu(), "fastcomm.recv: rank ", opts_.rank, ", group ", g.label(),
+      TORCH_CHECK_VALUE(!p.on_device, "fastcomm.recv: rank ", opts_.rank, ", group ", g.label(),
                         ": a recv from any source (src None) is not supported for ", p.device,
-                        " tensors; name the sender");
+                        " tensors on the device path; name the sender");
       p.type = c10d::OpType::RECVANYSOURCE;
       p.group = g;
       p.op = std::make_unique<UnboundRecv>(std::move(req));
@@ -140,7 +149,7 @@ Engine::Prepared Engine::prepare(OpRequest req, const GroupHandle& g) {
   } else {
     p.group = g;
   }
-  if (p.device.is_cpu()) {
+  if (!p.on_device) {
     p.op = spec.make(req, view_of(*p.group.state, opts_.rank, rsag));
     // The Work's future holds complex tensors as the caller gave them, not their real views.
     if (!complex.empty()) {
@@ -153,20 +162,22 @@ Engine::Prepared Engine::prepare(OpRequest req, const GroupHandle& g) {
 }
 
 c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared>& ops, bool async_op, bool hidden) {
-  if (!ops.empty() && !ops[0].device.is_cpu()) {
+  if (!ops.empty() && ops[0].on_device) {
     const c10::Device dev = ops[0].device;
     std::vector<DeviceOp> dops;
     dops.reserve(ops.size());
     for (auto& p : ops) {
-      TORCH_CHECK_VALUE(p.device == dev, "fastcomm.batch: rank ", opts_.rank, ": a batch runs on one device; it holds ",
-                        "ops on ", dev, " and on ", p.device);
-      dops.push_back(DeviceOp{std::move(p.req), p.group.ranks, p.group.rank, p.group.label()});
+      TORCH_CHECK_VALUE(p.device == dev && p.on_device, "fastcomm.batch: rank ", opts_.rank,
+                        ": a batch runs on one device; it holds ops on ", dev, " and on ", p.device);
+      dops.push_back(DeviceOp{std::move(p.req), p.group.ranks, p.group.rank, p.group.id, p.group.state->timeout,
+                              p.group.label()});
     }
-    return device_engine(dev)->post(std::move(dops), async_op);
+    // A blocking op the caller gets no Work of (`hidden`: the native API) raises its own error.
+    return device_engine(dev)->post(std::move(dops), async_op, /*rethrow=*/hidden);
   }
   std::vector<at::Tensor> outputs;
   for (auto& p : ops) {
-    TORCH_CHECK_VALUE(p.device.is_cpu(), "fastcomm.batch: rank ", opts_.rank,
+    TORCH_CHECK_VALUE(!p.on_device, "fastcomm.batch: rank ", opts_.rank,
                       ": a batch runs on one device; it holds ops on cpu and on ", p.device);
     if (!hidden)
       for (auto& t : (p.outputs.empty() ? p.op->outputs() : p.outputs)) outputs.push_back(t);
@@ -223,7 +234,7 @@ std::shared_ptr<Plan> Engine::make_plan(std::vector<Prepared> ops) {
   plan->engine_ = shared_from_this();
   plan->ops_.reserve(ops.size());
   for (auto& p : ops) {
-    TORCH_CHECK_VALUE(p.device.is_cpu(), "fastcomm.plan: rank ", opts_.rank, ", group ", p.group.label(),
+    TORCH_CHECK_VALUE(!p.on_device, "fastcomm.plan: rank ", opts_.rank, ", group ", p.group.label(),
                       ": plans hold host ops only; this ", op_kind_name(p.req.kind), " is on ", p.device);
     TORCH_CHECK_VALUE(p.type != c10d::OpType::RECVANYSOURCE, "fastcomm.plan: rank ", opts_.rank, ", group ",
                       p.group.label(), ": a receive from any source cannot be part of a plan (its sender is "
@@ -311,18 +322,69 @@ std::shared_ptr<DeviceEngine> Engine::device_engine(c10::Device device) {
   std::lock_guard<std::mutex> lk(device_mu_);
   auto& e = devices_[device.type()];
   if (!e) {
-    const DeviceEngineFactory* make = device_engine_factory(device.type());
-    TORCH_CHECK(make != nullptr, "fastcomm: rank ", opts_.rank, ": this build of fastcomm has no path for ",
-                device.type(), " tensors (for CUDA: torch was not a CUDA build, or NCCL was not found, when it ",
-                "was compiled)");
-    TORCH_CHECK(store_, "fastcomm: rank ", opts_.rank, ": no store for the ", device.type(),
-                " rendezvous (engine made outside fastcomm.init)");
-    e = (*make)(opts_, *store_, device.has_index() ? device.index() : 0);
+    if (device.is_cpu()) {
+      TORCH_INTERNAL_ASSERT(opts_.settings.fake_device, "host op routed to a device engine");
+      e = make_device_engine(opts_, *this, device::make_fake_runtime());
+    } else {
+      const DeviceEngineFactory* make = device_engine_factory(device.type());
+      TORCH_CHECK(make != nullptr, "fastcomm: rank ", opts_.rank, ": this build of fastcomm has no path for ",
+                  device.type(), " tensors (for CUDA: torch was not a CUDA build, or NCCL was not found, when it ",
+                  "was compiled)");
+      e = (*make)(opts_, *this, device.has_index() ? device.index() : 0);
+    }
   }
   return e;
 }
 
 void Engine::init_device(c10::Device device) { device_engine(device); }
+
+c10::intrusive_ptr<Work> Engine::control_send(int peer, at::Tensor bytes) {
+  return control(OpKind::kSend, peer, std::move(bytes));
+}
+
+c10::intrusive_ptr<Work> Engine::control_recv(int peer, at::Tensor bytes) {
+  return control(OpKind::kRecv, peer, std::move(bytes));
+}
+
+c10::intrusive_ptr<Work> Engine::control(OpKind kind, int peer, at::Tensor bytes) {
+  // A group no user group can be: its id is no function of a rank list.
+  static const uint64_t kControlGroup = 0x6663646576637472ULL;
+  constexpr int kControlTag = -0x7ffffffe;
+  const bool sending = kind == OpKind::kSend;
+  OpRequest req;
+  req.kind = kind;
+  req.tensor = std::move(bytes);
+  req.peer = peer;
+  req.tag = kControlTag;
+  std::vector<Prepared> ops(1);
+  Prepared& p = ops[0];
+  p.type = op_kind_type(kind);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    TORCH_CHECK(!shut_down_, "fastcomm: rank ", opts_.rank, ": fastcomm was shut down");
+    GroupHandle g;
+    g.id = kControlGroup;
+    g.ranks = {std::min(opts_.rank, peer), std::max(opts_.rank, peer)};
+    g.state = std::make_shared<GroupState>();
+    g.state->label = "device control";
+    p.group = groups_.channel(g, sending ? opts_.rank : peer, sending ? peer : opts_.rank, kControlTag);
+    p.group.state->timeout = std::chrono::hours(24 * 365);
+  }
+  p.op = collective_spec(kind).make(req, view_of(*p.group.state, opts_.rank, 0));
+  if (!sending) {
+    p.recv = true;
+    p.recv_group = kControlGroup;
+    p.tag = kControlTag;
+  }
+  p.req = std::move(req);
+  return post(ops, /*async_op=*/true);
+}
+
+bool Engine::peer_alive(int peer) {
+  std::lock_guard<std::mutex> lk(mu_);
+  Transport* t = transports_.of(peer);
+  return t == nullptr || t->peer_alive(peer);
+}
 
 // ---------------------------------------------------------------------------------------------
 

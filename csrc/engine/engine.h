@@ -62,7 +62,7 @@ class Plan {
   c10::intrusive_ptr<Work> last_;  // the latest start; the engine lock
 };
 
-class Engine final : public Waiter, public std::enable_shared_from_this<Engine> {
+class Engine final : public Waiter, public HostLink, public std::enable_shared_from_this<Engine> {
  public:
   explicit Engine(EngineOptions opts);
   ~Engine() override;
@@ -76,8 +76,6 @@ class Engine final : public Waiter, public std::enable_shared_from_this<Engine> 
   // Hands over the world Gloo process group that reaches ranks on other hosts (made by the
   // Python layer when the job spans hosts); without it, groups spanning hosts are refused.
   void set_gloo(c10::intrusive_ptr<c10d::Backend> pg);
-  // The job's store: device engines bootstrap through it.
-  void set_store(c10::intrusive_ptr<c10d::Store> s);
 
   // timeout_ms: how long each op of the groups may take; 0 = the engine's (init's) timeout.
   GroupHandle new_group(std::vector<int> ranks, int64_t timeout_ms = 0);
@@ -87,6 +85,9 @@ class Engine final : public Waiter, public std::enable_shared_from_this<Engine> 
   struct Prepared {
     GroupHandle group;  // for send/recv, the pair's channel; for a recv from any source, the group
     c10::Device device = c10::Device(c10::kCPU);
+    // Runs on a device engine: a non-CPU device, or any op the device path takes when
+    // FASTCOMM_FAKE_DEVICE routes CPU tensors through the fake device runtime (tests).
+    bool on_device = false;
     c10d::OpType type = c10d::OpType::UNKNOWN;
     std::unique_ptr<Op> op;  // host ops
     // Host ops with complex tensors: what the Work's future holds (the tensors as the caller
@@ -118,6 +119,13 @@ class Engine final : public Waiter, public std::enable_shared_from_this<Engine> 
   // Makes the device engine for `device` now rather than at its first op.
   void init_device(c10::Device device);
 
+  // HostLink: the device engines' control messages, on a tag and channels of their own that
+  // never time out (a device engine keeps a receive posted while it waits for a peer, and
+  // applies its ops' deadlines itself).
+  c10::intrusive_ptr<Work> control_send(int peer, at::Tensor bytes) override;
+  c10::intrusive_ptr<Work> control_recv(int peer, at::Tensor bytes) override;
+  bool peer_alive(int peer) override;
+
   // Waiter: blocks until `w` is done, driving progress; poll: one non-blocking attempt.
   void wait(Work& w, std::chrono::milliseconds timeout) override { driver_.wait(w, timeout); }
   void poll() override { progress_.try_progress(/*may_block=*/false); }
@@ -138,6 +146,7 @@ class Engine final : public Waiter, public std::enable_shared_from_this<Engine> 
  private:
   void check_member(const GroupHandle& g, OpKind k) const;
   std::shared_ptr<DeviceEngine> device_engine(c10::Device device);
+  c10::intrusive_ptr<Work> control(OpKind kind, int peer, at::Tensor bytes);
 
   const EngineOptions opts_;
   std::mutex mu_;
@@ -147,8 +156,7 @@ class Engine final : public Waiter, public std::enable_shared_from_this<Engine> 
   Progress progress_;
   Driver driver_;
   std::atomic<bool> shut_down_{false};
-  c10::intrusive_ptr<c10d::Store> store_;
-  std::mutex device_mu_;  // guards devices_ (made without mu_: bootstrapping may wait on peers)
+  std::mutex device_mu_;  // guards devices_ (made without mu_: a device engine posts control ops)
   std::map<c10::DeviceType, std::shared_ptr<DeviceEngine>> devices_;
 };
 

@@ -38,6 +38,7 @@ Settings Settings::from_env() {
   const int64_t bulk = env_int("FASTCOMM_GLOO_BULK_BYTES", -1, 0);
   s.gloo_bulk_bytes = bulk < 0 ? 0 : bulk == 0 ? SIZE_MAX : (size_t)bulk;
   if (const char* v = env("FASTCOMM_REDUCE_KERNELS")) s.baseline_kernels = std::strcmp(v, "baseline") == 0;
+  if (const char* v = env("FASTCOMM_FAKE_DEVICE")) s.fake_device = std::strcmp(v, "1") == 0;
   return s;
 }
 

@@ -19,6 +19,8 @@ struct Settings {
                                        // reduce-scatter + all-gather
   size_t gloo_bulk_bytes = 0;      // FASTCOMM_GLOO_BULK_BYTES: 0 adaptive, SIZE_MAX never
   bool baseline_kernels = false;   // FASTCOMM_REDUCE_KERNELS=baseline: no AVX2 loops
+  bool fake_device = false;        // FASTCOMM_FAKE_DEVICE=1: the device path's ops on CPU
+                                   // tensors run on the fake device runtime (tests)
 
   // Reads and validates every variable; a malformed value is a ValueError naming it.
   static Settings from_env();

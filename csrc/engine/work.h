@@ -70,6 +70,7 @@ class Work : public c10d::Work {
  protected:
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;  // created on first getFuture(); mutex_
+  bool future_published_ = false;                    // mutex_
 
  private:
   std::shared_ptr<Waiter> waiter_;
@@ -78,7 +79,6 @@ class Work : public c10d::Work {
   const int parts_;
   std::atomic<int> source_{-1};  // sourceRank(); -1 until known
   const bool async_;
-  bool future_published_ = false;  // mutex_
 };
 
 }  // namespace fastcomm

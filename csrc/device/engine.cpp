@@ -1,0 +1,935 @@
+// The device engine: ops on device tensors over per-peer channels (device/engine.h).
+#include "device/engine.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "common/errors.h"
+#include "device/work.h"
+
+namespace fastcomm {
+namespace device {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using R = c10d::ReduceOp;
+
+// ---- the control protocol (frames over the host link, one ordered stream per pair)
+
+// What both members of a pair must agree on for an op: a member issuing something else on the
+// same group at the same position is a mismatch, raised on both.
+struct Sig {
+  uint8_t kind = 0;
+  uint8_t dtype = 0;
+  uint8_t redop = 0;
+  uint8_t pad = 0;
+  int32_t root = -1;
+  uint64_t bytes = 0;  // what this pair moves each way
+  bool operator==(const Sig& o) const {
+    return kind == o.kind && dtype == o.dtype && redop == o.redop && root == o.root && bytes == o.bytes;
+  }
+};
+
+// An op's place: its group's id (send/recv: the pair channel's) and its index there.
+struct Key {
+  uint64_t id = 0;
+  uint64_t seq = 0;
+  bool operator==(const Key& o) const { return id == o.id && seq == o.seq; }
+};
+struct KeyHash {
+  size_t operator()(const Key& k) const { return std::hash<uint64_t>()(k.id * 0x9e3779b97f4a7c15ULL ^ k.seq); }
+};
+
+struct Entry {
+  Key key;
+  Sig sig;
+};
+static_assert(sizeof(Entry) == 32, "control entry layout");
+
+enum FrameType : uint32_t { kPropose = 1, kCommit = 2, kMismatch = 3 };
+struct FrameHead {
+  uint32_t type = 0;
+  uint32_t count = 0;
+  uint32_t has_id = 0;  // the leader's first frame carries the pair communicator's id
+  uint32_t pad = 0;
+};
+constexpr size_t kFrameBytes = 1024;
+constexpr size_t kMaxEntries = (kFrameBytes - sizeof(FrameHead) - sizeof(UniqueId)) / sizeof(Entry);
+
+std::string sig_str(const Sig& s) {
+  std::string r = op_kind_name((OpKind)s.kind);
+  r += "(" + std::string(c10::toString((c10::ScalarType)s.dtype)) + ", " + std::to_string(s.bytes) + " bytes";
+  if (s.kind == (uint8_t)OpKind::kAllReduce || s.kind == (uint8_t)OpKind::kReduceScatter ||
+      s.kind == (uint8_t)OpKind::kReduceScatterTensor)
+    r += std::string(", op ") + redop_name(s.redop);
+  if (s.root >= 0) r += ", root " + std::to_string(s.root);
+  return r + ")";
+}
+
+bool compatible(const Sig& a, const Sig& b) {
+  const bool p2p = (a.kind == (uint8_t)OpKind::kSend && b.kind == (uint8_t)OpKind::kRecv) ||
+                   (a.kind == (uint8_t)OpKind::kRecv && b.kind == (uint8_t)OpKind::kSend);
+  if (p2p) return a.dtype == b.dtype && a.bytes == b.bytes;
+  return a == b;
+}
+
+std::exception_ptr comm_error_ptr(const std::string& msg) {
+  try {
+    throw_comm_error(msg);
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+// The dtypes and ops the device fold takes (the CUDA kernel's set; the fake keeps it).
+bool folds(c10::ScalarType t) {
+  switch (t) {
+    case c10::kHalf: case c10::kBFloat16: case c10::kFloat: case c10::kDouble: case c10::kChar:
+    case c10::kByte: case c10::kShort: case c10::kInt: case c10::kLong:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+// ---- ops as the engine tracks them
+
+struct Batch;
+struct Channel;
+
+struct EventRef {
+  EventRef(Runtime& r, Event e) : rt(r), ev(e) {}
+  ~EventRef() { rt.destroy_event(ev); }
+  Runtime& rt;
+  Event ev;
+};
+using EventPtr = std::shared_ptr<EventRef>;
+
+struct DevOp;
+
+// One op's transfers with one peer: all sent and received in one group of the pair's channel.
+struct Part {
+  DevOp* op = nullptr;
+  int peer = -1;
+  Sig sig;
+  std::vector<std::pair<const void*, size_t>> sends;
+  std::vector<std::pair<void*, size_t>> recvs;
+  enum State { kWaiting, kProposed, kCommitted, kLaunched, kDone } state = kWaiting;
+  EventPtr done_event;  // recorded after the channel group holding this part
+};
+
+struct DevOp {
+  Key key;
+  OpKind kind = OpKind::kNone;
+  std::string label;
+  std::vector<at::Tensor> keep;  // every tensor the op touches, held until it is over
+  at::Tensor scratch;
+  std::vector<FoldJob> folds;
+  std::vector<std::tuple<void*, const void*, size_t>> copies;  // local copies at the end
+  std::vector<std::unique_ptr<Part>> parts;
+  int parts_left = 0;
+  bool ready = false;     // its group's previous op is over on the host's side
+  bool finished = false;  // its transfers are over and its end work enqueued (or it failed)
+  std::exception_ptr error;
+  Clock::time_point deadline;
+  std::chrono::milliseconds timeout{0};
+  EventPtr input;  // the caller's stream at issue
+  EventPtr pred_end;  // the previous op of the group's end (its fold), if it had device work
+  EventPtr end;       // this op's end, if it has device work after its transfers
+  DevOp* next = nullptr;  // the group's next op
+  std::shared_ptr<Batch> batch;
+};
+
+// The ops of one post (one Work).
+struct Batch {
+  c10::intrusive_ptr<DeviceWork> work;
+  int left = 0;
+  bool device_work = false;  // some op enqueued work after its transfers: wait for the end event
+  std::exception_ptr error;
+};
+
+// This rank's side of the pair with `peer`: a two-rank communicator on a stream of its own,
+// made at the pair's first op. The lower rank leads: it proposes each op once it is ready; the
+// other commits the proposals it has a matching ready op for, in whatever order they become
+// ready, and both launch in commit order. So the channel's order is one both sides agreed on,
+// and no op waits behind one its peer has not issued.
+struct Channel {
+  int peer = -1;
+  bool leader = false;
+  Comm comm = nullptr;
+  bool comm_ready = false;
+  bool id_sent = false;
+  UniqueId id;
+  Stream stream = nullptr;
+  std::exception_ptr failed;  // set: the channel was aborted; every op on it fails
+  std::unordered_map<Key, Part*, KeyHash> open;  // ready, not yet committed
+  std::deque<Part*> to_propose;                  // leader: ready, not yet proposed
+  std::deque<Entry> proposals;                   // follower: proposed, no matching ready op yet
+  std::vector<Entry> commits, mismatches;        // follower: to tell the leader
+  std::deque<Part*> committed;                   // agreed, not yet launched
+  std::vector<Part*> launching;                  // launched; their event not yet recorded
+  std::deque<Part*> in_flight;                   // launched and recorded, not yet seen done
+  c10::intrusive_ptr<Work> rx;
+  at::Tensor rx_buf;
+  std::deque<c10::intrusive_ptr<Work>> tx;
+  bool busy() const {
+    return !open.empty() || !to_propose.empty() || !committed.empty() || !launching.empty() || !in_flight.empty();
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+
+class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::enable_shared_from_this<ChannelEngine> {
+ public:
+  ChannelEngine(const EngineOptions& opts, HostLink& host, std::unique_ptr<Runtime> rt)
+      : rank_(opts.rank), host_(host), rt_(std::move(rt)) {
+    join_ = rt_->new_stream();
+    thread_ = std::thread([this] { main(); });
+  }
+  ~ChannelEngine() override { shutdown(); }
+
+  c10::intrusive_ptr<Work> post(std::vector<DeviceOp> ops, bool async_op, bool rethrow) override;
+  void shutdown() override;
+
+  // WorkOwner
+  Runtime& runtime() override { return *rt_; }
+  std::exception_ptr broken() const override {
+    std::lock_guard<std::mutex> lk(mu_);
+    return broken_;
+  }
+  void wait(Work& w, std::chrono::milliseconds timeout) override { wait_until(w, false, timeout); }
+  void wait_end(Work& w, std::chrono::milliseconds timeout) override { wait_until(w, true, timeout); }
+  void poll() override {}
+
+ private:
+  std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch);
+  void wait_until(Work& w, bool end_enough, std::chrono::milliseconds timeout);
+
+  // The engine thread: every runtime call on communicators and channel streams happens here,
+  // so an abort never races another call on the same communicator.
+  void main();
+  bool pass();
+  void admit(std::unique_ptr<DevOp> op);
+  void make_ready(DevOp* op);
+  Channel& channel(int peer);
+  bool pump(Channel& c);
+  bool exchange(Channel& c);
+  void handle_frame(Channel& c, const uint8_t* data);
+  void send_frame(Channel& c, FrameType type, const std::vector<Entry>& entries, bool with_id);
+  bool launch(Channel& c);
+  void part_done(Part* p);
+  void finish(DevOp* op);
+  void fail_op(DevOp* op, std::exception_ptr e);
+  void fault(Channel& c, const std::string& why);
+  bool check_health();
+  void settle(Batch& b, std::exception_ptr e);
+  void teardown();
+
+  const int rank_;
+  HostLink& host_;
+  std::unique_ptr<Runtime> rt_;
+  Stream join_ = nullptr;  // end work (folds, local copies) of ops whose transfers are over
+
+  mutable std::mutex mu_;  // guards the fields up to the thread's own state below
+  std::condition_variable cv_;       // wakes the engine thread
+  std::condition_variable done_cv_;  // wakes waiters
+  std::vector<std::unique_ptr<DevOp>> incoming_;
+  std::unordered_map<uint64_t, uint64_t> next_seq_;
+  std::exception_ptr broken_;
+  bool stop_ = false;
+  std::thread thread_;
+
+  // The engine thread's own state.
+  std::unordered_map<uint64_t, DevOp*> tail_;  // last op of each group id
+  std::vector<std::unique_ptr<DevOp>> live_;
+  std::unordered_map<int, std::unique_ptr<Channel>> channels_;
+  std::deque<std::shared_ptr<Batch>> ending_;  // end event recorded, not yet seen done
+  Clock::time_point last_health_ = Clock::now();
+};
+
+// ---------------------------------------------------------------------------------------------
+// Issue (caller's thread)
+
+std::unique_ptr<DevOp> ChannelEngine::lower(DeviceOp& d, const std::shared_ptr<Batch>& batch) {
+  OpRequest& r = d.req;
+  const int n = (int)d.ranks.size(), me = d.rank;
+  const char* api = op_kind_name(r.kind);
+  const c10::Device dev = request_device(r);
+  TORCH_CHECK_VALUE(dev.is_cpu() || dev.index() == rt_->device(), "fastcomm.", api, ": rank ", rank_, ", group ",
+                    d.label, ": the op's tensors are on ", dev, " but this process's device engine drives ",
+                    dev.type(), ":", rt_->device(), " (one device per process)");
+  auto op = std::make_unique<DevOp>();
+  op->kind = r.kind;
+  op->label = d.label;
+  op->batch = batch;
+  op->timeout = d.timeout;
+  const bool reduces =
+      r.kind == OpKind::kAllReduce || r.kind == OpKind::kReduceScatter || r.kind == OpKind::kReduceScatterTensor;
+  const at::Tensor& typed = r.output.defined() ? r.output : r.tensor;
+  if (reduces) {
+    TORCH_CHECK_TYPE(folds(typed.scalar_type()), "fastcomm.", api, ": rank ", rank_, ", group ", d.label, ": dtype ",
+                     typed.scalar_type(), " is not supported for ", dev.type(), " tensors");
+    TORCH_CHECK_VALUE(r.redop == R::SUM || r.redop == R::AVG || r.redop == R::PRODUCT || r.redop == R::MIN ||
+                          r.redop == R::MAX,
+                      "fastcomm.", api, ": rank ", rank_, ", group ", d.label, ": argument 'op' ",
+                      redop_name(r.redop), " is not supported for ", dev.type(), " tensors");
+  }
+  Sig sig;
+  sig.kind = (uint8_t)r.kind;
+  sig.dtype = (uint8_t)typed.scalar_type();
+  sig.redop = reduces ? (uint8_t)r.redop : 0;
+  auto add_part = [&](int peer) -> Part& {
+    op->parts.push_back(std::make_unique<Part>());
+    Part& p = *op->parts.back();
+    p.op = op.get();
+    p.peer = peer;
+    p.sig = sig;
+    return p;
+  };
+  auto slot = [&](int j) { return (size_t)(j < me ? j : j - 1); };
+  switch (r.kind) {
+    case OpKind::kAllReduce: {
+      op->keep = {r.tensor};
+      const size_t bytes = r.tensor.nbytes();
+      sig.bytes = bytes;
+      if (n == 1 || bytes == 0) break;
+      op->scratch = rt_->scratch((int64_t)(n - 1) * r.tensor.numel(), r.tensor, join_);
+      auto* s = (uint8_t*)op->scratch.data_ptr();
+      for (int j = 0; j < n; ++j) {
+        if (j == me) continue;
+        Part& p = add_part(d.ranks[j]);
+        p.sends.emplace_back(r.tensor.data_ptr(), bytes);
+        p.recvs.emplace_back(s + slot(j) * bytes, bytes);
+      }
+      op->folds.push_back(FoldJob{r.tensor.data_ptr(), r.tensor.data_ptr(), s, r.tensor.numel(), n, me,
+                                  r.tensor.scalar_type(), r.redop});
+      break;
+    }
+    case OpKind::kBroadcast: {
+      op->keep = {r.tensor};
+      const int root = (int)(std::find(d.ranks.begin(), d.ranks.end(), r.peer) - d.ranks.begin());
+      const size_t bytes = r.tensor.nbytes();
+      sig.bytes = bytes;
+      sig.root = root;
+      if (n == 1 || bytes == 0) break;
+      if (me == root) {
+        for (int j = 0; j < n; ++j)
+          if (j != me) add_part(d.ranks[j]).sends.emplace_back(r.tensor.data_ptr(), bytes);
+      } else {
+        add_part(d.ranks[root]).recvs.emplace_back(r.tensor.data_ptr(), bytes);
+      }
+      break;
+    }
+    case OpKind::kAllGather:
+    case OpKind::kAllGatherIntoTensor: {
+      const bool flat = r.kind == OpKind::kAllGatherIntoTensor;
+      op->keep = flat ? std::vector<at::Tensor>{r.tensor, r.output} : r.list;
+      if (!flat) op->keep.push_back(r.tensor);
+      const size_t bytes = r.tensor.nbytes();
+      sig.bytes = bytes;
+      auto block = [&](int j) -> void* {
+        return flat ? (uint8_t*)r.output.data_ptr() + (size_t)j * bytes : r.list[j].data_ptr();
+      };
+      if (bytes == 0) break;
+      if (block(me) != r.tensor.data_ptr()) op->copies.emplace_back(block(me), r.tensor.data_ptr(), bytes);
+      for (int j = 0; j < n; ++j) {
+        if (j == me) continue;
+        Part& p = add_part(d.ranks[j]);
+        p.sends.emplace_back(r.tensor.data_ptr(), bytes);
+        p.recvs.emplace_back(block(j), bytes);
+      }
+      break;
+    }
+    case OpKind::kReduceScatter:
+    case OpKind::kReduceScatterTensor: {
+      const bool flat = r.kind == OpKind::kReduceScatterTensor;
+      op->keep = flat ? std::vector<at::Tensor>{r.tensor, r.output} : r.list;
+      if (!flat) op->keep.push_back(r.output);
+      const size_t bytes = r.output.nbytes();
+      sig.bytes = bytes;
+      auto block = [&](int j) -> void* {
+        return flat ? (uint8_t*)r.tensor.data_ptr() + (size_t)j * bytes : r.list[j].data_ptr();
+      };
+      if (bytes == 0) break;
+      if (n == 1) {
+        if (block(0) != r.output.data_ptr()) op->copies.emplace_back(r.output.data_ptr(), block(0), bytes);
+        break;
+      }
+      op->scratch = rt_->scratch((int64_t)(n - 1) * r.output.numel(), r.output, join_);
+      auto* s = (uint8_t*)op->scratch.data_ptr();
+      for (int j = 0; j < n; ++j) {
+        if (j == me) continue;
+        Part& p = add_part(d.ranks[j]);
+        p.sends.emplace_back(block(j), bytes);
+        p.recvs.emplace_back(s + slot(j) * bytes, bytes);
+      }
+      op->folds.push_back(
+          FoldJob{r.output.data_ptr(), block(me), s, r.output.numel(), n, me, r.output.scalar_type(), r.redop});
+      break;
+    }
+    case OpKind::kSend:
+    case OpKind::kRecv: {
+      op->keep = {r.tensor};
+      sig.bytes = r.tensor.nbytes();
+      if (sig.bytes == 0) break;
+      Part& p = add_part(r.peer);
+      if (r.kind == OpKind::kSend) p.sends.emplace_back(r.tensor.data_ptr(), sig.bytes);
+      else p.recvs.emplace_back(r.tensor.data_ptr(), sig.bytes);
+      break;
+    }
+    default:
+      TORCH_CHECK_VALUE(false, "fastcomm.", api, ": rank ", rank_, ", group ", d.label, ": not supported for ",
+                        dev.type(), " tensors");
+  }
+  for (auto& p : op->parts) p->sig = sig;  // sig.bytes/root were filled in after the parts
+  op->parts_left = (int)op->parts.size();
+  return op;
+}
+
+c10::intrusive_ptr<Work> ChannelEngine::post(std::vector<DeviceOp> dops, bool async_op, bool rethrow) {
+  const Stream caller = rt_->current_stream();
+  TORCH_CHECK(!rt_->capturing(caller), "fastcomm: rank ", rank_,
+              ": device ops cannot be captured in a CUDA graph (their transfers are scheduled by the host)");
+  auto batch = std::make_shared<Batch>();
+  std::vector<std::unique_ptr<DevOp>> ops;
+  std::vector<at::Tensor> outputs;
+  c10d::OpType type = dops.size() == 1 ? op_kind_type(dops[0].req.kind) : c10d::OpType::COALESCED;
+  for (auto& d : dops) {
+    ops.push_back(lower(d, batch));
+    const OpRequest& r = d.req;
+    if (r.kind == OpKind::kAllGather) outputs.insert(outputs.end(), r.list.begin(), r.list.end());
+    else outputs.push_back(r.output.defined() ? r.output : r.tensor);
+  }
+  // The transfers start where the caller's stream is now: the inputs are ready there.
+  auto input = std::make_shared<EventRef>(*rt_, rt_->new_event());
+  rt_->record(input->ev, caller);
+  batch->work = c10::make_intrusive<DeviceWork>(shared_from_this(), rank_, type, std::move(outputs), 1, async_op);
+  batch->left = (int)ops.size();
+  const auto now = Clock::now();
+  auto work = batch->work;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (broken_) std::rethrow_exception(broken_);
+    for (size_t i = 0; i < ops.size(); ++i) {
+      DevOp& op = *ops[i];
+      op.key = Key{dops[i].id, next_seq_[dops[i].id]++};
+      op.input = input;
+      op.deadline = now + op.timeout;
+      incoming_.push_back(std::move(ops[i]));
+    }
+    if (ops.empty()) work->settle(nullptr, true);
+  }
+  cv_.notify_all();
+  if (!async_op && rethrow) {
+    wait_until(*work, false, std::chrono::milliseconds(0));
+    work->rethrow_if_failed();
+  }
+  return work;
+}
+
+void ChannelEngine::wait_until(Work& w, bool end_enough, std::chrono::milliseconds timeout) {
+  auto ready = [&] { return w.done() || (end_enough && static_cast<DeviceWork&>(w).end() != nullptr); };
+  std::unique_lock<std::mutex> lk(mu_);
+  if (timeout.count() <= 0) {
+    done_cv_.wait(lk, ready);
+  } else if (!done_cv_.wait_for(lk, timeout, ready)) {
+    throw_comm_error("fastcomm: rank " + std::to_string(rank_) + ": device op not finished after " +
+                     std::to_string(timeout.count()) + " ms (wait timed out)");
+  }
+}
+
+void ChannelEngine::shutdown() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stop_) return;
+    stop_ = true;
+    if (!broken_) broken_ = comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ": fastcomm was shut down");
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The engine thread
+
+void ChannelEngine::main() {
+  std::unique_lock<std::mutex> lk(mu_);
+  int idle = 0;
+  while (!stop_) {
+    std::vector<std::unique_ptr<DevOp>> in;
+    in.swap(incoming_);
+    lk.unlock();
+    for (auto& op : in) admit(std::move(op));
+    bool moved = false;
+    try {
+      moved = pass();
+    } catch (const std::exception& e) {
+      // A runtime call failed outside any one channel (the join stream, an event): nothing
+      // can be trusted any more.
+      std::lock_guard<std::mutex> g(mu_);
+      if (!broken_) broken_ = comm_error_ptr(std::string("fastcomm: rank ") + std::to_string(rank_) +
+                                             ": the device engine failed: " + e.what());
+      stop_ = true;
+    }
+    lk.lock();
+    if (moved || !incoming_.empty()) {
+      idle = 0;
+      continue;
+    }
+    // Control messages and device events do not wake this thread: poll, backing off while
+    // nothing moves.
+    if (live_.empty() && ending_.empty()) {
+      cv_.wait(lk, [&] { return stop_ || !incoming_.empty(); });
+    } else {
+      idle = std::min(idle + 1, 50);
+      cv_.wait_for(lk, std::chrono::microseconds(idle < 20 ? 5 * idle : 200),
+                   [&] { return stop_ || !incoming_.empty(); });
+    }
+  }
+  lk.unlock();
+  teardown();
+}
+
+void ChannelEngine::admit(std::unique_ptr<DevOp> op) {
+  DevOp* o = op.get();
+  auto it = tail_.find(o->key.id);
+  DevOp* pred = it == tail_.end() ? nullptr : it->second;
+  tail_[o->key.id] = o;
+  live_.push_back(std::move(op));
+  if (pred == nullptr || pred->finished) {
+    if (pred != nullptr) o->pred_end = pred->end;
+    make_ready(o);
+  } else {
+    pred->next = o;
+  }
+}
+
+// The op's inputs are ready on the host's side: its parts may be agreed with the peers.
+void ChannelEngine::make_ready(DevOp* op) {
+  op->ready = true;
+  if (op->parts.empty()) {
+    finish(op);
+    return;
+  }
+  for (auto& up : op->parts) {
+    Part* p = up.get();
+    Channel& c = channel(p->peer);
+    if (c.failed) {
+      fail_op(op, c.failed);
+      p->state = Part::kDone;
+      part_done(p);
+      continue;
+    }
+    c.open[op->key] = p;
+    if (c.leader) c.to_propose.push_back(p);
+  }
+}
+
+Channel& ChannelEngine::channel(int peer) {
+  auto& c = channels_[peer];
+  if (!c) {
+    c = std::make_unique<Channel>();
+    c->peer = peer;
+    c->leader = rank_ < peer;
+  }
+  return *c;
+}
+
+bool ChannelEngine::pass() {
+  bool moved = false;
+  for (auto& [peer, c] : channels_) {
+    try {
+      moved |= pump(*c);
+    } catch (const std::exception& e) {
+      fault(*c, e.what());
+      moved = true;
+    }
+  }
+  // Ops whose batch has its end event: settle once it has run.
+  while (!ending_.empty()) {
+    Batch& b = *ending_.front();
+    if (rt_->query(b.work->end()) != State::kReady) break;
+    settle(b, nullptr);
+    ending_.pop_front();
+    moved = true;
+  }
+  moved |= check_health();
+  // Drop ops that are over and that no later op of their group points to.
+  live_.erase(std::remove_if(live_.begin(), live_.end(),
+                             [&](const std::unique_ptr<DevOp>& o) {
+                               if (!o->finished) return false;
+                               auto it = tail_.find(o->key.id);
+                               if (it != tail_.end() && it->second == o.get()) tail_.erase(it);
+                               return true;
+                             }),
+              live_.end());
+  return moved;
+}
+
+bool ChannelEngine::pump(Channel& c) {
+  bool moved = exchange(c);
+  moved |= launch(c);
+  // Transfers seen done, in launch order (a channel's stream runs them in that order).
+  while (!c.in_flight.empty()) {
+    Part* p = c.in_flight.front();
+    if (rt_->query(p->done_event->ev) != State::kReady) break;
+    c.in_flight.pop_front();
+    p->state = Part::kDone;
+    part_done(p);
+    moved = true;
+  }
+  return moved;
+}
+
+// The control messages of the pair: proposals out (leader), commits and mismatches out
+// (follower), and whatever the peer sent in.
+bool ChannelEngine::exchange(Channel& c) {
+  bool moved = false;
+  while (!c.tx.empty() && c.tx.front()->isCompleted()) {
+    auto w = c.tx.front();
+    c.tx.pop_front();
+    if (auto e = w->exception()) std::rethrow_exception(e);
+    moved = true;
+  }
+  if (c.leader && !c.to_propose.empty()) {
+    if (c.comm == nullptr) {
+      c.id = rt_->new_id();
+      c.comm = rt_->comm_init(c.id, 2, 0);
+      if (c.stream == nullptr) c.stream = rt_->new_stream();
+    }
+    std::vector<Entry> entries;
+    for (Part* p : c.to_propose) {
+      p->state = Part::kProposed;
+      entries.push_back(Entry{p->op->key, p->sig});
+    }
+    c.to_propose.clear();
+    send_frame(c, kPropose, entries, !c.id_sent);
+    c.id_sent = true;
+    moved = true;
+  }
+  // A receive is kept posted while anything waits for the peer's word.
+  const bool waiting = c.leader ? std::any_of(c.open.begin(), c.open.end(),
+                                              [](const auto& kv) { return kv.second->state == Part::kProposed; })
+                                : !c.open.empty();
+  while (c.rx && c.rx->isCompleted()) {
+    auto w = c.rx;
+    c.rx.reset();
+    if (auto e = w->exception()) std::rethrow_exception(e);
+    handle_frame(c, (const uint8_t*)c.rx_buf.data_ptr());
+    moved = true;
+    if (waiting || !c.open.empty()) {
+      c.rx_buf = at::empty({(int64_t)kFrameBytes}, at::kByte);
+      c.rx = host_.control_recv(c.peer, c.rx_buf);
+    }
+  }
+  if (!c.rx && (waiting || !c.open.empty())) {
+    c.rx_buf = at::empty({(int64_t)kFrameBytes}, at::kByte);
+    c.rx = host_.control_recv(c.peer, c.rx_buf);
+  }
+  if (!c.leader) {
+    // Match the proposals to this rank's ready ops, in proposal order; one not issued here
+    // yet waits without holding back those after it.
+    for (auto it = c.proposals.begin(); it != c.proposals.end();) {
+      auto f = c.open.find(it->key);
+      if (f == c.open.end()) {
+        ++it;
+        continue;
+      }
+      Part* p = f->second;
+      c.open.erase(f);
+      if (compatible(it->sig, p->sig)) {
+        p->state = Part::kCommitted;
+        c.committed.push_back(p);
+        c.commits.push_back(*it);
+      } else {
+        fail_op(p->op, comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ", group " + p->op->label +
+                                      ": mismatched op: this rank issued " + sig_str(p->sig) + " where rank " +
+                                      std::to_string(c.peer) + " issued " + sig_str(it->sig)));
+        c.mismatches.push_back(Entry{it->key, p->sig});
+        p->state = Part::kDone;
+        part_done(p);
+      }
+      it = c.proposals.erase(it);
+      moved = true;
+    }
+    if (!c.commits.empty()) {
+      send_frame(c, kCommit, c.commits, false);
+      c.commits.clear();
+    }
+    if (!c.mismatches.empty()) {
+      send_frame(c, kMismatch, c.mismatches, false);
+      c.mismatches.clear();
+    }
+  }
+  return moved;
+}
+
+void ChannelEngine::send_frame(Channel& c, FrameType type, const std::vector<Entry>& entries, bool with_id) {
+  for (size_t at = 0; at < entries.size() || (at == 0 && with_id); at += kMaxEntries) {
+    at::Tensor buf = at::zeros({(int64_t)kFrameBytes}, at::kByte);
+    auto* d = (uint8_t*)buf.data_ptr();
+    FrameHead h;
+    h.type = type;
+    h.count = (uint32_t)std::min(kMaxEntries, entries.size() - at);
+    h.has_id = with_id && at == 0;
+    std::memcpy(d, &h, sizeof(h));
+    if (h.has_id) std::memcpy(d + sizeof(h), &c.id, sizeof(UniqueId));
+    std::memcpy(d + sizeof(h) + sizeof(UniqueId), entries.data() + at, h.count * sizeof(Entry));
+    c.tx.push_back(host_.control_send(c.peer, buf));
+    if (entries.empty()) break;
+  }
+}
+
+void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
+  FrameHead h;
+  std::memcpy(&h, d, sizeof(h));
+  TORCH_INTERNAL_ASSERT(h.count <= kMaxEntries && h.type >= kPropose && h.type <= kMismatch, "bad control frame");
+  if (h.has_id) {
+    TORCH_INTERNAL_ASSERT(!c.leader && c.comm == nullptr, "unexpected communicator id from rank ", c.peer);
+    std::memcpy(&c.id, d + sizeof(h), sizeof(UniqueId));
+    c.comm = rt_->comm_init(c.id, 2, 1);
+    if (c.stream == nullptr) c.stream = rt_->new_stream();
+  }
+  const auto* e = reinterpret_cast<const Entry*>(d + sizeof(h) + sizeof(UniqueId));
+  for (uint32_t i = 0; i < h.count; ++i) {
+    Entry en;
+    std::memcpy(&en, e + i, sizeof(en));
+    if (h.type == kPropose) {
+      c.proposals.push_back(en);
+      continue;
+    }
+    auto f = c.open.find(en.key);
+    TORCH_INTERNAL_ASSERT(f != c.open.end(), "rank ", c.peer, " answered an op this rank did not propose");
+    Part* p = f->second;
+    c.open.erase(f);
+    if (h.type == kCommit) {
+      p->state = Part::kCommitted;
+      c.committed.push_back(p);
+    } else {
+      fail_op(p->op, comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ", group " + p->op->label +
+                                    ": mismatched op: this rank issued " + sig_str(p->sig) + " where rank " +
+                                    std::to_string(c.peer) + " issued " + sig_str(en.sig)));
+      p->state = Part::kDone;
+      part_done(p);
+    }
+  }
+}
+
+// Agreed parts go onto the pair's stream, in agreed order, as one group of sends and receives.
+bool ChannelEngine::launch(Channel& c) {
+  bool moved = false;
+  if (c.comm != nullptr && (!c.committed.empty() || !c.launching.empty())) {
+    std::string why;
+    const State s = rt_->comm_state(c.comm, &why);
+    if (s == State::kFailed) throw_comm_error("fastcomm: rank " + std::to_string(rank_) + ": the channel to rank " +
+                                              std::to_string(c.peer) + " failed: " + why);
+    if (s == State::kPending) return false;
+    c.comm_ready = true;
+  }
+  if (!c.launching.empty()) {
+    // The last group is enqueued now (a non-blocking communicator may finish launching late).
+    auto ev = std::make_shared<EventRef>(*rt_, rt_->new_event());
+    rt_->record(ev->ev, c.stream);
+    for (Part* p : c.launching) {
+      p->done_event = ev;
+      c.in_flight.push_back(p);
+    }
+    c.launching.clear();
+    moved = true;
+  }
+  if (c.committed.empty() || !c.comm_ready) return moved;
+  const int peer_rank = c.leader ? 1 : 0;
+  for (Part* p : c.committed) {
+    rt_->wait(c.stream, p->op->input->ev);
+    if (p->op->pred_end) rt_->wait(c.stream, p->op->pred_end->ev);
+  }
+  rt_->group_start();
+  try {
+    for (Part* p : c.committed) {
+      for (auto& [buf, n] : p->sends) rt_->send(buf, n, peer_rank, c.comm, c.stream);
+      for (auto& [buf, n] : p->recvs) rt_->recv(buf, n, peer_rank, c.comm, c.stream);
+    }
+  } catch (...) {
+    rt_->group_end();
+    throw;
+  }
+  rt_->group_end();
+  for (Part* p : c.committed) {
+    p->state = Part::kLaunched;
+    c.launching.push_back(p);
+  }
+  c.committed.clear();
+  return true;
+}
+
+void ChannelEngine::part_done(Part* p) {
+  DevOp* op = p->op;
+  if (--op->parts_left == 0) finish(op);
+}
+
+void ChannelEngine::fail_op(DevOp* op, std::exception_ptr e) {
+  if (!op->error) op->error = e;
+}
+
+// The op's transfers are over (or it failed): its end work goes onto the join stream, and the
+// next op of its group may start.
+void ChannelEngine::finish(DevOp* op) {
+  if (op->finished) return;
+  if (!op->error && (!op->folds.empty() || !op->copies.empty())) {
+    rt_->wait(join_, op->input->ev);
+    for (auto& [dst, src, n] : op->copies) rt_->copy(dst, src, n, join_);
+    if (!op->folds.empty()) rt_->fold(op->folds.data(), (int)op->folds.size(), join_);
+    op->end = std::make_shared<EventRef>(*rt_, rt_->new_event());
+    rt_->record(op->end->ev, join_);
+    op->batch->device_work = true;
+  }
+  op->finished = true;
+  Batch& b = *op->batch;
+  if (op->error && !b.error) b.error = op->error;
+  if (--b.left == 0) {
+    if (b.error || !b.device_work) {
+      settle(b, b.error);
+    } else {
+      Event e = rt_->new_event();
+      rt_->record(e, join_);
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        b.work->set_end(e);
+      }
+      done_cv_.notify_all();
+      ending_.push_back(op->batch);
+    }
+  }
+  if (op->next != nullptr) {
+    DevOp* n = op->next;
+    op->next = nullptr;
+    n->pred_end = op->end;
+    make_ready(n);
+  }
+}
+
+void ChannelEngine::settle(Batch& b, std::exception_ptr e) {
+  bool fin;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    fin = b.work->settle(e, true);
+  }
+  done_cv_.notify_all();
+  if (fin) b.work->publish();
+}
+
+// Aborts the pair's channel: its ops fail, naming the peer; other channels go on.
+void ChannelEngine::fault(Channel& c, const std::string& why) {
+  if (!c.failed)
+    c.failed = comm_error_ptr(why.rfind("fastcomm:", 0) == 0
+                                  ? why
+                                  : "fastcomm: rank " + std::to_string(rank_) + ": the channel to rank " +
+                                        std::to_string(c.peer) + " failed: " + why);
+  if (c.comm != nullptr) {
+    try {
+      rt_->comm_abort(c.comm);
+    } catch (const std::exception&) {
+    }
+  }
+  std::vector<Part*> parts;
+  for (auto& [k, p] : c.open) parts.push_back(p);
+  for (Part* p : c.committed) parts.push_back(p);
+  for (Part* p : c.launching) parts.push_back(p);
+  for (Part* p : c.in_flight) parts.push_back(p);
+  c.open.clear();
+  c.to_propose.clear();
+  c.proposals.clear();
+  c.committed.clear();
+  c.launching.clear();
+  c.in_flight.clear();
+  for (Part* p : parts) {
+    fail_op(p->op, c.failed);
+    p->state = Part::kDone;
+    part_done(p);
+  }
+}
+
+// Deadlines, and peers the host knows are gone.
+bool ChannelEngine::check_health() {
+  const auto now = Clock::now();
+  bool moved = false;
+  for (auto& op : live_) {
+    if (op->finished || !op->ready || now <= op->deadline) continue;
+    for (auto& p : op->parts) {
+      if (p->state == Part::kDone) continue;
+      Channel& c = channel(p->peer);
+      fault(c, "fastcomm: rank " + std::to_string(rank_) + ", group " + op->label + ": " + op_kind_name(op->kind) +
+                   " did not finish within the group's timeout (" + std::to_string(op->timeout.count()) +
+                   " ms) waiting for rank " + std::to_string(p->peer) + "; the channel to rank " +
+                   std::to_string(p->peer) + " was aborted");
+      moved = true;
+    }
+  }
+  if (now - last_health_ < std::chrono::milliseconds(50)) return moved;
+  last_health_ = now;
+  for (auto& [peer, c] : channels_) {
+    if (c->failed || !c->busy()) continue;
+    if (!host_.peer_alive(peer)) {
+      fault(*c, "fastcomm: rank " + std::to_string(rank_) + ": peer rank " + std::to_string(peer) +
+                    " exited; its channel was aborted");
+      moved = true;
+    }
+  }
+  return moved;
+}
+
+void ChannelEngine::teardown() {
+  std::exception_ptr why = broken();
+  // Ops still open may wait on a peer for good: their channels are aborted, so every stream
+  // drains, and their Works fail.
+  for (auto& [peer, c] : channels_) {
+    if (c->busy()) fault(*c, std::string("fastcomm: rank ") + std::to_string(rank_) + ": fastcomm was shut down");
+  }
+  for (auto& op : live_) {
+    if (!op->finished) {
+      fail_op(op.get(), why);
+      finish(op.get());
+    }
+  }
+  for (auto& b : ending_) {
+    // Its end work is local (folds, copies): it runs; wait so its memory outlives it.
+    try {
+      rt_->synchronize(b->work->end());
+      settle(*b, nullptr);
+    } catch (const std::exception&) {
+      settle(*b, why);
+    }
+  }
+  ending_.clear();
+  live_.clear();
+  tail_.clear();
+  for (auto& [peer, c] : channels_) {
+    try {
+      if (c->comm != nullptr) rt_->comm_destroy(c->comm);
+      if (c->stream != nullptr) rt_->destroy_stream(c->stream);
+    } catch (const std::exception&) {
+    }
+  }
+  channels_.clear();
+  try {
+    rt_->destroy_stream(join_);
+  } catch (const std::exception&) {
+  }
+}
+
+}  // namespace device
+
+std::shared_ptr<DeviceEngine> make_device_engine(const EngineOptions& opts, HostLink& host,
+                                                 std::unique_ptr<device::Runtime> runtime) {
+  return std::make_shared<device::ChannelEngine>(opts, host, std::move(runtime));
+}
+
+}  // namespace fastcomm

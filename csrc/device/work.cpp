@@ -1,0 +1,56 @@
+#include "device/work.h"
+
+#include <ATen/core/jit_type.h>
+
+namespace fastcomm {
+namespace device {
+
+DeviceWork::DeviceWork(std::shared_ptr<WorkOwner> owner, int rank, c10d::OpType type,
+                       std::vector<at::Tensor> outputs, int parts, bool async_op)
+    : Work(owner, rank, type, std::move(outputs), parts, async_op), owner_(std::move(owner)) {}
+
+DeviceWork::~DeviceWork() {
+  if (Event e = end()) owner_->runtime().destroy_event(e);
+}
+
+bool DeviceWork::wait(std::chrono::milliseconds timeout) {
+  // The end event exists once the op's transfers have run: until then there is nothing on the
+  // device to order the caller's stream after, so the host waits for it.
+  owner_->wait_end(*this, timeout == kNoTimeout ? std::chrono::milliseconds(0) : timeout);
+  if (done()) {
+    rethrow_if_failed();
+    return true;
+  }
+  Runtime& rt = owner_->runtime();
+  rt.wait(rt.current_stream(), end());
+  if (timeout != kNoTimeout) {
+    owner_->wait(*this, timeout);
+    rethrow_if_failed();
+  }
+  return true;
+}
+
+void DeviceWork::synchronize() {
+  owner_->wait(*this, std::chrono::milliseconds(0));
+  rethrow_if_failed();
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> DeviceWork::getFuture() {
+  std::lock_guard<std::mutex> lk(mutex_);
+  if (!future_) {
+    std::vector<c10::Device> devices;
+    for (const auto& t : outputs_)
+      if (t.defined() && !t.is_cpu() && std::find(devices.begin(), devices.end(), t.device()) == devices.end())
+        devices.push_back(t.device());
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()), devices);
+    if (completed_) {
+      future_published_ = true;
+      if (exception_) future_->setError(exception_);
+      else future_->markCompleted(c10::IValue(outputs_));
+    }
+  }
+  return future_;
+}
+
+}  // namespace device
+}  // namespace fastcomm
