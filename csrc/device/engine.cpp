@@ -170,6 +170,11 @@ struct Channel {
   UniqueId id;
   Stream stream = nullptr;
   std::exception_ptr failed;  // set: the channel was aborted; every op on it fails
+  // The peer looks gone (the host says so, a control message or the communicator failed):
+  // transfers already done on the device are still harvested until `doomed_at`, then the
+  // channel is aborted with `doomed_why`.
+  std::string doomed_why;
+  Clock::time_point doomed_at;
   std::unordered_map<Key, Part*, KeyHash> open;  // ready, not yet committed
   std::deque<Part*> to_propose;                  // leader: ready, not yet proposed
   std::deque<Entry> proposals;                   // follower: proposed, no matching ready op yet
@@ -180,6 +185,7 @@ struct Channel {
   c10::intrusive_ptr<Work> rx;
   at::Tensor rx_buf;
   std::deque<c10::intrusive_ptr<Work>> tx;
+  bool wants_comm = false;  // single-stream scheme: parts wait for the communicator
   bool busy() const {
     return !open.empty() || !to_propose.empty() || !committed.empty() || !launching.empty() || !in_flight.empty();
   }
@@ -190,8 +196,9 @@ struct Channel {
 class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::enable_shared_from_this<ChannelEngine> {
  public:
   ChannelEngine(const EngineOptions& opts, HostLink& host, std::unique_ptr<Runtime> rt)
-      : rank_(opts.rank), host_(host), rt_(std::move(rt)) {
+      : rank_(opts.rank), single_(opts.settings.device_single_stream), host_(host), rt_(std::move(rt)) {
     join_ = rt_->new_stream();
+    if (single_) shared_ = rt_->new_stream();
     thread_ = std::thread([this] { main(); });
   }
   ~ChannelEngine() override { shutdown(); }
@@ -229,11 +236,17 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   void finish(DevOp* op);
   void fail_op(DevOp* op, std::exception_ptr e);
   void fault(Channel& c, const std::string& why);
+  void doom(Channel& c, const std::string& why);
   bool check_health();
   void settle(Batch& b, std::exception_ptr e);
   void teardown();
 
   const int rank_;
+  // The scheme this engine replaced, kept to show the fake runtime is faithful (tests): every
+  // channel on one stream, parts launched in issue order with no agreement.
+  const bool single_;
+  Stream shared_ = nullptr;
+  std::deque<Part*> single_queue_;  // its parts in issue order, launched strictly in that order
   HostLink& host_;
   std::unique_ptr<Runtime> rt_;
   Stream join_ = nullptr;  // end work (folds, local copies) of ops whose transfers are over
@@ -504,7 +517,7 @@ void ChannelEngine::admit(std::unique_ptr<DevOp> op) {
   DevOp* pred = it == tail_.end() ? nullptr : it->second;
   tail_[o->key.id] = o;
   live_.push_back(std::move(op));
-  if (pred == nullptr || pred->finished) {
+  if (single_ || pred == nullptr || pred->finished) {
     if (pred != nullptr) o->pred_end = pred->end;
     make_ready(o);
   } else {
@@ -528,6 +541,11 @@ void ChannelEngine::make_ready(DevOp* op) {
       part_done(p);
       continue;
     }
+    if (single_) {
+      c.wants_comm = true;
+      single_queue_.push_back(p);
+      continue;
+    }
     c.open[op->key] = p;
     if (c.leader) c.to_propose.push_back(p);
   }
@@ -539,17 +557,29 @@ Channel& ChannelEngine::channel(int peer) {
     c = std::make_unique<Channel>();
     c->peer = peer;
     c->leader = rank_ < peer;
+    c->stream = shared_;
   }
   return *c;
 }
 
 bool ChannelEngine::pass() {
   bool moved = false;
+  while (!single_queue_.empty()) {
+    Part* p = single_queue_.front();
+    Channel& c = channel(p->peer);
+    std::string why;
+    if (c.comm == nullptr || rt_->comm_state(c.comm, &why) != State::kReady) break;
+    single_queue_.pop_front();
+    p->state = Part::kCommitted;
+    c.committed.push_back(p);
+    launch(c);
+    moved = true;
+  }
   for (auto& [peer, c] : channels_) {
     try {
       moved |= pump(*c);
     } catch (const std::exception& e) {
-      fault(*c, e.what());
+      doom(*c, e.what());
       moved = true;
     }
   }
@@ -575,8 +605,11 @@ bool ChannelEngine::pass() {
 }
 
 bool ChannelEngine::pump(Channel& c) {
-  bool moved = exchange(c);
-  moved |= launch(c);
+  bool moved = false;
+  if (c.doomed_why.empty()) {
+    moved |= exchange(c);
+    moved |= launch(c);
+  }
   // Transfers seen done, in launch order (a channel's stream runs them in that order).
   while (!c.in_flight.empty()) {
     Part* p = c.in_flight.front();
@@ -586,7 +619,18 @@ bool ChannelEngine::pump(Channel& c) {
     part_done(p);
     moved = true;
   }
+  if (!c.doomed_why.empty() && (c.in_flight.empty() || Clock::now() > c.doomed_at)) {
+    fault(c, c.doomed_why);
+    c.doomed_why.clear();
+    moved = true;
+  }
   return moved;
+}
+
+void ChannelEngine::doom(Channel& c, const std::string& why) {
+  if (c.failed || !c.doomed_why.empty()) return;
+  c.doomed_why = why;
+  c.doomed_at = Clock::now() + std::chrono::milliseconds(100);
 }
 
 // The control messages of the pair: proposals out (leader), commits and mismatches out
@@ -598,6 +642,12 @@ bool ChannelEngine::exchange(Channel& c) {
     c.tx.pop_front();
     if (auto e = w->exception()) std::rethrow_exception(e);
     moved = true;
+  }
+  if (single_ && c.leader && c.comm == nullptr && c.wants_comm) {
+    c.id = rt_->new_id();
+    c.comm = rt_->comm_init(c.id, 2, 0);
+    send_frame(c, kPropose, {}, true);
+    c.id_sent = true;
   }
   if (c.leader && !c.to_propose.empty()) {
     if (c.comm == nullptr) {
@@ -616,9 +666,10 @@ bool ChannelEngine::exchange(Channel& c) {
     moved = true;
   }
   // A receive is kept posted while anything waits for the peer's word.
-  const bool waiting = c.leader ? std::any_of(c.open.begin(), c.open.end(),
-                                              [](const auto& kv) { return kv.second->state == Part::kProposed; })
-                                : !c.open.empty();
+  const bool waiting = (c.leader ? std::any_of(c.open.begin(), c.open.end(),
+                                               [](const auto& kv) { return kv.second->state == Part::kProposed; })
+                                 : !c.open.empty()) ||
+                       (!c.leader && c.comm == nullptr && c.wants_comm);
   while (c.rx && c.rx->isCompleted()) {
     auto w = c.rx;
     c.rx.reset();
@@ -725,48 +776,51 @@ void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
 
 // Agreed parts go onto the pair's stream, in agreed order, as one group of sends and receives.
 bool ChannelEngine::launch(Channel& c) {
-  bool moved = false;
-  if (c.comm != nullptr && (!c.committed.empty() || !c.launching.empty())) {
+  if (c.comm == nullptr || (c.committed.empty() && c.launching.empty())) return false;
+  auto usable = [&] {
     std::string why;
     const State s = rt_->comm_state(c.comm, &why);
-    if (s == State::kFailed) throw_comm_error("fastcomm: rank " + std::to_string(rank_) + ": the channel to rank " +
-                                              std::to_string(c.peer) + " failed: " + why);
-    if (s == State::kPending) return false;
-    c.comm_ready = true;
-  }
-  if (!c.launching.empty()) {
-    // The last group is enqueued now (a non-blocking communicator may finish launching late).
-    auto ev = std::make_shared<EventRef>(*rt_, rt_->new_event());
-    rt_->record(ev->ev, c.stream);
-    for (Part* p : c.launching) {
-      p->done_event = ev;
-      c.in_flight.push_back(p);
-    }
-    c.launching.clear();
-    moved = true;
-  }
-  if (c.committed.empty() || !c.comm_ready) return moved;
-  const int peer_rank = c.leader ? 1 : 0;
-  for (Part* p : c.committed) {
-    rt_->wait(c.stream, p->op->input->ev);
-    if (p->op->pred_end) rt_->wait(c.stream, p->op->pred_end->ev);
-  }
-  rt_->group_start();
-  try {
+    if (s == State::kFailed)
+      throw_comm_error("fastcomm: rank " + std::to_string(rank_) + ": the channel to rank " + std::to_string(c.peer) +
+                       " failed: " + why);
+    return s == State::kReady;
+  };
+  if (!usable()) return false;
+  bool moved = false;
+  if (!c.committed.empty()) {
+    const int peer_rank = c.leader ? 1 : 0;
     for (Part* p : c.committed) {
-      for (auto& [buf, n] : p->sends) rt_->send(buf, n, peer_rank, c.comm, c.stream);
-      for (auto& [buf, n] : p->recvs) rt_->recv(buf, n, peer_rank, c.comm, c.stream);
+      rt_->wait(c.stream, p->op->input->ev);
+      if (p->op->pred_end) rt_->wait(c.stream, p->op->pred_end->ev);
     }
-  } catch (...) {
+    rt_->group_start();
+    try {
+      for (Part* p : c.committed) {
+        for (auto& [buf, n] : p->sends) rt_->send(buf, n, peer_rank, c.comm, c.stream);
+        for (auto& [buf, n] : p->recvs) rt_->recv(buf, n, peer_rank, c.comm, c.stream);
+      }
+    } catch (...) {
+      rt_->group_end();
+      throw;
+    }
     rt_->group_end();
-    throw;
+    for (Part* p : c.committed) {
+      p->state = Part::kLaunched;
+      c.launching.push_back(p);
+    }
+    c.committed.clear();
+    moved = true;
+    // A non-blocking communicator may still be launching the group: its end is recorded once
+    // the communicator is usable again.
+    if (!usable()) return true;
   }
-  rt_->group_end();
-  for (Part* p : c.committed) {
-    p->state = Part::kLaunched;
-    c.launching.push_back(p);
+  auto ev = std::make_shared<EventRef>(*rt_, rt_->new_event());
+  rt_->record(ev->ev, c.stream);
+  for (Part* p : c.launching) {
+    p->done_event = ev;
+    c.in_flight.push_back(p);
   }
-  c.committed.clear();
+  c.launching.clear();
   return true;
 }
 
@@ -844,6 +898,14 @@ void ChannelEngine::fault(Channel& c, const std::string& why) {
   for (Part* p : c.committed) parts.push_back(p);
   for (Part* p : c.launching) parts.push_back(p);
   for (Part* p : c.in_flight) parts.push_back(p);
+  for (auto it = single_queue_.begin(); it != single_queue_.end();) {
+    if ((*it)->peer == c.peer) {
+      parts.push_back(*it);
+      it = single_queue_.erase(it);
+    } else {
+      ++it;
+    }
+  }
   c.open.clear();
   c.to_propose.clear();
   c.proposals.clear();
@@ -878,8 +940,8 @@ bool ChannelEngine::check_health() {
   for (auto& [peer, c] : channels_) {
     if (c->failed || !c->busy()) continue;
     if (!host_.peer_alive(peer)) {
-      fault(*c, "fastcomm: rank " + std::to_string(rank_) + ": peer rank " + std::to_string(peer) +
-                    " exited; its channel was aborted");
+      doom(*c, "fastcomm: rank " + std::to_string(rank_) + ": peer rank " + std::to_string(peer) +
+                   " exited; its channel was aborted");
       moved = true;
     }
   }
@@ -914,12 +976,13 @@ void ChannelEngine::teardown() {
   for (auto& [peer, c] : channels_) {
     try {
       if (c->comm != nullptr) rt_->comm_destroy(c->comm);
-      if (c->stream != nullptr) rt_->destroy_stream(c->stream);
+      if (c->stream != nullptr && c->stream != shared_) rt_->destroy_stream(c->stream);
     } catch (const std::exception&) {
     }
   }
   channels_.clear();
   try {
+    if (shared_ != nullptr) rt_->destroy_stream(shared_);
     rt_->destroy_stream(join_);
   } catch (const std::exception&) {
   }

@@ -39,6 +39,11 @@ Settings Settings::from_env() {
   s.gloo_bulk_bytes = bulk < 0 ? 0 : bulk == 0 ? SIZE_MAX : (size_t)bulk;
   if (const char* v = env("FASTCOMM_REDUCE_KERNELS")) s.baseline_kernels = std::strcmp(v, "baseline") == 0;
   if (const char* v = env("FASTCOMM_FAKE_DEVICE")) s.fake_device = std::strcmp(v, "1") == 0;
+  if (const char* v = env("FASTCOMM_DEVICE_SCHEME")) {
+    TORCH_CHECK_VALUE(std::strcmp(v, "channels") == 0 || std::strcmp(v, "single-stream") == 0,
+                      "fastcomm: FASTCOMM_DEVICE_SCHEME must be 'channels' or 'single-stream', got '", v, "'");
+    s.device_single_stream = std::strcmp(v, "single-stream") == 0;
+  }
   return s;
 }
 

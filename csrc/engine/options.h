@@ -21,6 +21,9 @@ struct Settings {
   bool baseline_kernels = false;   // FASTCOMM_REDUCE_KERNELS=baseline: no AVX2 loops
   bool fake_device = false;        // FASTCOMM_FAKE_DEVICE=1: the device path's ops on CPU
                                    // tensors run on the fake device runtime (tests)
+  bool device_single_stream = false;  // FASTCOMM_DEVICE_SCHEME=single-stream: the device
+                                      // engine's former scheme, one stream, no agreed order
+                                      // (tests show the fake deadlocks on it as NCCL does)
 
   // Reads and validates every variable; a malformed value is a ValueError naming it.
   static Settings from_env();
