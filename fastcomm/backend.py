@@ -87,7 +87,8 @@ def _create_backend(opts: dist.distributed_c10d._DistributedBackendOptions, back
 
 
 def _register() -> None:
-    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True,
+                                  devices=["cpu", "cuda"] if getattr(_C, "has_nccl", False) else ["cpu"])
 
 
 if dist.is_available():

@@ -33,11 +33,17 @@ template <> __device__ __forceinline__ void store<__nv_bfloat16>(__nv_bfloat16* 
   p[i] = __float2bfloat16(v);
 }
 
+// MIN and MAX propagate NaN, as torch.minimum/maximum do: a comparison with NaN is false, so
+// `b < a ? b : a` alone would keep whichever operand came first.
+template <typename A> __device__ __forceinline__ bool is_nan(A) { return false; }
+template <> __device__ __forceinline__ bool is_nan<float>(float v) { return isnan(v); }
+template <> __device__ __forceinline__ bool is_nan<double>(double v) { return isnan(v); }
+
 template <typename A> __device__ __forceinline__ A combine(RedOp op, A a, A b) {
   switch (op) {
     case RedOp::Product: return a * b;
-    case RedOp::Min: return b < a ? b : a;
-    case RedOp::Max: return a < b ? b : a;
+    case RedOp::Min: return is_nan(a) ? a : (is_nan(b) || b < a) ? b : a;
+    case RedOp::Max: return is_nan(a) ? a : (is_nan(b) || a < b) ? b : a;
     default: return a + b;  // Sum, Avg
   }
 }

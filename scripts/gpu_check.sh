@@ -1,0 +1,207 @@
+#!/usr/bin/env bash
+# The CUDA/NCCL path on a GPU machine (one GPU is enough; no network needed): builds the CUDA
+# variant of fastcomm, runs the NCCL tests (several ranks share the GPU, each with its own
+# NCCL_HOSTID) -- the cyclic-order test first, then the rest of tests/test_nccl.py -- then
+# benchmarks/nccl_pairs.py (fastcomm vs torch NCCL) and benchmarks/forum_mwe.py at 1, 2, 4 and
+# 8 pairs (the CPU scaling figure on this machine's cores), and writes a Markdown report to
+# ${OUT:-reports}/gpu_check.md (each step's command, exit code, wall time and output tail; the
+# whole logs go to gpu_check.log beside it).
+#
+# Exit status: non-zero if the build or a test step failed or was not run (benchmark failures
+# are reported, not counted).
+# Python: $FASTCOMM_GPU_PYTHON, else .venv-cuda, else python3 or python, whichever has a CUDA
+# build of torch and NCCL (the nvidia-nccl-cu* wheel, or FASTCOMM_NCCL_ROOT); else a new
+# .venv-cuda from the configured package index, as scripts/check_cuda_build.sh makes it.
+# The module is built in build/gpu-check (or $FASTCOMM_GPU_BUILD_DIR) and staged with the
+# package in its pkg/ folder (the source tree's own module is left alone). The run keeps within
+# FASTCOMM_GPU_CHECK_BUDGET seconds (default 530): each step has its own timeout, cut to what is
+# left. A user-set NCCL_DEBUG reaches every rank unchanged.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+REPORT_DIR=${OUT:-reports}
+mkdir -p "$REPORT_DIR"
+REPORT_DIR=$(cd "$REPORT_DIR" && pwd)
+REPORT=$REPORT_DIR/gpu_check.md
+FULL_LOG=$REPORT_DIR/gpu_check.log
+BUDGET=${FASTCOMM_GPU_CHECK_BUDGET:-530}
+START=$(date +%s)
+BUILD=${FASTCOMM_GPU_BUILD_DIR:-$ROOT/build/gpu-check}
+case "$BUILD" in /*) ;; *) BUILD=$ROOT/$BUILD ;; esac
+PKG=$BUILD/pkg
+LOGS=$(mktemp -d)
+trap 'rm -rf "$LOGS"' EXIT
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export PATH="$CUDA_HOME/bin:$PATH"
+export PYTHONUNBUFFERED=1
+: > "$LOGS/summary"
+: > "$LOGS/body.md"
+: > "$FULL_LOG"
+FAILED=0
+BENCH_FAILED=0
+N=0
+PY=""
+INFO="(not probed)"
+
+write_report() {
+  {
+    echo "# fastcomm GPU check"
+    echo
+    echo "- started: $(date -u -d "@$START" +%FT%TZ 2>/dev/null || date -u +%FT%TZ); $(nproc) cores; budget ${BUDGET} s"
+    echo "- python: ${PY:-none}; ${INFO}"
+    echo "- NCCL_DEBUG: ${NCCL_DEBUG:-unset}; git: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')$(git -C "$ROOT" diff --quiet HEAD 2>/dev/null || echo ' (+ uncommitted changes)')"
+    echo
+    echo "| # | step | kind | result | exit | wall s |"
+    echo "| --- | --- | --- | --- | --- | --- |"
+    cat "$LOGS/summary"
+    echo
+    cat "$LOGS/body.md"
+  } > "$REPORT.tmp" && mv "$REPORT.tmp" "$REPORT"
+}
+
+# step KIND NAME WANT_S COMMAND: runs COMMAND (a bash script) under `timeout`, at most WANT_S
+# seconds and never past the budget; KIND "test" failures fail the run.
+step() {
+  local kind=$1 name=$2 want=$3 cmd=$4
+  N=$((N + 1))
+  local log=$LOGS/$N.log left limit rc wall result t0 t1
+  left=$((BUDGET - ($(date +%s) - START) - 5))
+  limit=$((want < left ? want : left))
+  if [ "$limit" -lt 10 ]; then
+    rc="-"
+    wall=0
+    result="NOT RUN (time budget spent)"
+    echo "(not run: the time budget was spent)" > "$log"
+  else
+    echo "== [$N] $name (timeout ${limit} s)" >&2
+    t0=$(date +%s.%N)
+    timeout --kill-after=15 "$limit" bash -c "$cmd" > "$log" 2>&1
+    rc=$?
+    t1=$(date +%s.%N)
+    wall=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+    if [ "$rc" -eq 0 ]; then
+      result="PASS"
+    elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+      result="FAIL (timed out after ${limit} s)"
+    else
+      result="FAIL"
+    fi
+  fi
+  case "$result" in
+    PASS) ;;
+    *) if [ "$kind" = test ]; then FAILED=$((FAILED + 1)); elif [ "$kind" = bench ]; then BENCH_FAILED=$((BENCH_FAILED + 1)); fi ;;
+  esac
+  echo "== [$N] $name: $result (exit $rc, ${wall} s)" >&2
+  echo "| $N | $name | $kind | $result | $rc | $wall |" >> "$LOGS/summary"
+  {
+    echo "## $N. $name: $result"
+    echo
+    echo "- command: \`$(printf '%s\n' "$cmd" | awk 'BEGIN { ORS = "" } NR > 1 { print "; " } { print }')\`"
+    echo "- exit code: $rc; wall time: $wall s; timeout: ${limit} s"
+    echo
+    echo '```text'
+    tail -n 80 "$log" | cut -c1-400
+    echo '```'
+    echo
+  } >> "$LOGS/body.md"
+  {
+    echo "===== [$N] $name: $result (exit $rc, $wall s)"
+    echo "\$ $cmd"
+    tail -c 3000000 "$log"
+    echo
+  } >> "$FULL_LOG"
+  write_report
+}
+
+# ---- 1. environment: a Python with a CUDA torch and NCCL
+find_python() {
+  local probe='import sys, torch
+if not torch.version.cuda: sys.exit(1)
+import os
+if not os.environ.get("FASTCOMM_NCCL_ROOT"):
+    import nvidia.nccl'
+  local py
+  for py in "${FASTCOMM_GPU_PYTHON:-}" "$ROOT/.venv-cuda/bin/python" python3 python; do
+    [ -n "$py" ] || continue
+    py=$(command -v "$py" 2>/dev/null) || continue
+    if "$py" -c "$probe" > /dev/null 2>&1; then
+      echo "$py"
+      return 0
+    fi
+  done
+  return 1
+}
+
+PY=$(find_python || true)
+if [ -z "$PY" ]; then
+  step env "make .venv-cuda (no Python with a CUDA torch and NCCL found)" 240 "set -e
+python3 -m venv '$ROOT/.venv-cuda'
+'$ROOT/.venv-cuda/bin/python' -m pip install -q --disable-pip-version-check \"torch==\${FASTCOMM_CUDA_TORCH:-2.14.1}\" nvidia-nccl-cu13 numpy pybind11 ninja 'cmake>=3.18' pytest pytest-timeout"
+  PY=$(find_python || true)
+fi
+if [ -z "$PY" ]; then
+  echo "| - | no Python with a CUDA build of torch and NCCL | test | FAIL | - | 0 |" >> "$LOGS/summary"
+  write_report
+  echo "gpu_check: no Python with a CUDA torch and NCCL; report: $REPORT" >&2
+  exit 1
+fi
+INFO=$("$PY" - 2>&1 <<'PYEOF' | tail -n 1
+import glob, os, sys
+import torch
+try:
+    import nvidia.nccl
+    libs = glob.glob(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so*"))
+    nccl = ", ".join(os.path.basename(p) for p in libs) or "?"
+except Exception:
+    nccl = os.environ.get("FASTCOMM_NCCL_ROOT", "?")
+print(f"Python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), NCCL library {nccl}")
+PYEOF
+)
+
+step info "machine and GPU" 60 "nvidia-smi || true
+echo
+'$PY' -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available:\", torch.cuda.is_available(), \"devices:\", torch.cuda.device_count()); print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no GPU\")'
+'$PY' -c 'import pytest; print(\"pytest\", pytest.__version__)' || '$PY' -m pip install -q --disable-pip-version-check pytest pytest-timeout || true
+command -v nvcc && nvcc --version | tail -n 2
+echo \"cores: \$(nproc)\""
+
+# ---- 2. build the CUDA variant and stage it with the package
+step test "build the CUDA/NCCL variant (${BUILD#"$ROOT"/})" 300 "set -e
+cd '$ROOT'
+TORCH_PREFIX=\$('$PY' -c 'import torch; print(torch.utils.cmake_prefix_path)')
+BIN=\$(dirname '$PY')
+CMAKE=\$BIN/cmake; [ -x \"\$CMAKE\" ] || CMAKE=\$(command -v cmake)
+NINJA=\$BIN/ninja; [ -x \"\$NINJA\" ] || NINJA=\$(command -v ninja || true)
+GEN=(); [ -n \"\$NINJA\" ] && GEN=(-G Ninja -DCMAKE_MAKE_PROGRAM=\"\$NINJA\")
+export TORCH_CUDA_ARCH_LIST=\${TORCH_CUDA_ARCH_LIST:-9.0}
+\"\$CMAKE\" -S . -B '$BUILD' \"\${GEN[@]}\" -DCMAKE_BUILD_TYPE=Release -DFASTCOMM_NCCL=ON -DCMAKE_PREFIX_PATH=\"\$TORCH_PREFIX\" -DPython_EXECUTABLE='$PY' -DCMAKE_CUDA_COMPILER=\"\$CUDA_HOME/bin/nvcc\" -DCMAKE_CUDA_ARCHITECTURES=\${FASTCOMM_CUDA_ARCH:-90}
+nice \"\$CMAKE\" --build '$BUILD' --target _C --parallel \$(nproc)
+rm -rf '$PKG' && mkdir -p '$PKG/fastcomm'
+cp fastcomm/*.py '$PKG/fastcomm/'
+cp '$BUILD'/_C*.so '$PKG/fastcomm/'
+cd '$PKG' && '$PY' -c 'import fastcomm, torch; assert fastcomm._C.has_nccl, \"built without the NCCL path\"; print(\"fastcomm\", fastcomm.__file__, \"has_nccl\", fastcomm._C.has_nccl)'"
+BUILT=0
+[ -f "$PKG/fastcomm/__init__.py" ] && ls "$PKG"/fastcomm/_C*.so > /dev/null 2>&1 && BUILT=1
+
+# Everything below imports the staged package: the tests from its folder (pytest puts the
+# working directory first on sys.path), the benchmarks through PYTHONPATH.
+RUN="set -e; cd '$PKG'; export PYTHONPATH='$PKG' FASTCOMM_REQUIRE_GPU=1"
+PYTEST="'$PY' -m pytest -q -s -rA -p no:cacheprovider --rootdir='$ROOT' '$ROOT/tests/test_nccl.py'"
+
+if [ "$BUILT" = 1 ]; then
+  # ---- 3. tests
+  step test "NCCL cyclic-order test (3 ranks, one GPU)" 150 "$RUN; $PYTEST -k cyclic"
+  step test "tests/test_nccl.py (the rest)" 300 "$RUN; $PYTEST -k 'not cyclic'"
+  # ---- 4. benchmarks
+  step bench "benchmarks/nccl_pairs.py: fastcomm vs torch NCCL, ranks on one GPU" 150 \
+    "$RUN; '$PY' '$ROOT/benchmarks/nccl_pairs.py' --pairs 1 4 --iters 300 --job-timeout 120"
+  step bench "benchmarks/forum_mwe.py at 1, 2, 4, 8 pairs (CPU, this machine's cores)" 150 \
+    "$RUN; '$PY' '$ROOT/benchmarks/forum_mwe.py' --quick --pairs 1 2 4 8 --sizes 1M"
+else
+  FAILED=$((FAILED + 2))
+  echo "| - | tests and benchmarks | test | NOT RUN (no build) | - | 0 |" >> "$LOGS/summary"
+  write_report
+fi
+
+echo "gpu_check: $FAILED failed test step(s), $BENCH_FAILED failed benchmark(s); report: $REPORT" >&2
+[ "$FAILED" -eq 0 ]
