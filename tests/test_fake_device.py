@@ -155,8 +155,10 @@ def test_single_stream_scheme_deadlocks_on_the_fake():
     hangs on the cyclic order as it does on NCCL: the ops time out instead of completing."""
     env = dict(FAKE, FASTCOMM_DEVICE_SCHEME="single-stream")
     res = harness.run(_cyclic_body, 3, timeout=60, env=env, init_timeout=3)
-    for r in res:
-        assert r[0] == "error" and "did not finish within the group's timeout" in r[1], r
+    # Only a timeout (its abort ends the stuck transfers) breaks the cycle; a rank whose ops
+    # ran after another's abort may then finish its own.
+    timed_out = [r for r in res if r[0] == "error" and "did not finish within the group's timeout" in r[1]]
+    assert timed_out, res
 
 
 def _random_order_body(rank, world, seed, rounds):
@@ -347,3 +349,101 @@ def _reinit_body(rank, world):
 def test_reinit_after_an_abort():
     res = harness.run(_reinit_body, 2, timeout=90, env=FAKE, init_timeout=2)
     assert res == [[3.0] * 4, [3.0] * 4]
+
+
+# ---------------------------------------------------------------------------------------------
+# The torch backend on the device path
+
+
+def _backend_body(rank, world):
+    from datetime import timedelta
+    dist.init_process_group("fastcomm", store=harness.child_store(), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=20))
+    try:
+        t = torch.full((5,), float(rank + 1))
+        dist.all_reduce(t)
+        pair = dist.new_group([0, 1])
+        outs = [torch.empty(3) for _ in range(world)]
+        w = dist.all_gather(outs, torch.full((3,), float(rank)), async_op=True)
+        w.wait()
+        fut_t = torch.full((2,), float(rank))
+        fut = dist.all_reduce(fut_t, op=dist.ReduceOp.MAX, async_op=True).get_future()
+        fut_val = fut.wait()[0].tolist()
+        p = torch.full((4,), float(rank * 10))
+        if rank in (0, 1):
+            dist.all_reduce(p, group=pair)
+        b = torch.full((2,), float(rank))
+        dist.broadcast(b, src=world - 1)
+        return t.tolist(), [o.tolist() for o in outs], fut_val, p.tolist(), b.tolist()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_torch_backend_runs_on_the_device_path():
+    world = 3
+    res = harness.run(_backend_body, world, timeout=90, env=FAKE, init=False)
+    for rank, (t, outs, fut_val, p, b) in enumerate(res):
+        assert t == [6.0] * 5
+        assert outs == [[float(r)] * 3 for r in range(world)]
+        assert fut_val == [2.0, 2.0]
+        assert p == ([10.0] * 4 if rank in (0, 1) else [rank * 10.0] * 4)
+        assert b == [2.0, 2.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Large ops of groups of 3+: one collective on the group's own communicator
+
+
+def _group_comm_body(rank, world, numel):
+    lists, groups = _groups_of(world, rank)
+    out = []
+    for ranks, g in zip(lists, groups):
+        if rank not in ranks or len(ranks) < 3:
+            continue
+        n, me = len(ranks), ranks.index(rank)
+        for dt in ("float32", "bfloat16", "int64"):
+            for op in ("SUM", "AVG", "PRODUCT"):
+                if op == "AVG" and dt == "int64":
+                    continue
+                seed = hash((tuple(ranks), dt, op)) % 10_000
+                t = gen(rank, seed, dt, numel, op)
+                fc.all_reduce(t, op=getattr(dist.ReduceOp, op), group=g)
+                ref = fold([gen(r, seed, dt, numel, op) for r in ranks], op)
+                torch.testing.assert_close(t, ref, rtol=0, atol=0)
+            flat = torch.empty(n * numel, dtype=t.dtype)
+            fc.all_gather_into_tensor(flat, gen(rank, 5, dt, numel), group=g)
+            torch.testing.assert_close(flat, torch.cat([gen(r, 5, dt, numel) for r in ranks]), rtol=0, atol=0)
+            o = torch.empty(numel, dtype=t.dtype)
+            fc.reduce_scatter_tensor(o, gen(rank, 6, dt, n * numel), group=g)
+            ref = fold([gen(r, 6, dt, n * numel) for r in ranks], "SUM")[me * numel:(me + 1) * numel]
+            torch.testing.assert_close(o, ref, rtol=0, atol=0)
+            b = gen(rank, 7, dt, numel)
+            fc.broadcast(b, src=ranks[1], group=g)
+            torch.testing.assert_close(b, gen(ranks[1], 7, dt, numel), rtol=0, atol=0)
+            out.append(len(ranks))
+    return out
+
+
+def test_large_ops_of_larger_groups_run_on_the_group_communicator():
+    # A threshold of 4 KB sends the 4096-element ops of the triple and the world of 4 through
+    # the group communicator; the pairs keep their channels.
+    env = dict(FAKE, FASTCOMM_RSAG_THRESHOLD="4096")
+    res = harness.run(_group_comm_body, 4, 4096 + 3, timeout=120, env=env, init_timeout=20)
+    assert all(len(r) > 0 for r in res)
+
+
+def _group_mismatch_body(rank, world):
+    g = fc.new_group([0, 1, 2])
+    numel = 2048 if rank != 2 else 2050  # rank 2 disagrees with the group's rank 0
+    msg = expect(dist.DistBackendError, lambda: fc.all_reduce(torch.ones(numel), group=g), "rank")
+    ok = torch.full((2048,), float(rank + 1))
+    fc.all_reduce(ok, group=g)
+    return msg, ok[0].item()
+
+
+def test_a_mismatch_in_a_group_communicator_op_raises_on_every_member():
+    env = dict(FAKE, FASTCOMM_RSAG_THRESHOLD="4096")
+    res = harness.run(_group_mismatch_body, 3, timeout=60, env=env, init_timeout=10)
+    assert "refused" in res[1][0], res[1][0]
+    assert "mismatched op" in res[0][0] and "mismatched op" in res[2][0]
+    assert [r[1] for r in res] == [6.0, 6.0, 6.0]

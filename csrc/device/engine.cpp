@@ -52,7 +52,9 @@ struct Entry {
 };
 static_assert(sizeof(Entry) == 32, "control entry layout");
 
-enum FrameType : uint32_t { kPropose = 1, kCommit = 2, kMismatch = 3 };
+// kGo and kRefuse: the group leader's word on a group-communicator op (see GroupComm), once
+// every member answered its proposal; a kGo with an id carries the group communicator's.
+enum FrameType : uint32_t { kPropose = 1, kCommit = 2, kMismatch = 3, kGo = 4, kRefuse = 5 };
 struct FrameHead {
   uint32_t type = 0;
   uint32_t count = 0;
@@ -124,6 +126,21 @@ struct Part {
   std::vector<std::pair<void*, size_t>> recvs;
   enum State { kWaiting, kProposed, kCommitted, kLaunched, kDone } state = kWaiting;
   EventPtr done_event;  // recorded after the channel group holding this part
+  bool agree_only = false;  // a group-communicator op's agreement with one member: no data
+  bool agreed = false;      // group leader: that member committed
+};
+
+struct GroupComm;
+
+// One collective on a group communicator.
+struct Collective {
+  OpKind kind = OpKind::kNone;
+  void* in = nullptr;
+  void* out = nullptr;
+  int64_t count = 0;  // elements per member (all_gather and broadcast: bytes)
+  c10::ScalarType dtype = c10::kByte;
+  RedOp op = R::SUM;
+  int root = 0;
 };
 
 struct DevOp {
@@ -144,6 +161,12 @@ struct DevOp {
   EventPtr input;  // the caller's stream at issue
   EventPtr pred_end;  // the previous op of the group's end (its fold), if it had device work
   EventPtr end;       // this op's end, if it has device work after its transfers
+  bool group_op = false;    // the op runs as `coll` on its group's communicator
+  GroupComm* gc = nullptr;  // that communicator (set by the engine thread)
+  std::vector<int> ranks;   // group_op: the group, and this rank's place in it
+  int me = 0;
+  Collective coll;
+  bool leads = false;  // this rank is the group's rank 0 (it decides go or refuse)
   DevOp* next = nullptr;  // the group's next op
   std::shared_ptr<Batch> batch;
 };
@@ -154,6 +177,7 @@ struct Batch {
   int left = 0;
   bool device_work = false;  // some op enqueued work after its transfers: wait for the end event
   std::exception_ptr error;
+  std::vector<at::Tensor> keep;  // what the end work reads and writes, held until it has run
 };
 
 // This rank's side of the pair with `peer`: a two-rank communicator on a stream of its own,
@@ -185,10 +209,32 @@ struct Channel {
   c10::intrusive_ptr<Work> rx;
   at::Tensor rx_buf;
   std::deque<c10::intrusive_ptr<Work>> tx;
+  std::unordered_map<Key, Part*, KeyHash> awaiting;  // committed agreement parts: the leader's word
   bool wants_comm = false;  // single-stream scheme: parts wait for the communicator
   bool busy() const {
-    return !open.empty() || !to_propose.empty() || !committed.empty() || !launching.empty() || !in_flight.empty();
+    return !open.empty() || !to_propose.empty() || !committed.empty() || !launching.empty() || !in_flight.empty() ||
+           !awaiting.empty();
   }
+};
+
+// A large op of a group of three or more (FASTCOMM_RSAG_THRESHOLD bytes and up) runs as one
+// NCCL collective on a communicator of the group's own, made at its first such op: no member
+// moves (n - 1)x its data. The group's rank 0 proposes the op to every member over their pair
+// channels; once all have committed it tells each to go (or, after a mismatch, refuses), so no
+// member launches a collective another will not join. Ops of a group reach its communicator one
+// at a time, in issue order (each waits for the previous one to be over).
+struct GroupComm {
+  std::vector<int> ranks;
+  int me = 0;
+  Comm comm = nullptr;
+  Stream stream = nullptr;
+  UniqueId id;
+  bool id_sent = false;
+  std::exception_ptr failed;
+  std::deque<DevOp*> queued;  // agreed, waiting for the communicator
+  DevOp* launching = nullptr;  // launched; its end not yet recorded (a non-blocking launch)
+  std::deque<std::pair<DevOp*, EventPtr>> in_flight;
+  bool busy() const { return !queued.empty() || launching != nullptr || !in_flight.empty(); }
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -196,7 +242,11 @@ struct Channel {
 class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::enable_shared_from_this<ChannelEngine> {
  public:
   ChannelEngine(const EngineOptions& opts, HostLink& host, std::unique_ptr<Runtime> rt)
-      : rank_(opts.rank), single_(opts.settings.device_single_stream), host_(host), rt_(std::move(rt)) {
+      : rank_(opts.rank),
+        single_(opts.settings.device_single_stream),
+        host_(host),
+        rt_(std::move(rt)),
+        group_comm_bytes_(opts.settings.rsag_threshold) {
     join_ = rt_->new_stream();
     if (single_) shared_ = rt_->new_stream();
     thread_ = std::thread([this] { main(); });
@@ -230,7 +280,8 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   bool pump(Channel& c);
   bool exchange(Channel& c);
   void handle_frame(Channel& c, const uint8_t* data);
-  void send_frame(Channel& c, FrameType type, const std::vector<Entry>& entries, bool with_id);
+  // `id`: a communicator id the frame carries (the pair's, or with kGo the group's), or null.
+  void send_frame(Channel& c, FrameType type, const std::vector<Entry>& entries, const UniqueId* id);
   bool launch(Channel& c);
   void part_done(Part* p);
   void finish(DevOp* op);
@@ -239,6 +290,9 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   void doom(Channel& c, const std::string& why);
   bool check_health();
   void settle(Batch& b, std::exception_ptr e);
+  void agreed(DevOp* op);
+  bool pump_group(GroupComm& g);
+  void fault_group(GroupComm& g, const std::string& why);
   void teardown();
 
   const int rank_;
@@ -264,6 +318,8 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   std::unordered_map<uint64_t, DevOp*> tail_;  // last op of each group id
   std::vector<std::unique_ptr<DevOp>> live_;
   std::unordered_map<int, std::unique_ptr<Channel>> channels_;
+  std::unordered_map<uint64_t, std::unique_ptr<GroupComm>> groups_;
+  const size_t group_comm_bytes_;
   std::deque<std::shared_ptr<Batch>> ending_;  // end event recorded, not yet seen done
   Clock::time_point last_health_ = Clock::now();
 };
@@ -308,6 +364,38 @@ std::unique_ptr<DevOp> ChannelEngine::lower(DeviceOp& d, const std::shared_ptr<B
     return p;
   };
   auto slot = [&](int j) { return (size_t)(j < me ? j : j - 1); };
+  // Large ops of groups of 3+: one collective on the group's communicator (GroupComm).
+  const bool nccl_op = r.redop == R::SUM || r.redop == R::AVG || r.redop == R::PRODUCT;
+  const bool collective = r.kind == OpKind::kBroadcast || r.kind == OpKind::kAllGatherIntoTensor ||
+                          ((r.kind == OpKind::kAllReduce || r.kind == OpKind::kReduceScatterTensor) && nccl_op);
+  const size_t per_member =
+      !collective ? 0 : r.kind == OpKind::kReduceScatterTensor ? r.output.nbytes() : r.tensor.nbytes();
+  if (!single_ && n >= 3 && per_member > 0 && per_member >= group_comm_bytes_) {
+    Collective& c = op->coll;
+    c.kind = r.kind;
+    c.dtype = typed.scalar_type();
+    c.op = r.redop;
+    c.in = r.tensor.data_ptr();
+    c.out = r.output.defined() ? r.output.data_ptr() : r.tensor.data_ptr();
+    c.count = r.kind == OpKind::kReduceScatterTensor ? r.output.numel() : r.tensor.numel();
+    if (r.kind == OpKind::kBroadcast || r.kind == OpKind::kAllGatherIntoTensor) c.count = (int64_t)per_member;
+    c.root = (int)(std::find(d.ranks.begin(), d.ranks.end(), r.peer) - d.ranks.begin());
+    op->keep = {r.tensor};
+    if (r.output.defined()) op->keep.push_back(r.output);
+    sig.bytes = per_member;
+    sig.root = r.kind == OpKind::kBroadcast ? c.root : -1;
+    op->group_op = true;
+    op->ranks = d.ranks;
+    op->me = me;
+    op->leads = me == 0;
+    for (int j = 0; j < n; ++j) {
+      if (j == me || (me != 0 && j != 0)) continue;
+      add_part(d.ranks[j]).agree_only = true;
+    }
+    for (auto& p : op->parts) p->sig = sig;
+    op->parts_left = (int)op->parts.size();
+    return op;
+  }
   switch (r.kind) {
     case OpKind::kAllReduce: {
       op->keep = {r.tensor};
@@ -513,6 +601,15 @@ void ChannelEngine::main() {
 
 void ChannelEngine::admit(std::unique_ptr<DevOp> op) {
   DevOp* o = op.get();
+  if (o->group_op) {
+    auto& g = groups_[o->key.id];
+    if (!g) {
+      g = std::make_unique<GroupComm>();
+      g->ranks = o->ranks;
+      g->me = o->me;
+    }
+    o->gc = g.get();
+  }
   auto it = tail_.find(o->key.id);
   DevOp* pred = it == tail_.end() ? nullptr : it->second;
   tail_[o->key.id] = o;
@@ -528,6 +625,11 @@ void ChannelEngine::admit(std::unique_ptr<DevOp> op) {
 // The op's inputs are ready on the host's side: its parts may be agreed with the peers.
 void ChannelEngine::make_ready(DevOp* op) {
   op->ready = true;
+  if (op->gc != nullptr && op->gc->failed) {
+    fail_op(op, op->gc->failed);
+    finish(op);
+    return;
+  }
   if (op->parts.empty()) {
     finish(op);
     return;
@@ -580,6 +682,14 @@ bool ChannelEngine::pass() {
       moved |= pump(*c);
     } catch (const std::exception& e) {
       doom(*c, e.what());
+      moved = true;
+    }
+  }
+  for (auto& [id, g] : groups_) {
+    try {
+      moved |= pump_group(*g);
+    } catch (const std::exception& e) {
+      fault_group(*g, e.what());
       moved = true;
     }
   }
@@ -646,7 +756,7 @@ bool ChannelEngine::exchange(Channel& c) {
   if (single_ && c.leader && c.comm == nullptr && c.wants_comm) {
     c.id = rt_->new_id();
     c.comm = rt_->comm_init(c.id, 2, 0);
-    send_frame(c, kPropose, {}, true);
+    send_frame(c, kPropose, {}, &c.id);
     c.id_sent = true;
   }
   if (c.leader && !c.to_propose.empty()) {
@@ -661,29 +771,27 @@ bool ChannelEngine::exchange(Channel& c) {
       entries.push_back(Entry{p->op->key, p->sig});
     }
     c.to_propose.clear();
-    send_frame(c, kPropose, entries, !c.id_sent);
+    send_frame(c, kPropose, entries, c.id_sent ? nullptr : &c.id);
     c.id_sent = true;
     moved = true;
   }
-  // A receive is kept posted while anything waits for the peer's word.
-  const bool waiting = (c.leader ? std::any_of(c.open.begin(), c.open.end(),
-                                               [](const auto& kv) { return kv.second->state == Part::kProposed; })
-                                 : !c.open.empty()) ||
-                       (!c.leader && c.comm == nullptr && c.wants_comm);
-  while (c.rx && c.rx->isCompleted()) {
-    auto w = c.rx;
-    c.rx.reset();
-    if (auto e = w->exception()) std::rethrow_exception(e);
-    handle_frame(c, (const uint8_t*)c.rx_buf.data_ptr());
-    moved = true;
-    if (waiting || !c.open.empty()) {
+  // A receive is kept posted while anything here waits for the peer's word.
+  auto needs_word = [&] {
+    if (c.leader)
+      return std::any_of(c.open.begin(), c.open.end(), [](const auto& kv) { return kv.second->state == Part::kProposed; });
+    return !c.open.empty() || !c.awaiting.empty() || (c.comm == nullptr && c.wants_comm);
+  };
+  for (;;) {
+    if (!c.rx) {
+      if (!needs_word()) break;
       c.rx_buf = at::empty({(int64_t)kFrameBytes}, at::kByte);
       c.rx = host_.control_recv(c.peer, c.rx_buf);
     }
-  }
-  if (!c.rx && (waiting || !c.open.empty())) {
-    c.rx_buf = at::empty({(int64_t)kFrameBytes}, at::kByte);
-    c.rx = host_.control_recv(c.peer, c.rx_buf);
+    if (!c.rx->isCompleted()) break;
+    auto w = std::move(c.rx);
+    if (auto e = w->exception()) std::rethrow_exception(e);
+    handle_frame(c, (const uint8_t*)c.rx_buf.data_ptr());
+    moved = true;
   }
   if (!c.leader) {
     // Match the proposals to this rank's ready ops, in proposal order; one not issued here
@@ -698,7 +806,8 @@ bool ChannelEngine::exchange(Channel& c) {
       c.open.erase(f);
       if (compatible(it->sig, p->sig)) {
         p->state = Part::kCommitted;
-        c.committed.push_back(p);
+        if (p->agree_only) c.awaiting[p->op->key] = p;
+        else c.committed.push_back(p);
         c.commits.push_back(*it);
       } else {
         fail_op(p->op, comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ", group " + p->op->label +
@@ -712,27 +821,27 @@ bool ChannelEngine::exchange(Channel& c) {
       moved = true;
     }
     if (!c.commits.empty()) {
-      send_frame(c, kCommit, c.commits, false);
+      send_frame(c, kCommit, c.commits, nullptr);
       c.commits.clear();
     }
     if (!c.mismatches.empty()) {
-      send_frame(c, kMismatch, c.mismatches, false);
+      send_frame(c, kMismatch, c.mismatches, nullptr);
       c.mismatches.clear();
     }
   }
   return moved;
 }
 
-void ChannelEngine::send_frame(Channel& c, FrameType type, const std::vector<Entry>& entries, bool with_id) {
-  for (size_t at = 0; at < entries.size() || (at == 0 && with_id); at += kMaxEntries) {
+void ChannelEngine::send_frame(Channel& c, FrameType type, const std::vector<Entry>& entries, const UniqueId* id) {
+  for (size_t at = 0; at < entries.size() || (at == 0 && id != nullptr); at += kMaxEntries) {
     at::Tensor buf = at::zeros({(int64_t)kFrameBytes}, at::kByte);
     auto* d = (uint8_t*)buf.data_ptr();
     FrameHead h;
     h.type = type;
     h.count = (uint32_t)std::min(kMaxEntries, entries.size() - at);
-    h.has_id = with_id && at == 0;
+    h.has_id = id != nullptr && at == 0;
     std::memcpy(d, &h, sizeof(h));
-    if (h.has_id) std::memcpy(d + sizeof(h), &c.id, sizeof(UniqueId));
+    if (h.has_id) std::memcpy(d + sizeof(h), id, sizeof(UniqueId));
     std::memcpy(d + sizeof(h) + sizeof(UniqueId), entries.data() + at, h.count * sizeof(Entry));
     c.tx.push_back(host_.control_send(c.peer, buf));
     if (entries.empty()) break;
@@ -742,14 +851,38 @@ void ChannelEngine::send_frame(Channel& c, FrameType type, const std::vector<Ent
 void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
   FrameHead h;
   std::memcpy(&h, d, sizeof(h));
-  TORCH_INTERNAL_ASSERT(h.count <= kMaxEntries && h.type >= kPropose && h.type <= kMismatch, "bad control frame");
+  TORCH_INTERNAL_ASSERT(h.count <= kMaxEntries && h.type >= kPropose && h.type <= kRefuse, "bad control frame");
+  const auto* e = reinterpret_cast<const Entry*>(d + sizeof(h) + sizeof(UniqueId));
+  if (h.type == kGo || h.type == kRefuse) {
+    for (uint32_t i = 0; i < h.count; ++i) {
+      Entry en;
+      std::memcpy(&en, e + i, sizeof(en));
+      auto f = c.awaiting.find(en.key);
+      TORCH_INTERNAL_ASSERT(f != c.awaiting.end(), "rank ", c.peer, " decided on an op this rank did not commit");
+      Part* p = f->second;
+      c.awaiting.erase(f);
+      GroupComm& g = *p->op->gc;
+      if (h.has_id && g.comm == nullptr) {
+        std::memcpy(&g.id, d + sizeof(h), sizeof(UniqueId));
+        g.comm = rt_->comm_init(g.id, (int)g.ranks.size(), g.me);
+        g.stream = rt_->new_stream();
+      }
+      if (h.type == kRefuse)
+        fail_op(p->op, comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ", group " + p->op->label + ": " +
+                                      op_kind_name(p->op->kind) + " refused by the group's rank 0 (rank " +
+                                      std::to_string(c.peer) + "): another member issued a mismatched op"));
+      p->state = Part::kDone;
+      part_done(p);
+    }
+    return;
+  }
   if (h.has_id) {
-    TORCH_INTERNAL_ASSERT(!c.leader && c.comm == nullptr, "unexpected communicator id from rank ", c.peer);
+    TORCH_INTERNAL_ASSERT(h.type == kPropose && !c.leader && c.comm == nullptr,
+                          "unexpected communicator id from rank ", c.peer);
     std::memcpy(&c.id, d + sizeof(h), sizeof(UniqueId));
     c.comm = rt_->comm_init(c.id, 2, 1);
     if (c.stream == nullptr) c.stream = rt_->new_stream();
   }
-  const auto* e = reinterpret_cast<const Entry*>(d + sizeof(h) + sizeof(UniqueId));
   for (uint32_t i = 0; i < h.count; ++i) {
     Entry en;
     std::memcpy(&en, e + i, sizeof(en));
@@ -761,7 +894,11 @@ void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
     TORCH_INTERNAL_ASSERT(f != c.open.end(), "rank ", c.peer, " answered an op this rank did not propose");
     Part* p = f->second;
     c.open.erase(f);
-    if (h.type == kCommit) {
+    if (h.type == kCommit && p->agree_only) {
+      p->agreed = true;
+      p->state = Part::kDone;
+      part_done(p);
+    } else if (h.type == kCommit) {
       p->state = Part::kCommitted;
       c.committed.push_back(p);
     } else {
@@ -777,17 +914,10 @@ void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
 // Agreed parts go onto the pair's stream, in agreed order, as one group of sends and receives.
 bool ChannelEngine::launch(Channel& c) {
   if (c.comm == nullptr || (c.committed.empty() && c.launching.empty())) return false;
-  auto usable = [&] {
-    std::string why;
-    const State s = rt_->comm_state(c.comm, &why);
-    if (s == State::kFailed)
-      throw_comm_error("fastcomm: rank " + std::to_string(rank_) + ": the channel to rank " + std::to_string(c.peer) +
-                       " failed: " + why);
-    return s == State::kReady;
-  };
-  if (!usable()) return false;
+  std::string why;
+  State state = rt_->comm_state(c.comm, &why);
   bool moved = false;
-  if (!c.committed.empty()) {
+  if (state == State::kReady && !c.committed.empty()) {
     const int peer_rank = c.leader ? 1 : 0;
     for (Part* p : c.committed) {
       rt_->wait(c.stream, p->op->input->ev);
@@ -810,23 +940,63 @@ bool ChannelEngine::launch(Channel& c) {
     }
     c.committed.clear();
     moved = true;
-    // A non-blocking communicator may still be launching the group: its end is recorded once
-    // the communicator is usable again.
-    if (!usable()) return true;
+    // A non-blocking communicator may still be launching the group.
+    state = rt_->comm_state(c.comm, &why);
   }
-  auto ev = std::make_shared<EventRef>(*rt_, rt_->new_event());
-  rt_->record(ev->ev, c.stream);
-  for (Part* p : c.launching) {
-    p->done_event = ev;
-    c.in_flight.push_back(p);
+  if (state != State::kPending && !c.launching.empty()) {
+    // What was launched is on the stream now; after a failure too, so transfers that did run
+    // before it are still seen done.
+    auto ev = std::make_shared<EventRef>(*rt_, rt_->new_event());
+    rt_->record(ev->ev, c.stream);
+    for (Part* p : c.launching) {
+      p->done_event = ev;
+      c.in_flight.push_back(p);
+    }
+    c.launching.clear();
+    moved = true;
   }
-  c.launching.clear();
-  return true;
+  if (state == State::kFailed)
+    throw_comm_error("fastcomm: rank " + std::to_string(rank_) + ": the channel to rank " + std::to_string(c.peer) +
+                     " failed: " + why);
+  return moved;
 }
 
 void ChannelEngine::part_done(Part* p) {
   DevOp* op = p->op;
-  if (--op->parts_left == 0) finish(op);
+  if (--op->parts_left > 0) return;
+  if (op->gc != nullptr) agreed(op);
+  else finish(op);
+}
+
+// Every agreement part of a group-communicator op has its answer.
+void ChannelEngine::agreed(DevOp* op) {
+  GroupComm& g = *op->gc;
+  if (op->leads) {
+    // The leader's word to every member that committed; the first op carries the id.
+    const bool go = !op->error && !g.failed;
+    if (go && g.comm == nullptr) {
+      g.id = rt_->new_id();
+      g.comm = rt_->comm_init(g.id, (int)g.ranks.size(), 0);
+      g.stream = rt_->new_stream();
+    }
+    for (auto& p : op->parts) {
+      if (!p->agreed) continue;
+      Channel& c = channel(p->peer);
+      if (c.failed) continue;
+      try {
+        send_frame(c, go ? kGo : kRefuse, {Entry{op->key, p->sig}}, go && !g.id_sent ? &g.id : nullptr);
+      } catch (const std::exception& ex) {
+        doom(c, ex.what());
+      }
+    }
+    if (go) g.id_sent = true;
+  }
+  if (op->error || g.failed) {
+    if (!op->error) fail_op(op, g.failed);
+    finish(op);
+    return;
+  }
+  g.queued.push_back(op);
 }
 
 void ChannelEngine::fail_op(DevOp* op, std::exception_ptr e) {
@@ -844,6 +1014,9 @@ void ChannelEngine::finish(DevOp* op) {
     op->end = std::make_shared<EventRef>(*rt_, rt_->new_event());
     rt_->record(op->end->ev, join_);
     op->batch->device_work = true;
+    Batch& b = *op->batch;
+    b.keep.insert(b.keep.end(), op->keep.begin(), op->keep.end());
+    if (op->scratch.defined()) b.keep.push_back(op->scratch);
   }
   op->finished = true;
   Batch& b = *op->batch;
@@ -895,6 +1068,7 @@ void ChannelEngine::fault(Channel& c, const std::string& why) {
   }
   std::vector<Part*> parts;
   for (auto& [k, p] : c.open) parts.push_back(p);
+  for (auto& [k, p] : c.awaiting) parts.push_back(p);
   for (Part* p : c.committed) parts.push_back(p);
   for (Part* p : c.launching) parts.push_back(p);
   for (Part* p : c.in_flight) parts.push_back(p);
@@ -907,6 +1081,7 @@ void ChannelEngine::fault(Channel& c, const std::string& why) {
     }
   }
   c.open.clear();
+  c.awaiting.clear();
   c.to_propose.clear();
   c.proposals.clear();
   c.committed.clear();
@@ -919,12 +1094,94 @@ void ChannelEngine::fault(Channel& c, const std::string& why) {
   }
 }
 
+bool ChannelEngine::pump_group(GroupComm& g) {
+  bool moved = false;
+  while (!g.in_flight.empty() && rt_->query(g.in_flight.front().second->ev) == State::kReady) {
+    DevOp* op = g.in_flight.front().first;
+    g.in_flight.pop_front();
+    finish(op);
+    moved = true;
+  }
+  if (g.comm == nullptr || (g.queued.empty() && g.launching == nullptr)) return moved;
+  std::string why;
+  State state = rt_->comm_state(g.comm, &why);
+  if (state == State::kReady && g.launching == nullptr && !g.queued.empty()) {
+    DevOp* op = g.queued.front();
+    g.queued.pop_front();
+    rt_->wait(g.stream, op->input->ev);
+    if (op->pred_end) rt_->wait(g.stream, op->pred_end->ev);
+    const Collective& c = op->coll;
+    switch (c.kind) {
+      case OpKind::kAllReduce:
+        rt_->all_reduce(c.in, c.out, c.count, c.dtype, c.op, g.comm, g.stream);
+        break;
+      case OpKind::kReduceScatterTensor:
+        rt_->reduce_scatter(c.in, c.out, c.count, c.dtype, c.op, g.comm, g.stream);
+        break;
+      case OpKind::kAllGatherIntoTensor:
+        rt_->all_gather(c.in, c.out, (size_t)c.count, g.comm, g.stream);
+        break;
+      default:
+        rt_->broadcast(c.in, (size_t)c.count, c.root, g.comm, g.stream);
+        break;
+    }
+    g.launching = op;
+    moved = true;
+    state = rt_->comm_state(g.comm, &why);
+  }
+  if (state != State::kPending && g.launching != nullptr) {
+    auto ev = std::make_shared<EventRef>(*rt_, rt_->new_event());
+    rt_->record(ev->ev, g.stream);
+    g.in_flight.emplace_back(g.launching, ev);
+    g.launching = nullptr;
+    moved = true;
+  }
+  if (state == State::kFailed) throw_comm_error(why);
+  return moved;
+}
+
+// Aborts a group's communicator: its ops fail; the group's later large ops fail at once.
+void ChannelEngine::fault_group(GroupComm& g, const std::string& why) {
+  if (!g.failed) {
+    std::string label = "[";
+    for (size_t i = 0; i < g.ranks.size(); ++i) label += (i ? ", " : "") + std::to_string(g.ranks[i]);
+    label += "]";
+    g.failed = comm_error_ptr(why.rfind("fastcomm:", 0) == 0
+                                  ? why
+                                  : "fastcomm: rank " + std::to_string(rank_) + ", group " + label +
+                                        ": the group's communicator failed: " + why);
+  }
+  if (g.comm != nullptr) {
+    try {
+      rt_->comm_abort(g.comm);
+    } catch (const std::exception&) {
+    }
+  }
+  std::vector<DevOp*> ops(g.queued.begin(), g.queued.end());
+  if (g.launching) ops.push_back(g.launching);
+  for (auto& [op, ev] : g.in_flight) ops.push_back(op);
+  g.queued.clear();
+  g.launching = nullptr;
+  g.in_flight.clear();
+  for (DevOp* op : ops) {
+    fail_op(op, g.failed);
+    finish(op);
+  }
+}
+
 // Deadlines, and peers the host knows are gone.
 bool ChannelEngine::check_health() {
   const auto now = Clock::now();
   bool moved = false;
   for (auto& op : live_) {
     if (op->finished || !op->ready || now <= op->deadline) continue;
+    if (op->gc != nullptr && op->parts_left == 0) {
+      fault_group(*op->gc, "fastcomm: rank " + std::to_string(rank_) + ", group " + op->label + ": " +
+                               op_kind_name(op->kind) + " did not finish within the group's timeout (" +
+                               std::to_string(op->timeout.count()) + " ms); the group's communicator was aborted");
+      moved = true;
+      continue;
+    }
     for (auto& p : op->parts) {
       if (p->state == Part::kDone) continue;
       Channel& c = channel(p->peer);
@@ -937,6 +1194,16 @@ bool ChannelEngine::check_health() {
   }
   if (now - last_health_ < std::chrono::milliseconds(50)) return moved;
   last_health_ = now;
+  for (auto& [id, g] : groups_) {
+    if (g->failed || !g->busy()) continue;
+    for (int r : g->ranks) {
+      if (r == rank_ || host_.peer_alive(r)) continue;
+      fault_group(*g, "fastcomm: rank " + std::to_string(rank_) + ": peer rank " + std::to_string(r) +
+                          " exited; the communicator of its group was aborted");
+      moved = true;
+      break;
+    }
+  }
   for (auto& [peer, c] : channels_) {
     if (c->failed || !c->busy()) continue;
     if (!host_.peer_alive(peer)) {
@@ -952,9 +1219,11 @@ void ChannelEngine::teardown() {
   std::exception_ptr why = broken();
   // Ops still open may wait on a peer for good: their channels are aborted, so every stream
   // drains, and their Works fail.
-  for (auto& [peer, c] : channels_) {
-    if (c->busy()) fault(*c, std::string("fastcomm: rank ") + std::to_string(rank_) + ": fastcomm was shut down");
-  }
+  const std::string down = "fastcomm: rank " + std::to_string(rank_) + ": fastcomm was shut down";
+  for (auto& [peer, c] : channels_)
+    if (c->busy()) fault(*c, down);
+  for (auto& [id, g] : groups_)
+    if (g->busy()) fault_group(*g, down);
   for (auto& op : live_) {
     if (!op->finished) {
       fail_op(op.get(), why);
@@ -981,6 +1250,14 @@ void ChannelEngine::teardown() {
     }
   }
   channels_.clear();
+  for (auto& [id, g] : groups_) {
+    try {
+      if (g->comm != nullptr) rt_->comm_destroy(g->comm);
+      if (g->stream != nullptr) rt_->destroy_stream(g->stream);
+    } catch (const std::exception&) {
+    }
+  }
+  groups_.clear();
   try {
     if (shared_ != nullptr) rt_->destroy_stream(shared_);
     rt_->destroy_stream(join_);
