@@ -4,7 +4,7 @@
 // holds the outcome (settled once, by the engine, in the order ops finish) and the Future; a
 // host op's wait() drives the engine's progress on the calling thread instead of sleeping on a
 // condition variable, which is what makes a blocking op cost microseconds. Device paths derive
-// from it (csrc/cuda/cuda_work.h).
+// from it (csrc/device/work.h).
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
