@@ -188,6 +188,49 @@ def test_random_issue_orders_over_overlapping_groups(seed):
     assert all(r > 0 for r in res)
 
 
+def _pipelined_body(rank, world):
+    """Async ops of one group back to back on one tensor: each must see the previous one's
+    result (its fold), including after the previous op is over and forgotten by the engine."""
+    pair, triple = fc.new_groups([[0, 1], [0, 1, 2]])
+    out = []
+    for g, n in ((pair, 2), (triple, 3)):
+        if rank >= n:
+            continue
+        t = torch.ones(5)
+        works = [fc.all_reduce(t, group=g, async_op=True) for _ in range(6)]
+        for w in works:
+            w.wait()
+        out.append((n, t[0].item()))
+        time.sleep(0.05)
+        fc.all_reduce(t, group=g, async_op=True).wait()
+        out.append((n, t[0].item()))
+    return out
+
+
+def test_async_ops_of_one_group_see_each_others_results():
+    for rank, r in enumerate(harness.run(_pipelined_body, 3, timeout=60, env=FAKE, init_timeout=20)):
+        expect_ = [(2, 2.0 ** 6), (2, 2.0 ** 7), (3, 3.0 ** 6), (3, 3.0 ** 7)]
+        assert r == (expect_ if rank < 2 else expect_[2:]), r
+
+
+def _future_body(rank, world):
+    g = fc.new_group([0, 1])
+    a, b = torch.ones(3), torch.ones(3)
+
+    def then(fut):
+        # A callback that waits for another device op (DDP comm hooks such as PowerSGD do).
+        fc.all_reduce(b, group=g, async_op=True).get_future().wait()
+        return b.clone()
+
+    out = fc.all_reduce(a, group=g, async_op=True).get_future().then(then).wait()
+    return a.tolist(), out.tolist()
+
+
+def test_a_future_callback_may_wait_for_another_op():
+    for r in harness.run(_future_body, 2, timeout=60, env=FAKE, init_timeout=10):
+        assert r == ([2.0] * 3, [2.0] * 3)
+
+
 def _batch_body(rank, world, count):
     lists = [[a, b] for _ in range(count // 6 + 1) for a in range(world) for b in range(a + 1, world)][:count]
     groups = fc.new_groups(lists)

@@ -28,12 +28,17 @@ struct Sig {
   uint8_t kind = 0;
   uint8_t dtype = 0;
   uint8_t redop = 0;
-  uint8_t pad = 0;
+  uint8_t flags = 0;  // SigFlags
   int32_t root = -1;
   uint64_t bytes = 0;  // what this pair moves each way
   bool operator==(const Sig& o) const {
-    return kind == o.kind && dtype == o.dtype && redop == o.redop && root == o.root && bytes == o.bytes;
+    return kind == o.kind && dtype == o.dtype && redop == o.redop && flags == o.flags && root == o.root &&
+           bytes == o.bytes;
   }
+};
+enum SigFlags : uint8_t {
+  kOnGroupComm = 1,   // the op runs on the group's communicator (members must agree on that)
+  kGroupBroken = 2,   // this member's group communicator has failed: the op cannot run
 };
 
 // An op's place: its group's id (send/recv: the pair channel's) and its index there.
@@ -71,6 +76,8 @@ std::string sig_str(const Sig& s) {
       s.kind == (uint8_t)OpKind::kReduceScatterTensor)
     r += std::string(", op ") + redop_name(s.redop);
   if (s.root >= 0) r += ", root " + std::to_string(s.root);
+  if (s.flags & kOnGroupComm) r += ", on the group's communicator";
+  if (s.flags & kGroupBroken) r += ", whose group communicator had failed";
   return r + ")";
 }
 
@@ -78,7 +85,7 @@ bool compatible(const Sig& a, const Sig& b) {
   const bool p2p = (a.kind == (uint8_t)OpKind::kSend && b.kind == (uint8_t)OpKind::kRecv) ||
                    (a.kind == (uint8_t)OpKind::kRecv && b.kind == (uint8_t)OpKind::kSend);
   if (p2p) return a.dtype == b.dtype && a.bytes == b.bytes;
-  return a == b;
+  return a == b && !(a.flags & kGroupBroken);
 }
 
 std::exception_ptr comm_error_ptr(const std::string& msg) {
@@ -178,6 +185,57 @@ struct Batch {
   bool device_work = false;  // some op enqueued work after its transfers: wait for the end event
   std::exception_ptr error;
   std::vector<at::Tensor> keep;  // what the end work reads and writes, held until it has run
+  EventPtr end;                  // after the batch's end work (set when it has some)
+};
+
+// Completes the Futures of settled Works off the engine thread: a Future's callbacks run there
+// and may wait for another device op, which only the engine thread can finish. A callback that
+// blocks holds its own thread; the next Future gets a new one.
+class Publisher {
+ public:
+  ~Publisher() { stop(); }
+  void push(c10::intrusive_ptr<Work> w) {
+    std::lock_guard<std::mutex> lk(mu_);
+    queue_.push_back(std::move(w));
+    if (idle_ == 0) threads_.emplace_back([this] { loop(); });
+    cv_.notify_one();
+  }
+  // Publishes what is queued, then joins the threads.
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      if (!queue_.empty()) {
+        auto w = std::move(queue_.front());
+        queue_.pop_front();
+        lk.unlock();
+        w->publish();
+        w.reset();
+        lk.lock();
+        continue;
+      }
+      if (stop_) return;
+      ++idle_;
+      cv_.wait(lk);
+      --idle_;
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<c10::intrusive_ptr<Work>> queue_;
+  std::vector<std::thread> threads_;
+  int idle_ = 0;
+  bool stop_ = false;
 };
 
 // This rank's side of the pair with `peer`: a two-rank communicator on a stream of its own,
@@ -231,6 +289,8 @@ struct GroupComm {
   UniqueId id;
   bool id_sent = false;
   std::exception_ptr failed;
+  std::string doomed_why;  // as Channel's: a member looks gone, collectives that ran are harvested first
+  Clock::time_point doomed_at;
   std::deque<DevOp*> queued;  // agreed, waiting for the communicator
   DevOp* launching = nullptr;  // launched; its end not yet recorded (a non-blocking launch)
   std::deque<std::pair<DevOp*, EventPtr>> in_flight;
@@ -321,6 +381,10 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   std::unordered_map<uint64_t, std::unique_ptr<GroupComm>> groups_;
   const size_t group_comm_bytes_;
   std::deque<std::shared_ptr<Batch>> ending_;  // end event recorded, not yet seen done
+  // The end of the last finished op of each group id, while it may not have run: the group's
+  // next op waits for it even when the op itself is gone.
+  std::unordered_map<uint64_t, EventPtr> last_end_;
+  Publisher publisher_;
   Clock::time_point last_health_ = Clock::now();
 };
 
@@ -384,6 +448,7 @@ std::unique_ptr<DevOp> ChannelEngine::lower(DeviceOp& d, const std::shared_ptr<B
     if (r.output.defined()) op->keep.push_back(r.output);
     sig.bytes = per_member;
     sig.root = r.kind == OpKind::kBroadcast ? c.root : -1;
+    sig.flags = kOnGroupComm;
     op->group_op = true;
     op->ranks = d.ranks;
     op->me = me;
@@ -568,9 +633,9 @@ void ChannelEngine::main() {
     std::vector<std::unique_ptr<DevOp>> in;
     in.swap(incoming_);
     lk.unlock();
-    for (auto& op : in) admit(std::move(op));
     bool moved = false;
     try {
+      for (auto& op : in) admit(std::move(op));
       moved = pass();
     } catch (const std::exception& e) {
       // A runtime call failed outside any one channel (the join stream, an event): nothing
@@ -601,6 +666,7 @@ void ChannelEngine::main() {
 
 void ChannelEngine::admit(std::unique_ptr<DevOp> op) {
   DevOp* o = op.get();
+  live_.push_back(std::move(op));  // first: whatever throws below, teardown still fails it
   if (o->group_op) {
     auto& g = groups_[o->key.id];
     if (!g) {
@@ -613,9 +679,13 @@ void ChannelEngine::admit(std::unique_ptr<DevOp> op) {
   auto it = tail_.find(o->key.id);
   DevOp* pred = it == tail_.end() ? nullptr : it->second;
   tail_[o->key.id] = o;
-  live_.push_back(std::move(op));
   if (single_ || pred == nullptr || pred->finished) {
-    if (pred != nullptr) o->pred_end = pred->end;
+    if (pred != nullptr) {
+      o->pred_end = pred->end;
+    } else {
+      auto e = last_end_.find(o->key.id);
+      if (e != last_end_.end()) o->pred_end = e->second;
+    }
     make_ready(o);
   } else {
     pred->next = o;
@@ -626,9 +696,10 @@ void ChannelEngine::admit(std::unique_ptr<DevOp> op) {
 void ChannelEngine::make_ready(DevOp* op) {
   op->ready = true;
   if (op->gc != nullptr && op->gc->failed) {
+    // Agreed all the same, so that no member waits for an answer: the flag makes the other
+    // side refuse it.
     fail_op(op, op->gc->failed);
-    finish(op);
-    return;
+    for (auto& p : op->parts) p->sig.flags |= kGroupBroken;
   }
   if (op->parts.empty()) {
     finish(op);
@@ -666,6 +737,11 @@ Channel& ChannelEngine::channel(int peer) {
 
 bool ChannelEngine::pass() {
   bool moved = false;
+  // Finishing an op may make the next one of its group ready and so make a channel: walk a
+  // snapshot (channels are never removed before teardown).
+  std::vector<Channel*> chans;
+  chans.reserve(channels_.size());
+  for (auto& [peer, c] : channels_) chans.push_back(c.get());
   while (!single_queue_.empty()) {
     Part* p = single_queue_.front();
     Channel& c = channel(p->peer);
@@ -677,7 +753,7 @@ bool ChannelEngine::pass() {
     launch(c);
     moved = true;
   }
-  for (auto& [peer, c] : channels_) {
+  for (Channel* c : chans) {
     try {
       moved |= pump(*c);
     } catch (const std::exception& e) {
@@ -685,7 +761,10 @@ bool ChannelEngine::pass() {
       moved = true;
     }
   }
-  for (auto& [id, g] : groups_) {
+  std::vector<GroupComm*> gcs;
+  gcs.reserve(groups_.size());
+  for (auto& [id, g] : groups_) gcs.push_back(g.get());
+  for (GroupComm* g : gcs) {
     try {
       moved |= pump_group(*g);
     } catch (const std::exception& e) {
@@ -696,8 +775,8 @@ bool ChannelEngine::pass() {
   // Ops whose batch has its end event: settle once it has run.
   while (!ending_.empty()) {
     Batch& b = *ending_.front();
-    if (rt_->query(b.work->end()) != State::kReady) break;
-    settle(b, nullptr);
+    if (rt_->query(b.end->ev) != State::kReady) break;
+    settle(b, b.error);
     ending_.pop_front();
     moved = true;
   }
@@ -860,13 +939,13 @@ void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
       auto f = c.awaiting.find(en.key);
       TORCH_INTERNAL_ASSERT(f != c.awaiting.end(), "rank ", c.peer, " decided on an op this rank did not commit");
       Part* p = f->second;
-      c.awaiting.erase(f);
       GroupComm& g = *p->op->gc;
       if (h.has_id && g.comm == nullptr) {
         std::memcpy(&g.id, d + sizeof(h), sizeof(UniqueId));
         g.comm = rt_->comm_init(g.id, (int)g.ranks.size(), g.me);
         g.stream = rt_->new_stream();
       }
+      c.awaiting.erase(f);
       if (h.type == kRefuse)
         fail_op(p->op, comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ", group " + p->op->label + ": " +
                                       op_kind_name(p->op->kind) + " refused by the group's rank 0 (rank " +
@@ -973,11 +1052,24 @@ void ChannelEngine::agreed(DevOp* op) {
   GroupComm& g = *op->gc;
   if (op->leads) {
     // The leader's word to every member that committed; the first op carries the id.
-    const bool go = !op->error && !g.failed;
+    bool go = !op->error && !g.failed;
+    for (auto& p : op->parts) {
+      const Channel& c = channel(p->peer);
+      if (c.failed || !c.doomed_why.empty()) go = false;  // a member that cannot be told to go
+    }
+    if (!op->error && !go) {
+      fail_op(op, comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ", group " + op->label + ": " +
+                                 op_kind_name(op->kind) + " refused: a member's channel failed"));
+    }
     if (go && g.comm == nullptr) {
-      g.id = rt_->new_id();
-      g.comm = rt_->comm_init(g.id, (int)g.ranks.size(), 0);
-      g.stream = rt_->new_stream();
+      try {
+        g.id = rt_->new_id();
+        g.comm = rt_->comm_init(g.id, (int)g.ranks.size(), 0);
+        g.stream = rt_->new_stream();
+      } catch (const std::exception& e) {
+        fault_group(g, e.what());
+        go = false;
+      }
     }
     for (auto& p : op->parts) {
       if (!p->agreed) continue;
@@ -1017,21 +1109,30 @@ void ChannelEngine::finish(DevOp* op) {
     Batch& b = *op->batch;
     b.keep.insert(b.keep.end(), op->keep.begin(), op->keep.end());
     if (op->scratch.defined()) b.keep.push_back(op->scratch);
+  } else {
+    op->end = op->pred_end;  // what the group's next op must wait for is still the previous end
   }
   op->finished = true;
+  if (op->end) last_end_[op->key.id] = op->end;
+  else last_end_.erase(op->key.id);
   Batch& b = *op->batch;
   if (op->error && !b.error) b.error = op->error;
   if (--b.left == 0) {
-    if (b.error || !b.device_work) {
+    if (!b.device_work) {
       settle(b, b.error);
     } else {
-      Event e = rt_->new_event();
-      rt_->record(e, join_);
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        b.work->set_end(e);
+      // Settled once the end work has run, failed or not: until then it uses b.keep.
+      b.end = std::make_shared<EventRef>(*rt_, rt_->new_event());
+      rt_->record(b.end->ev, join_);
+      if (!b.error) {
+        Event e = rt_->new_event();
+        rt_->record(e, join_);
+        {
+          std::lock_guard<std::mutex> lk(mu_);
+          b.work->set_end(e);
+        }
+        done_cv_.notify_all();
       }
-      done_cv_.notify_all();
       ending_.push_back(op->batch);
     }
   }
@@ -1044,13 +1145,13 @@ void ChannelEngine::finish(DevOp* op) {
 }
 
 void ChannelEngine::settle(Batch& b, std::exception_ptr e) {
-  bool fin;
+  bool fin, has_future = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    fin = b.work->settle(e, true);
+    fin = b.work->settle(e, true, &has_future);
   }
   done_cv_.notify_all();
-  if (fin) b.work->publish();
+  if (fin && has_future) publisher_.push(b.work);
 }
 
 // Aborts the pair's channel: its ops fail, naming the peer; other channels go on.
@@ -1102,12 +1203,18 @@ bool ChannelEngine::pump_group(GroupComm& g) {
     finish(op);
     moved = true;
   }
-  if (g.comm == nullptr || (g.queued.empty() && g.launching == nullptr)) return moved;
+  if (!g.doomed_why.empty()) {
+    if (g.in_flight.empty() || Clock::now() > g.doomed_at) {
+      fault_group(g, g.doomed_why);
+      return true;
+    }
+    return moved;
+  }
+  if (g.comm == nullptr || (g.queued.empty() && g.launching == nullptr && g.in_flight.empty())) return moved;
   std::string why;
   State state = rt_->comm_state(g.comm, &why);
   if (state == State::kReady && g.launching == nullptr && !g.queued.empty()) {
     DevOp* op = g.queued.front();
-    g.queued.pop_front();
     rt_->wait(g.stream, op->input->ev);
     if (op->pred_end) rt_->wait(g.stream, op->pred_end->ev);
     const Collective& c = op->coll;
@@ -1125,6 +1232,7 @@ bool ChannelEngine::pump_group(GroupComm& g) {
         rt_->broadcast(c.in, (size_t)c.count, c.root, g.comm, g.stream);
         break;
     }
+    g.queued.pop_front();
     g.launching = op;
     moved = true;
     state = rt_->comm_state(g.comm, &why);
@@ -1136,7 +1244,11 @@ bool ChannelEngine::pump_group(GroupComm& g) {
     g.launching = nullptr;
     moved = true;
   }
-  if (state == State::kFailed) throw_comm_error(why);
+  if (state == State::kFailed) {
+    g.doomed_why = why;
+    g.doomed_at = Clock::now() + std::chrono::milliseconds(100);
+    return true;
+  }
   return moved;
 }
 
@@ -1194,17 +1306,27 @@ bool ChannelEngine::check_health() {
   }
   if (now - last_health_ < std::chrono::milliseconds(50)) return moved;
   last_health_ = now;
+  for (auto it = last_end_.begin(); it != last_end_.end();) {
+    if (rt_->query(it->second->ev) == State::kReady) it = last_end_.erase(it);
+    else ++it;
+  }
   for (auto& [id, g] : groups_) {
     if (g->failed || !g->busy()) continue;
     for (int r : g->ranks) {
       if (r == rank_ || host_.peer_alive(r)) continue;
-      fault_group(*g, "fastcomm: rank " + std::to_string(rank_) + ": peer rank " + std::to_string(r) +
-                          " exited; the communicator of its group was aborted");
+      if (g->doomed_why.empty()) {
+        g->doomed_why = "fastcomm: rank " + std::to_string(rank_) + ": peer rank " + std::to_string(r) +
+                        " exited; the communicator of its group was aborted";
+        g->doomed_at = now + std::chrono::milliseconds(100);
+      }
       moved = true;
       break;
     }
   }
-  for (auto& [peer, c] : channels_) {
+  std::vector<Channel*> chans;
+  for (auto& [peer, c] : channels_) chans.push_back(c.get());
+  for (Channel* c : chans) {
+    const int peer = c->peer;
     if (c->failed || !c->busy()) continue;
     if (!host_.peer_alive(peer)) {
       doom(*c, "fastcomm: rank " + std::to_string(rank_) + ": peer rank " + std::to_string(peer) +
@@ -1217,10 +1339,23 @@ bool ChannelEngine::check_health() {
 
 void ChannelEngine::teardown() {
   std::exception_ptr why = broken();
+  // Ops posted before the engine stopped, not yet taken in: they fail with the rest.
+  std::vector<std::unique_ptr<DevOp>> in;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    in.swap(incoming_);
+  }
+  for (auto& op : in) {
+    DevOp* o = op.get();
+    live_.push_back(std::move(op));
+    fail_op(o, why);
+  }
   // Ops still open may wait on a peer for good: their channels are aborted, so every stream
   // drains, and their Works fail.
   const std::string down = "fastcomm: rank " + std::to_string(rank_) + ": fastcomm was shut down";
-  for (auto& [peer, c] : channels_)
+  std::vector<Channel*> chans;
+  for (auto& [peer, c] : channels_) chans.push_back(c.get());
+  for (Channel* c : chans)
     if (c->busy()) fault(*c, down);
   for (auto& [id, g] : groups_)
     if (g->busy()) fault_group(*g, down);
@@ -1233,8 +1368,8 @@ void ChannelEngine::teardown() {
   for (auto& b : ending_) {
     // Its end work is local (folds, copies): it runs; wait so its memory outlives it.
     try {
-      rt_->synchronize(b->work->end());
-      settle(*b, nullptr);
+      rt_->synchronize(b->end->ev);
+      settle(*b, b->error);
     } catch (const std::exception&) {
       settle(*b, why);
     }
@@ -1242,6 +1377,8 @@ void ChannelEngine::teardown() {
   ending_.clear();
   live_.clear();
   tail_.clear();
+  last_end_.clear();
+  publisher_.stop();
   for (auto& [peer, c] : channels_) {
     try {
       if (c->comm != nullptr) rt_->comm_destroy(c->comm);

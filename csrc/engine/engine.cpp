@@ -326,6 +326,9 @@ std::shared_ptr<DeviceEngine> Engine::device_engine(c10::Device device) {
       TORCH_INTERNAL_ASSERT(opts_.settings.fake_device, "host op routed to a device engine");
       e = make_device_engine(opts_, *this, device::make_fake_runtime());
     } else {
+      // Both would share the device engines' control channels.
+      TORCH_CHECK_VALUE(!opts_.settings.fake_device, "fastcomm: rank ", opts_.rank, ": FASTCOMM_FAKE_DEVICE=1 runs ",
+                        "the device path on CPU tensors; ", device.type(), " tensors are refused under it");
       const DeviceEngineFactory* make = device_engine_factory(device.type());
       TORCH_CHECK(make != nullptr, "fastcomm: rank ", opts_.rank, ": this build of fastcomm has no path for ",
                   device.type(), " tensors (for CUDA: torch was not a CUDA build, or NCCL was not found, when it ",
