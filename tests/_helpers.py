@@ -1,5 +1,6 @@
 """What several test files share: deterministic per-rank inputs, the local reference of a
-reduction, result digests, and a check that a call raises the right exception.
+reduction, result digests, a check that a call raises the right exception, and a wait for a
+rank that was made to die.
 
 The suites check every result against a reference computed locally: each rank regenerates the
 inputs of every member of its group from (global rank, case seed) with ``gen`` and folds them
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 
 import torch
 from torch.distributed import ReduceOp
@@ -96,3 +98,21 @@ def expect(exc_type, fn, *must_contain, nothing="nothing was raised"):
     except BaseException as e:  # noqa: BLE001
         raise AssertionError(f"expected {exc_type.__name__}, got {type(e).__name__}: {e}") from e
     raise AssertionError(f"expected {exc_type.__name__}, {nothing}")
+
+
+def wait_dead(pid_file):
+    """Waits (bounded) until the process whose pid is in pid_file has died (zombie or gone)."""
+    for _ in range(3000):
+        if os.path.exists(pid_file):
+            break
+        time.sleep(0.01)
+    pid = int(open(pid_file).read())
+    for _ in range(3000):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"rank with pid {pid} did not die")

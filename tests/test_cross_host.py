@@ -536,6 +536,8 @@ def _receivers_body(rank, world):
     pair = _receiver_threads()
     fc.new_group([rank, rank ^ 1])  # the same peer again: no second one
     again = _receiver_threads()
+    # A peer that shut down first would end this rank's receiver for it before it is counted.
+    fc.barrier()
     return before, world_too, pair, again
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import harness
-from _helpers import expect
+from _helpers import expect, wait_dead
 
 import fastcomm as fc
 
@@ -41,22 +41,6 @@ def die(how):
 # A dying peer
 
 
-def _wait_dead(pid_file):
-    """Waits (bounded) until the process whose pid is in pid_file has died (zombie or gone)."""
-    for _ in range(3000):
-        if os.path.exists(pid_file):
-            break
-        time.sleep(0.01)
-    pid = int(open(pid_file).read())
-    for _ in range(3000):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return
-        except (FileNotFoundError, ProcessLookupError):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"rank with pid {pid} did not die")
 
 
 def _pair_death_body(rank, world, how, when, flag_dir):
@@ -81,7 +65,7 @@ def _pair_death_body(rank, world, how, when, flag_dir):
     if when == "survivor_mid_op":
         open(os.path.join(flag_dir, "posted"), "w").close()
     else:
-        _wait_dead(pid_file)  # so the op below cannot have the peer's data (nothing was drained)
+        wait_dead(pid_file)  # so the op below cannot have the peer's data (nothing was drained)
     t = torch.ones(n)
     msg = expect_backend_error(lambda: fc.all_reduce(t, group=g), "rank 0", "[0, 1]", "rank 1")
     assert "exited" in msg, f"death reported as something else (a timeout?): {msg}"

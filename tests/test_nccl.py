@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import harness
-from _helpers import expect, fold, gen
+from _helpers import expect, fold, gen, wait_dead
 
 import fastcomm as fc
 
@@ -389,21 +389,6 @@ def test_bad_arguments_raise_before_anything_is_sent():
 DEATH_TIMEOUT = 20.0
 
 
-def _wait_dead(pid_file):
-    for _ in range(3000):
-        if os.path.exists(pid_file):
-            break
-        time.sleep(0.01)
-    pid = int(open(pid_file).read())
-    for _ in range(3000):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return
-        except (FileNotFoundError, ProcessLookupError):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"rank with pid {pid} did not die")
 
 
 def _death_body(rank, world, flag_dir):
@@ -424,7 +409,7 @@ def _death_body(rank, world, flag_dir):
             f.write(str(os.getpid()))
         os.rename(pid_file + ".tmp", pid_file)
         os._exit(0)
-    _wait_dead(pid_file)
+    wait_dead(pid_file)
     dead = g02 if rank == 0 else g12
     start = time.monotonic()
     w = fc.all_reduce(torch.ones(1 << 16, device="cuda"), group=dead, async_op=True)

@@ -10,83 +10,12 @@
 #include <unordered_map>
 
 #include "common/errors.h"
-#include "device/work.h"
+#include "device/ops.h"
 
 namespace fastcomm {
 namespace device {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-using R = c10d::ReduceOp;
-
-// ---- the control protocol (frames over the host link, one ordered stream per pair)
-
-// What both members of a pair must agree on for an op: a member issuing something else on the
-// same group at the same position is a mismatch, raised on both.
-struct Sig {
-  uint8_t kind = 0;
-  uint8_t dtype = 0;
-  uint8_t redop = 0;
-  uint8_t flags = 0;  // SigFlags
-  int32_t root = -1;
-  uint64_t bytes = 0;  // what this pair moves each way
-  bool operator==(const Sig& o) const {
-    return kind == o.kind && dtype == o.dtype && redop == o.redop && flags == o.flags && root == o.root &&
-           bytes == o.bytes;
-  }
-};
-enum SigFlags : uint8_t {
-  kOnGroupComm = 1,   // the op runs on the group's communicator (members must agree on that)
-  kGroupBroken = 2,   // this member's group communicator has failed: the op cannot run
-};
-
-// An op's place: its group's id (send/recv: the pair channel's) and its index there.
-struct Key {
-  uint64_t id = 0;
-  uint64_t seq = 0;
-  bool operator==(const Key& o) const { return id == o.id && seq == o.seq; }
-};
-struct KeyHash {
-  size_t operator()(const Key& k) const { return std::hash<uint64_t>()(k.id * 0x9e3779b97f4a7c15ULL ^ k.seq); }
-};
-
-struct Entry {
-  Key key;
-  Sig sig;
-};
-static_assert(sizeof(Entry) == 32, "control entry layout");
-
-// kGo and kRefuse: the group leader's word on a group-communicator op (see GroupComm), once
-// every member answered its proposal; a kGo with an id carries the group communicator's.
-enum FrameType : uint32_t { kPropose = 1, kCommit = 2, kMismatch = 3, kGo = 4, kRefuse = 5 };
-struct FrameHead {
-  uint32_t type = 0;
-  uint32_t count = 0;
-  uint32_t has_id = 0;  // the leader's first frame carries the pair communicator's id
-  uint32_t pad = 0;
-};
-constexpr size_t kFrameBytes = 1024;
-constexpr size_t kMaxEntries = (kFrameBytes - sizeof(FrameHead) - sizeof(UniqueId)) / sizeof(Entry);
-
-std::string sig_str(const Sig& s) {
-  std::string r = op_kind_name((OpKind)s.kind);
-  r += "(" + std::string(c10::toString((c10::ScalarType)s.dtype)) + ", " + std::to_string(s.bytes) + " bytes";
-  if (s.kind == (uint8_t)OpKind::kAllReduce || s.kind == (uint8_t)OpKind::kReduceScatter ||
-      s.kind == (uint8_t)OpKind::kReduceScatterTensor)
-    r += std::string(", op ") + redop_name(s.redop);
-  if (s.root >= 0) r += ", root " + std::to_string(s.root);
-  if (s.flags & kOnGroupComm) r += ", on the group's communicator";
-  if (s.flags & kGroupBroken) r += ", whose group communicator had failed";
-  return r + ")";
-}
-
-bool compatible(const Sig& a, const Sig& b) {
-  const bool p2p = (a.kind == (uint8_t)OpKind::kSend && b.kind == (uint8_t)OpKind::kRecv) ||
-                   (a.kind == (uint8_t)OpKind::kRecv && b.kind == (uint8_t)OpKind::kSend);
-  if (p2p) return a.dtype == b.dtype && a.bytes == b.bytes;
-  return a == b && !(a.flags & kGroupBroken);
-}
 
 std::exception_ptr comm_error_ptr(const std::string& msg) {
   try {
@@ -96,97 +25,7 @@ std::exception_ptr comm_error_ptr(const std::string& msg) {
   }
 }
 
-// The dtypes and ops the device fold takes (the CUDA kernel's set; the fake keeps it).
-bool folds(c10::ScalarType t) {
-  switch (t) {
-    case c10::kHalf: case c10::kBFloat16: case c10::kFloat: case c10::kDouble: case c10::kChar:
-    case c10::kByte: case c10::kShort: case c10::kInt: case c10::kLong:
-      return true;
-    default:
-      return false;
-  }
-}
-
 }  // namespace
-
-// ---- ops as the engine tracks them
-
-struct Batch;
-struct Channel;
-
-struct EventRef {
-  EventRef(Runtime& r, Event e) : rt(r), ev(e) {}
-  ~EventRef() { rt.destroy_event(ev); }
-  Runtime& rt;
-  Event ev;
-};
-using EventPtr = std::shared_ptr<EventRef>;
-
-struct DevOp;
-
-// One op's transfers with one peer: all sent and received in one group of the pair's channel.
-struct Part {
-  DevOp* op = nullptr;
-  int peer = -1;
-  Sig sig;
-  std::vector<std::pair<const void*, size_t>> sends;
-  std::vector<std::pair<void*, size_t>> recvs;
-  enum State { kWaiting, kProposed, kCommitted, kLaunched, kDone } state = kWaiting;
-  EventPtr done_event;  // recorded after the channel group holding this part
-  bool agree_only = false;  // a group-communicator op's agreement with one member: no data
-  bool agreed = false;      // group leader: that member committed
-};
-
-struct GroupComm;
-
-// One collective on a group communicator.
-struct Collective {
-  OpKind kind = OpKind::kNone;
-  void* in = nullptr;
-  void* out = nullptr;
-  int64_t count = 0;  // elements per member (all_gather and broadcast: bytes)
-  c10::ScalarType dtype = c10::kByte;
-  RedOp op = R::SUM;
-  int root = 0;
-};
-
-struct DevOp {
-  Key key;
-  OpKind kind = OpKind::kNone;
-  std::string label;
-  std::vector<at::Tensor> keep;  // every tensor the op touches, held until it is over
-  at::Tensor scratch;
-  std::vector<FoldJob> folds;
-  std::vector<std::tuple<void*, const void*, size_t>> copies;  // local copies at the end
-  std::vector<std::unique_ptr<Part>> parts;
-  int parts_left = 0;
-  bool ready = false;     // its group's previous op is over on the host's side
-  bool finished = false;  // its transfers are over and its end work enqueued (or it failed)
-  std::exception_ptr error;
-  Clock::time_point deadline;
-  std::chrono::milliseconds timeout{0};
-  EventPtr input;  // the caller's stream at issue
-  EventPtr pred_end;  // the previous op of the group's end (its fold), if it had device work
-  EventPtr end;       // this op's end, if it has device work after its transfers
-  bool group_op = false;    // the op runs as `coll` on its group's communicator
-  GroupComm* gc = nullptr;  // that communicator (set by the engine thread)
-  std::vector<int> ranks;   // group_op: the group, and this rank's place in it
-  int me = 0;
-  Collective coll;
-  bool leads = false;  // this rank is the group's rank 0 (it decides go or refuse)
-  DevOp* next = nullptr;  // the group's next op
-  std::shared_ptr<Batch> batch;
-};
-
-// The ops of one post (one Work).
-struct Batch {
-  c10::intrusive_ptr<DeviceWork> work;
-  int left = 0;
-  bool device_work = false;  // some op enqueued work after its transfers: wait for the end event
-  std::exception_ptr error;
-  std::vector<at::Tensor> keep;  // what the end work reads and writes, held until it has run
-  EventPtr end;                  // after the batch's end work (set when it has some)
-};
 
 // Completes the Futures of settled Works off the engine thread: a Future's callbacks run there
 // and may wait for another device op, which only the engine thread can finish. A callback that
@@ -327,7 +166,6 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   void poll() override {}
 
  private:
-  std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch);
   void wait_until(Work& w, bool end_enough, std::chrono::milliseconds timeout);
 
   // The engine thread: every runtime call on communicators and channel streams happens here,
@@ -391,175 +229,6 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
 // ---------------------------------------------------------------------------------------------
 // Issue (caller's thread)
 
-std::unique_ptr<DevOp> ChannelEngine::lower(DeviceOp& d, const std::shared_ptr<Batch>& batch) {
-  OpRequest& r = d.req;
-  const int n = (int)d.ranks.size(), me = d.rank;
-  const char* api = op_kind_name(r.kind);
-  const c10::Device dev = request_device(r);
-  TORCH_CHECK_VALUE(dev.is_cpu() || dev.index() == rt_->device(), "fastcomm.", api, ": rank ", rank_, ", group ",
-                    d.label, ": the op's tensors are on ", dev, " but this process's device engine drives ",
-                    dev.type(), ":", rt_->device(), " (one device per process)");
-  auto op = std::make_unique<DevOp>();
-  op->kind = r.kind;
-  op->label = d.label;
-  op->batch = batch;
-  op->timeout = d.timeout;
-  const bool reduces =
-      r.kind == OpKind::kAllReduce || r.kind == OpKind::kReduceScatter || r.kind == OpKind::kReduceScatterTensor;
-  const at::Tensor& typed = r.output.defined() ? r.output : r.tensor;
-  if (reduces) {
-    TORCH_CHECK_TYPE(folds(typed.scalar_type()), "fastcomm.", api, ": rank ", rank_, ", group ", d.label, ": dtype ",
-                     typed.scalar_type(), " is not supported for ", dev.type(), " tensors");
-    TORCH_CHECK_VALUE(r.redop == R::SUM || r.redop == R::AVG || r.redop == R::PRODUCT || r.redop == R::MIN ||
-                          r.redop == R::MAX,
-                      "fastcomm.", api, ": rank ", rank_, ", group ", d.label, ": argument 'op' ",
-                      redop_name(r.redop), " is not supported for ", dev.type(), " tensors");
-  }
-  Sig sig;
-  sig.kind = (uint8_t)r.kind;
-  sig.dtype = (uint8_t)typed.scalar_type();
-  sig.redop = reduces ? (uint8_t)r.redop : 0;
-  auto add_part = [&](int peer) -> Part& {
-    op->parts.push_back(std::make_unique<Part>());
-    Part& p = *op->parts.back();
-    p.op = op.get();
-    p.peer = peer;
-    p.sig = sig;
-    return p;
-  };
-  auto slot = [&](int j) { return (size_t)(j < me ? j : j - 1); };
-  // Large ops of groups of 3+: one collective on the group's communicator (GroupComm).
-  const bool nccl_op = r.redop == R::SUM || r.redop == R::AVG || r.redop == R::PRODUCT;
-  const bool collective = r.kind == OpKind::kBroadcast || r.kind == OpKind::kAllGatherIntoTensor ||
-                          ((r.kind == OpKind::kAllReduce || r.kind == OpKind::kReduceScatterTensor) && nccl_op);
-  const size_t per_member =
-      !collective ? 0 : r.kind == OpKind::kReduceScatterTensor ? r.output.nbytes() : r.tensor.nbytes();
-  if (!single_ && n >= 3 && per_member > 0 && per_member >= group_comm_bytes_) {
-    Collective& c = op->coll;
-    c.kind = r.kind;
-    c.dtype = typed.scalar_type();
-    c.op = r.redop;
-    c.in = r.tensor.data_ptr();
-    c.out = r.output.defined() ? r.output.data_ptr() : r.tensor.data_ptr();
-    c.count = r.kind == OpKind::kReduceScatterTensor ? r.output.numel() : r.tensor.numel();
-    if (r.kind == OpKind::kBroadcast || r.kind == OpKind::kAllGatherIntoTensor) c.count = (int64_t)per_member;
-    c.root = (int)(std::find(d.ranks.begin(), d.ranks.end(), r.peer) - d.ranks.begin());
-    op->keep = {r.tensor};
-    if (r.output.defined()) op->keep.push_back(r.output);
-    sig.bytes = per_member;
-    sig.root = r.kind == OpKind::kBroadcast ? c.root : -1;
-    sig.flags = kOnGroupComm;
-    op->group_op = true;
-    op->ranks = d.ranks;
-    op->me = me;
-    op->leads = me == 0;
-    for (int j = 0; j < n; ++j) {
-      if (j == me || (me != 0 && j != 0)) continue;
-      add_part(d.ranks[j]).agree_only = true;
-    }
-    for (auto& p : op->parts) p->sig = sig;
-    op->parts_left = (int)op->parts.size();
-    return op;
-  }
-  switch (r.kind) {
-    case OpKind::kAllReduce: {
-      op->keep = {r.tensor};
-      const size_t bytes = r.tensor.nbytes();
-      sig.bytes = bytes;
-      if (n == 1 || bytes == 0) break;
-      op->scratch = rt_->scratch((int64_t)(n - 1) * r.tensor.numel(), r.tensor, join_);
-      auto* s = (uint8_t*)op->scratch.data_ptr();
-      for (int j = 0; j < n; ++j) {
-        if (j == me) continue;
-        Part& p = add_part(d.ranks[j]);
-        p.sends.emplace_back(r.tensor.data_ptr(), bytes);
-        p.recvs.emplace_back(s + slot(j) * bytes, bytes);
-      }
-      op->folds.push_back(FoldJob{r.tensor.data_ptr(), r.tensor.data_ptr(), s, r.tensor.numel(), n, me,
-                                  r.tensor.scalar_type(), r.redop});
-      break;
-    }
-    case OpKind::kBroadcast: {
-      op->keep = {r.tensor};
-      const int root = (int)(std::find(d.ranks.begin(), d.ranks.end(), r.peer) - d.ranks.begin());
-      const size_t bytes = r.tensor.nbytes();
-      sig.bytes = bytes;
-      sig.root = root;
-      if (n == 1 || bytes == 0) break;
-      if (me == root) {
-        for (int j = 0; j < n; ++j)
-          if (j != me) add_part(d.ranks[j]).sends.emplace_back(r.tensor.data_ptr(), bytes);
-      } else {
-        add_part(d.ranks[root]).recvs.emplace_back(r.tensor.data_ptr(), bytes);
-      }
-      break;
-    }
-    case OpKind::kAllGather:
-    case OpKind::kAllGatherIntoTensor: {
-      const bool flat = r.kind == OpKind::kAllGatherIntoTensor;
-      op->keep = flat ? std::vector<at::Tensor>{r.tensor, r.output} : r.list;
-      if (!flat) op->keep.push_back(r.tensor);
-      const size_t bytes = r.tensor.nbytes();
-      sig.bytes = bytes;
-      auto block = [&](int j) -> void* {
-        return flat ? (uint8_t*)r.output.data_ptr() + (size_t)j * bytes : r.list[j].data_ptr();
-      };
-      if (bytes == 0) break;
-      if (block(me) != r.tensor.data_ptr()) op->copies.emplace_back(block(me), r.tensor.data_ptr(), bytes);
-      for (int j = 0; j < n; ++j) {
-        if (j == me) continue;
-        Part& p = add_part(d.ranks[j]);
-        p.sends.emplace_back(r.tensor.data_ptr(), bytes);
-        p.recvs.emplace_back(block(j), bytes);
-      }
-      break;
-    }
-    case OpKind::kReduceScatter:
-    case OpKind::kReduceScatterTensor: {
-      const bool flat = r.kind == OpKind::kReduceScatterTensor;
-      op->keep = flat ? std::vector<at::Tensor>{r.tensor, r.output} : r.list;
-      if (!flat) op->keep.push_back(r.output);
-      const size_t bytes = r.output.nbytes();
-      sig.bytes = bytes;
-      auto block = [&](int j) -> void* {
-        return flat ? (uint8_t*)r.tensor.data_ptr() + (size_t)j * bytes : r.list[j].data_ptr();
-      };
-      if (bytes == 0) break;
-      if (n == 1) {
-        if (block(0) != r.output.data_ptr()) op->copies.emplace_back(r.output.data_ptr(), block(0), bytes);
-        break;
-      }
-      op->scratch = rt_->scratch((int64_t)(n - 1) * r.output.numel(), r.output, join_);
-      auto* s = (uint8_t*)op->scratch.data_ptr();
-      for (int j = 0; j < n; ++j) {
-        if (j == me) continue;
-        Part& p = add_part(d.ranks[j]);
-        p.sends.emplace_back(block(j), bytes);
-        p.recvs.emplace_back(s + slot(j) * bytes, bytes);
-      }
-      op->folds.push_back(
-          FoldJob{r.output.data_ptr(), block(me), s, r.output.numel(), n, me, r.output.scalar_type(), r.redop});
-      break;
-    }
-    case OpKind::kSend:
-    case OpKind::kRecv: {
-      op->keep = {r.tensor};
-      sig.bytes = r.tensor.nbytes();
-      if (sig.bytes == 0) break;
-      Part& p = add_part(r.peer);
-      if (r.kind == OpKind::kSend) p.sends.emplace_back(r.tensor.data_ptr(), sig.bytes);
-      else p.recvs.emplace_back(r.tensor.data_ptr(), sig.bytes);
-      break;
-    }
-    default:
-      TORCH_CHECK_VALUE(false, "fastcomm.", api, ": rank ", rank_, ", group ", d.label, ": not supported for ",
-                        dev.type(), " tensors");
-  }
-  for (auto& p : op->parts) p->sig = sig;  // sig.bytes/root were filled in after the parts
-  op->parts_left = (int)op->parts.size();
-  return op;
-}
-
 c10::intrusive_ptr<Work> ChannelEngine::post(std::vector<DeviceOp> dops, bool async_op, bool rethrow) {
   const Stream caller = rt_->current_stream();
   TORCH_CHECK(!rt_->capturing(caller), "fastcomm: rank ", rank_,
@@ -569,7 +238,7 @@ c10::intrusive_ptr<Work> ChannelEngine::post(std::vector<DeviceOp> dops, bool as
   std::vector<at::Tensor> outputs;
   c10d::OpType type = dops.size() == 1 ? op_kind_type(dops[0].req.kind) : c10d::OpType::COALESCED;
   for (auto& d : dops) {
-    ops.push_back(lower(d, batch));
+    ops.push_back(lower(d, batch, Lowering{*rt_, join_, rank_, !single_, group_comm_bytes_}));
     const OpRequest& r = d.req;
     if (r.kind == OpKind::kAllGather) outputs.insert(outputs.end(), r.list.begin(), r.list.end());
     else outputs.push_back(r.output.defined() ? r.output : r.tensor);

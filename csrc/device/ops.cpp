@@ -1,0 +1,216 @@
+#include "device/ops.h"
+
+#include <algorithm>
+
+namespace fastcomm {
+namespace device {
+
+namespace {
+
+using R = c10d::ReduceOp;
+
+// The dtypes and ops the device fold takes (the CUDA kernel's set; the fake keeps it).
+bool folds(c10::ScalarType t) {
+  switch (t) {
+    case c10::kHalf: case c10::kBFloat16: case c10::kFloat: case c10::kDouble: case c10::kChar:
+    case c10::kByte: case c10::kShort: case c10::kInt: case c10::kLong:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+std::string sig_str(const Sig& s) {
+  std::string r = op_kind_name((OpKind)s.kind);
+  r += "(" + std::string(c10::toString((c10::ScalarType)s.dtype)) + ", " + std::to_string(s.bytes) + " bytes";
+  if (s.kind == (uint8_t)OpKind::kAllReduce || s.kind == (uint8_t)OpKind::kReduceScatter ||
+      s.kind == (uint8_t)OpKind::kReduceScatterTensor)
+    r += std::string(", op ") + redop_name(s.redop);
+  if (s.root >= 0) r += ", root " + std::to_string(s.root);
+  if (s.flags & kOnGroupComm) r += ", on the group's communicator";
+  if (s.flags & kGroupBroken) r += ", whose group communicator had failed";
+  return r + ")";
+}
+
+bool compatible(const Sig& a, const Sig& b) {
+  const bool p2p = (a.kind == (uint8_t)OpKind::kSend && b.kind == (uint8_t)OpKind::kRecv) ||
+                   (a.kind == (uint8_t)OpKind::kRecv && b.kind == (uint8_t)OpKind::kSend);
+  if (p2p) return a.dtype == b.dtype && a.bytes == b.bytes;
+  return a == b && !(a.flags & kGroupBroken);
+}
+
+std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, const Lowering& how) {
+  Runtime& rt = how.rt;
+  const int rank_ = how.rank;
+  OpRequest& r = d.req;
+  const int n = (int)d.ranks.size(), me = d.rank;
+  const char* api = op_kind_name(r.kind);
+  const c10::Device dev = request_device(r);
+  TORCH_CHECK_VALUE(dev.is_cpu() || dev.index() == rt.device(), "fastcomm.", api, ": rank ", rank_, ", group ",
+                    d.label, ": the op's tensors are on ", dev, " but this process's device engine drives ",
+                    dev.type(), ":", rt.device(), " (one device per process)");
+  auto op = std::make_unique<DevOp>();
+  op->kind = r.kind;
+  op->label = d.label;
+  op->batch = batch;
+  op->timeout = d.timeout;
+  const bool reduces =
+      r.kind == OpKind::kAllReduce || r.kind == OpKind::kReduceScatter || r.kind == OpKind::kReduceScatterTensor;
+  const at::Tensor& typed = r.output.defined() ? r.output : r.tensor;
+  if (reduces) {
+    TORCH_CHECK_TYPE(folds(typed.scalar_type()), "fastcomm.", api, ": rank ", rank_, ", group ", d.label, ": dtype ",
+                     typed.scalar_type(), " is not supported for ", dev.type(), " tensors");
+    TORCH_CHECK_VALUE(r.redop == R::SUM || r.redop == R::AVG || r.redop == R::PRODUCT || r.redop == R::MIN ||
+                          r.redop == R::MAX,
+                      "fastcomm.", api, ": rank ", rank_, ", group ", d.label, ": argument 'op' ",
+                      redop_name(r.redop), " is not supported for ", dev.type(), " tensors");
+  }
+  Sig sig;
+  sig.kind = (uint8_t)r.kind;
+  sig.dtype = (uint8_t)typed.scalar_type();
+  sig.redop = reduces ? (uint8_t)r.redop : 0;
+  auto add_part = [&](int peer) -> Part& {
+    op->parts.push_back(std::make_unique<Part>());
+    Part& p = *op->parts.back();
+    p.op = op.get();
+    p.peer = peer;
+    p.sig = sig;
+    return p;
+  };
+  auto slot = [&](int j) { return (size_t)(j < me ? j : j - 1); };
+  // Large ops of groups of 3+: one collective on the group's communicator (GroupComm).
+  const bool nccl_op = r.redop == R::SUM || r.redop == R::AVG || r.redop == R::PRODUCT;
+  const bool collective = r.kind == OpKind::kBroadcast || r.kind == OpKind::kAllGatherIntoTensor ||
+                          ((r.kind == OpKind::kAllReduce || r.kind == OpKind::kReduceScatterTensor) && nccl_op);
+  const size_t per_member =
+      !collective ? 0 : r.kind == OpKind::kReduceScatterTensor ? r.output.nbytes() : r.tensor.nbytes();
+  if (how.group_comms && n >= 3 && per_member > 0 && per_member >= how.group_comm_bytes) {
+    Collective& c = op->coll;
+    c.kind = r.kind;
+    c.dtype = typed.scalar_type();
+    c.op = r.redop;
+    c.in = r.tensor.data_ptr();
+    c.out = r.output.defined() ? r.output.data_ptr() : r.tensor.data_ptr();
+    c.count = r.kind == OpKind::kReduceScatterTensor ? r.output.numel() : r.tensor.numel();
+    if (r.kind == OpKind::kBroadcast || r.kind == OpKind::kAllGatherIntoTensor) c.count = (int64_t)per_member;
+    c.root = (int)(std::find(d.ranks.begin(), d.ranks.end(), r.peer) - d.ranks.begin());
+    op->keep = {r.tensor};
+    if (r.output.defined()) op->keep.push_back(r.output);
+    sig.bytes = per_member;
+    sig.root = r.kind == OpKind::kBroadcast ? c.root : -1;
+    sig.flags = kOnGroupComm;
+    op->group_op = true;
+    op->ranks = d.ranks;
+    op->me = me;
+    op->leads = me == 0;
+    for (int j = 0; j < n; ++j) {
+      if (j == me || (me != 0 && j != 0)) continue;
+      add_part(d.ranks[j]).agree_only = true;
+    }
+    for (auto& p : op->parts) p->sig = sig;
+    op->parts_left = (int)op->parts.size();
+    return op;
+  }
+  switch (r.kind) {
+    case OpKind::kAllReduce: {
+      op->keep = {r.tensor};
+      const size_t bytes = r.tensor.nbytes();
+      sig.bytes = bytes;
+      if (n == 1 || bytes == 0) break;
+      op->scratch = rt.scratch((int64_t)(n - 1) * r.tensor.numel(), r.tensor, how.join);
+      auto* s = (uint8_t*)op->scratch.data_ptr();
+      for (int j = 0; j < n; ++j) {
+        if (j == me) continue;
+        Part& p = add_part(d.ranks[j]);
+        p.sends.emplace_back(r.tensor.data_ptr(), bytes);
+        p.recvs.emplace_back(s + slot(j) * bytes, bytes);
+      }
+      op->folds.push_back(FoldJob{r.tensor.data_ptr(), r.tensor.data_ptr(), s, r.tensor.numel(), n, me,
+                                  r.tensor.scalar_type(), r.redop});
+      break;
+    }
+    case OpKind::kBroadcast: {
+      op->keep = {r.tensor};
+      const int root = (int)(std::find(d.ranks.begin(), d.ranks.end(), r.peer) - d.ranks.begin());
+      const size_t bytes = r.tensor.nbytes();
+      sig.bytes = bytes;
+      sig.root = root;
+      if (n == 1 || bytes == 0) break;
+      if (me == root) {
+        for (int j = 0; j < n; ++j)
+          if (j != me) add_part(d.ranks[j]).sends.emplace_back(r.tensor.data_ptr(), bytes);
+      } else {
+        add_part(d.ranks[root]).recvs.emplace_back(r.tensor.data_ptr(), bytes);
+      }
+      break;
+    }
+    case OpKind::kAllGather:
+    case OpKind::kAllGatherIntoTensor: {
+      const bool flat = r.kind == OpKind::kAllGatherIntoTensor;
+      op->keep = flat ? std::vector<at::Tensor>{r.tensor, r.output} : r.list;
+      if (!flat) op->keep.push_back(r.tensor);
+      const size_t bytes = r.tensor.nbytes();
+      sig.bytes = bytes;
+      auto block = [&](int j) -> void* {
+        return flat ? (uint8_t*)r.output.data_ptr() + (size_t)j * bytes : r.list[j].data_ptr();
+      };
+      if (bytes == 0) break;
+      if (block(me) != r.tensor.data_ptr()) op->copies.emplace_back(block(me), r.tensor.data_ptr(), bytes);
+      for (int j = 0; j < n; ++j) {
+        if (j == me) continue;
+        Part& p = add_part(d.ranks[j]);
+        p.sends.emplace_back(r.tensor.data_ptr(), bytes);
+        p.recvs.emplace_back(block(j), bytes);
+      }
+      break;
+    }
+    case OpKind::kReduceScatter:
+    case OpKind::kReduceScatterTensor: {
+      const bool flat = r.kind == OpKind::kReduceScatterTensor;
+      op->keep = flat ? std::vector<at::Tensor>{r.tensor, r.output} : r.list;
+      if (!flat) op->keep.push_back(r.output);
+      const size_t bytes = r.output.nbytes();
+      sig.bytes = bytes;
+      auto block = [&](int j) -> void* {
+        return flat ? (uint8_t*)r.tensor.data_ptr() + (size_t)j * bytes : r.list[j].data_ptr();
+      };
+      if (bytes == 0) break;
+      if (n == 1) {
+        if (block(0) != r.output.data_ptr()) op->copies.emplace_back(r.output.data_ptr(), block(0), bytes);
+        break;
+      }
+      op->scratch = rt.scratch((int64_t)(n - 1) * r.output.numel(), r.output, how.join);
+      auto* s = (uint8_t*)op->scratch.data_ptr();
+      for (int j = 0; j < n; ++j) {
+        if (j == me) continue;
+        Part& p = add_part(d.ranks[j]);
+        p.sends.emplace_back(block(j), bytes);
+        p.recvs.emplace_back(s + slot(j) * bytes, bytes);
+      }
+      op->folds.push_back(
+          FoldJob{r.output.data_ptr(), block(me), s, r.output.numel(), n, me, r.output.scalar_type(), r.redop});
+      break;
+    }
+    case OpKind::kSend:
+    case OpKind::kRecv: {
+      op->keep = {r.tensor};
+      sig.bytes = r.tensor.nbytes();
+      if (sig.bytes == 0) break;
+      Part& p = add_part(r.peer);
+      if (r.kind == OpKind::kSend) p.sends.emplace_back(r.tensor.data_ptr(), sig.bytes);
+      else p.recvs.emplace_back(r.tensor.data_ptr(), sig.bytes);
+      break;
+    }
+    default:
+      TORCH_CHECK_VALUE(false, "fastcomm.", api, ": rank ", rank_, ", group ", d.label, ": not supported for ",
+                        dev.type(), " tensors");
+  }
+  for (auto& p : op->parts) p->sig = sig;  // sig.bytes/root were filled in after the parts
+  op->parts_left = (int)op->parts.size();
+  return op;
+}
+
+}  // namespace device
+}  // namespace fastcomm

@@ -1,0 +1,168 @@
+#pragma once
+// What the device engine (device/engine.cpp) knows of an op: the request lowered into
+// transfers with each peer (parts), the end work after them (folds, local copies), or one
+// collective on the group's communicator; and the control protocol's records, by which the
+// members of a pair agree on each op.
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "device/runtime.h"
+#include "device/work.h"
+#include "engine/device.h"
+
+namespace fastcomm {
+namespace device {
+
+using Clock = std::chrono::steady_clock;
+using RedOp = c10d::ReduceOp::RedOpType;
+
+// ---- the control protocol (frames over the host link, one ordered stream per pair)
+
+// What both members of a pair must agree on for an op: a member issuing something else on the
+// same group at the same position is a mismatch, raised on both.
+struct Sig {
+  uint8_t kind = 0;
+  uint8_t dtype = 0;
+  uint8_t redop = 0;
+  uint8_t flags = 0;  // SigFlags
+  int32_t root = -1;
+  uint64_t bytes = 0;  // what this pair moves each way
+  bool operator==(const Sig& o) const {
+    return kind == o.kind && dtype == o.dtype && redop == o.redop && flags == o.flags && root == o.root &&
+           bytes == o.bytes;
+  }
+};
+enum SigFlags : uint8_t {
+  kOnGroupComm = 1,   // the op runs on the group's communicator (members must agree on that)
+  kGroupBroken = 2,   // this member's group communicator has failed: the op cannot run
+};
+
+// An op's place: its group's id (send/recv: the pair channel's) and its index there.
+struct Key {
+  uint64_t id = 0;
+  uint64_t seq = 0;
+  bool operator==(const Key& o) const { return id == o.id && seq == o.seq; }
+};
+struct KeyHash {
+  size_t operator()(const Key& k) const { return std::hash<uint64_t>()(k.id * 0x9e3779b97f4a7c15ULL ^ k.seq); }
+};
+
+struct Entry {
+  Key key;
+  Sig sig;
+};
+static_assert(sizeof(Entry) == 32, "control entry layout");
+
+// kGo and kRefuse: the group leader's word on a group-communicator op (see GroupComm), once
+// every member answered its proposal; a kGo with an id carries the group communicator's.
+enum FrameType : uint32_t { kPropose = 1, kCommit = 2, kMismatch = 3, kGo = 4, kRefuse = 5 };
+struct FrameHead {
+  uint32_t type = 0;
+  uint32_t count = 0;
+  uint32_t has_id = 0;  // the leader's first frame carries the pair communicator's id
+  uint32_t pad = 0;
+};
+constexpr size_t kFrameBytes = 1024;
+constexpr size_t kMaxEntries = (kFrameBytes - sizeof(FrameHead) - sizeof(UniqueId)) / sizeof(Entry);
+
+std::string sig_str(const Sig& s);
+// Whether the pair's two sides issued the same op (a send meets a recv).
+bool compatible(const Sig& leader, const Sig& follower);
+
+// ---- ops as the engine tracks them
+
+struct Batch;
+
+struct EventRef {
+  EventRef(Runtime& r, Event e) : rt(r), ev(e) {}
+  ~EventRef() { rt.destroy_event(ev); }
+  Runtime& rt;
+  Event ev;
+};
+using EventPtr = std::shared_ptr<EventRef>;
+
+struct DevOp;
+
+// One op's transfers with one peer: all sent and received in one group of the pair's channel.
+struct Part {
+  DevOp* op = nullptr;
+  int peer = -1;
+  Sig sig;
+  std::vector<std::pair<const void*, size_t>> sends;
+  std::vector<std::pair<void*, size_t>> recvs;
+  enum State { kWaiting, kProposed, kCommitted, kLaunched, kDone } state = kWaiting;
+  EventPtr done_event;  // recorded after the channel group holding this part
+  bool agree_only = false;  // a group-communicator op's agreement with one member: no data
+  bool agreed = false;      // group leader: that member committed
+};
+
+struct GroupComm;
+
+// One collective on a group communicator.
+struct Collective {
+  OpKind kind = OpKind::kNone;
+  void* in = nullptr;
+  void* out = nullptr;
+  int64_t count = 0;  // elements per member (all_gather and broadcast: bytes)
+  c10::ScalarType dtype = c10::kByte;
+  RedOp op = c10d::ReduceOp::SUM;
+  int root = 0;
+};
+
+struct DevOp {
+  Key key;
+  OpKind kind = OpKind::kNone;
+  std::string label;
+  std::vector<at::Tensor> keep;  // every tensor the op touches, held until it is over
+  at::Tensor scratch;
+  std::vector<FoldJob> folds;
+  std::vector<std::tuple<void*, const void*, size_t>> copies;  // local copies at the end
+  std::vector<std::unique_ptr<Part>> parts;
+  int parts_left = 0;
+  bool ready = false;     // its group's previous op is over on the host's side
+  bool finished = false;  // its transfers are over and its end work enqueued (or it failed)
+  std::exception_ptr error;
+  Clock::time_point deadline;
+  std::chrono::milliseconds timeout{0};
+  EventPtr input;  // the caller's stream at issue
+  EventPtr pred_end;  // the previous op of the group's end (its fold), if it had device work
+  EventPtr end;       // this op's end, if it has device work after its transfers
+  bool group_op = false;    // the op runs as `coll` on its group's communicator
+  GroupComm* gc = nullptr;  // that communicator (set by the engine thread)
+  std::vector<int> ranks;   // group_op: the group, and this rank's place in it
+  int me = 0;
+  Collective coll;
+  bool leads = false;  // this rank is the group's rank 0 (it decides go or refuse)
+  DevOp* next = nullptr;  // the group's next op
+  std::shared_ptr<Batch> batch;
+};
+
+// The ops of one post (one Work).
+struct Batch {
+  c10::intrusive_ptr<DeviceWork> work;
+  int left = 0;
+  bool device_work = false;  // some op enqueued work after its transfers: wait for the end event
+  std::exception_ptr error;
+  std::vector<at::Tensor> keep;  // what the end work reads and writes, held until it has run
+  EventPtr end;                  // after the batch's end work (set when it has some)
+};
+
+// How ops are lowered on this engine.
+struct Lowering {
+  Runtime& rt;
+  Stream join;              // where scratch is allocated: the end work's stream
+  int rank;                 // this process's global rank (messages)
+  bool group_comms;         // large ops of groups of 3+ may use the group's communicator
+  size_t group_comm_bytes;  // ... from this many bytes per member
+};
+// The checked request in the engine's form. Throws (naming rank, group and argument) for what
+// the device path does not run; nothing is issued before.
+std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, const Lowering& how);
+
+}  // namespace device
+}  // namespace fastcomm
