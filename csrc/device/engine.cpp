@@ -86,7 +86,6 @@ struct Channel {
   int peer = -1;
   bool leader = false;
   Comm comm = nullptr;
-  bool comm_ready = false;
   bool id_sent = false;
   UniqueId id;
   Stream stream = nullptr;
@@ -217,6 +216,8 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   std::vector<std::unique_ptr<DevOp>> live_;
   std::unordered_map<int, std::unique_ptr<Channel>> channels_;
   std::unordered_map<uint64_t, std::unique_ptr<GroupComm>> groups_;
+  std::vector<Channel*> pass_channels_;  // pass()'s snapshots, kept to reuse their memory
+  std::vector<GroupComm*> pass_groups_;
   const size_t group_comm_bytes_;
   std::deque<std::shared_ptr<Batch>> ending_;  // end event recorded, not yet seen done
   // The end of the last finished op of each group id, while it may not have run: the group's
@@ -408,8 +409,8 @@ bool ChannelEngine::pass() {
   bool moved = false;
   // Finishing an op may make the next one of its group ready and so make a channel: walk a
   // snapshot (channels are never removed before teardown).
-  std::vector<Channel*> chans;
-  chans.reserve(channels_.size());
+  std::vector<Channel*>& chans = pass_channels_;
+  chans.clear();
   for (auto& [peer, c] : channels_) chans.push_back(c.get());
   while (!single_queue_.empty()) {
     Part* p = single_queue_.front();
@@ -430,8 +431,8 @@ bool ChannelEngine::pass() {
       moved = true;
     }
   }
-  std::vector<GroupComm*> gcs;
-  gcs.reserve(groups_.size());
+  std::vector<GroupComm*>& gcs = pass_groups_;
+  gcs.clear();
   for (auto& [id, g] : groups_) gcs.push_back(g.get());
   for (GroupComm* g : gcs) {
     try {

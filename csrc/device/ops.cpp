@@ -22,6 +22,20 @@ bool folds(c10::ScalarType t) {
 
 }  // namespace
 
+}  // namespace device
+
+bool device_runs(OpKind k) {
+  switch (k) {
+    case OpKind::kAllReduce: case OpKind::kBroadcast: case OpKind::kAllGather: case OpKind::kAllGatherIntoTensor:
+    case OpKind::kReduceScatter: case OpKind::kReduceScatterTensor: case OpKind::kSend: case OpKind::kRecv:
+      return true;
+    default:
+      return false;
+  }
+}
+
+namespace device {
+
 std::string sig_str(const Sig& s) {
   std::string r = op_kind_name((OpKind)s.kind);
   r += "(" + std::string(c10::toString((c10::ScalarType)s.dtype)) + ", " + std::to_string(s.bytes) + " bytes";
@@ -51,6 +65,8 @@ std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, c
   TORCH_CHECK_VALUE(dev.is_cpu() || dev.index() == rt.device(), "fastcomm.", api, ": rank ", rank_, ", group ",
                     d.label, ": the op's tensors are on ", dev, " but this process's device engine drives ",
                     dev.type(), ":", rt.device(), " (one device per process)");
+  TORCH_CHECK_VALUE(device_runs(r.kind), "fastcomm.", api, ": rank ", rank_, ", group ", d.label,
+                    ": not supported for ", dev.type(), " tensors");
   auto op = std::make_unique<DevOp>();
   op->kind = r.kind;
   op->label = d.label;

@@ -48,6 +48,9 @@ class HostLink {
   virtual bool peer_alive(int peer) = 0;
 };
 
+// The kinds the device engine runs (device/ops.cpp); it refuses the others.
+bool device_runs(OpKind k);
+
 namespace device {
 class Runtime;
 }

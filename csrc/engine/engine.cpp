@@ -23,18 +23,6 @@ const EngineOptions& checked(const EngineOptions& o) {
   return o;
 }
 
-// The kinds the device path runs (device/engine.cpp); under FASTCOMM_FAKE_DEVICE these go to
-// the fake device runtime with CPU tensors, everything else stays on the host.
-bool fake_device_kind(OpKind k) {
-  switch (k) {
-    case OpKind::kAllReduce: case OpKind::kBroadcast: case OpKind::kAllGather: case OpKind::kAllGatherIntoTensor:
-    case OpKind::kReduceScatter: case OpKind::kReduceScatterTensor: case OpKind::kSend: case OpKind::kRecv:
-      return true;
-    default:
-      return false;
-  }
-}
-
 int local_ranks(const EngineOptions& o) {
   return (int)std::count(o.host_of.begin(), o.host_of.end(), o.host_of[o.rank]);
 }
@@ -48,7 +36,12 @@ Engine::Engine(EngineOptions opts)
       router_(transports_, groups_),
       progress_(mu_, opts_.rank, opts_.pids, transports_, router_,
                 [this] { driver_.wake_background(); }),
-      driver_(progress_, opts_.rank, local_ranks(opts_), opts_.settings.spin_ns, opts_.settings.yield_ns) {}
+      driver_(progress_, opts_.rank, local_ranks(opts_), opts_.settings.spin_ns, opts_.settings.yield_ns) {
+  control_group_.id = 0x6663646576637472ULL;
+  control_group_.state = std::make_shared<GroupState>();
+  control_group_.state->label = "device control";
+  control_group_.state->timeout = std::chrono::hours(24 * 365);
+}
 
 Engine::~Engine() { shutdown(); }
 
@@ -123,7 +116,7 @@ Engine::Prepared Engine::prepare(OpRequest req, const GroupHandle& g) {
   const CollectiveSpec& spec = collective_spec(req.kind);
   Prepared p;
   p.device = request_device(req);
-  p.on_device = !p.device.is_cpu() || (opts_.settings.fake_device && fake_device_kind(req.kind));
+  p.on_device = !p.device.is_cpu() || (opts_.settings.fake_device && device_runs(req.kind));
   p.type = op_kind_type(req.kind);
   if (spec.p2p) {
     const bool sending = req.kind == OpKind::kSend;
@@ -350,9 +343,6 @@ c10::intrusive_ptr<Work> Engine::control_recv(int peer, at::Tensor bytes) {
 }
 
 c10::intrusive_ptr<Work> Engine::control(OpKind kind, int peer, at::Tensor bytes) {
-  // A group no user group can be: its id is no function of a rank list.
-  static const uint64_t kControlGroup = 0x6663646576637472ULL;
-  constexpr int kControlTag = -0x7ffffffe;
   const bool sending = kind == OpKind::kSend;
   OpRequest req;
   req.kind = kind;
@@ -365,18 +355,14 @@ c10::intrusive_ptr<Work> Engine::control(OpKind kind, int peer, at::Tensor bytes
   {
     std::lock_guard<std::mutex> lk(mu_);
     TORCH_CHECK(!shut_down_, "fastcomm: rank ", opts_.rank, ": fastcomm was shut down");
-    GroupHandle g;
-    g.id = kControlGroup;
+    GroupHandle g = control_group_;  // named by the pair in messages
     g.ranks = {std::min(opts_.rank, peer), std::max(opts_.rank, peer)};
-    g.state = std::make_shared<GroupState>();
-    g.state->label = "device control";
     p.group = groups_.channel(g, sending ? opts_.rank : peer, sending ? peer : opts_.rank, kControlTag);
-    p.group.state->timeout = std::chrono::hours(24 * 365);
   }
   p.op = collective_spec(kind).make(req, view_of(*p.group.state, opts_.rank, 0));
   if (!sending) {
     p.recv = true;
-    p.recv_group = kControlGroup;
+    p.recv_group = control_group_.id;
     p.tag = kControlTag;
   }
   p.req = std::move(req);

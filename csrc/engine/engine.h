@@ -156,6 +156,10 @@ class Engine final : public Waiter, public HostLink, public std::enable_shared_f
   Progress progress_;
   Driver driver_;
   std::atomic<bool> shut_down_{false};
+  // The device engines' control messages travel on channels of this group, which no user group
+  // can be (its id is no function of a rank list); their ops never time out.
+  static constexpr int kControlTag = -0x7ffffffe;
+  GroupHandle control_group_;
   std::mutex device_mu_;  // guards devices_ (made without mu_: a device engine posts control ops)
   std::map<c10::DeviceType, std::shared_ptr<DeviceEngine>> devices_;
 };
