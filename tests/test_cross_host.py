@@ -627,7 +627,13 @@ def _hier_death_body(rank, world, victim):
         t = torch.full((1000,), float(rank + i))
         fc.all_reduce(t, group=g)
         assert torch.equal(t, torch.full((1000,), float(sum(range(world)) + world * i)))
+    store = harness.child_store()
+    store.set(f"fc-test/hier-good-{rank}", "1")
     if rank == victim:
+        # Not before every survivor has its good ops: Gloo's thread may write our last frame
+        # after the op completed here, and a SIGKILL takes it down unwritten (as with MPI's
+        # eager sends), which would fail a survivor's good op instead of the ops under test.
+        store.wait([f"fc-test/hier-good-{r}" for r in range(world)])
         test_faults.die("sigkill")
     # Every survivor fails the next ops on the dead rank, naming it, whether it talks to the
     # victim in a hierarchical op (its leader, its member) or never does (the other host).
@@ -637,7 +643,6 @@ def _hier_death_body(rank, world, victim):
             lambda: fc.all_reduce(torch.ones(n), group=g), f"rank {rank}", f"rank {victim}", "exited"))
     # No survivor leaves before all have checked: one that exits early would be a second dead
     # member for the others' ops.
-    store = harness.child_store()
     store.set(f"fc-test/hier-death-done-{rank}", "1")
     store.wait([f"fc-test/hier-death-done-{r}" for r in range(world) if r != victim])
     return msgs
