@@ -2,6 +2,11 @@
 // first; argument checks happen in the engine (C++), so the Python layer stays a thin
 // pass-through and errors carry rank, group and argument names. Every op enters through one
 // binding, `issue`, whatever its kind or device.
+#include <array>
+#include <climits>
+#include <iterator>
+#include <utility>
+
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/utils/pybind.h>
@@ -47,6 +52,19 @@ at::Tensor tensor_arg(const py::handle& h, const Engine& e, OpKind k) {
 
 std::vector<at::Tensor> tensor_list_arg(const py::handle& h) {
   if (h.is_none()) return {};
+  // A list of tensors (gather's and scatter's common case) read directly: pybind11's list
+  // caster goes through a generic sequence protocol and a caster per item.
+  if (PyList_CheckExact(h.ptr())) {
+    const Py_ssize_t n = PyList_GET_SIZE(h.ptr());
+    std::vector<at::Tensor> v;
+    v.reserve(n);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* x = PyList_GET_ITEM(h.ptr(), i);
+      if (!THPVariable_Check(x)) return h.cast<std::vector<at::Tensor>>();  // reports the bad item
+      v.push_back(THPVariable_Unpack(x));
+    }
+    return v;
+  }
   return h.cast<std::vector<at::Tensor>>();
 }
 
@@ -167,14 +185,14 @@ PyObject* issue_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   }
 }
 
-// fastcomm.all_reduce, the hottest call, without a Python frame: the engine and the world
-// group are set by fastcomm.init/shutdown (set_current), the thread's batch by batch/plan
-// (set_thread_batch). Whatever is not the plain case (not initialized, inside a batch, a group
-// that is not a fastcomm Group, odd arguments) goes to the Python wrapper, which handles and
-// reports it as before. Strong references, dropped by set_current(None, None) at shutdown.
+// The hot calls (all_reduce, broadcast, reduce, gather, scatter) without a Python frame: the
+// engine and the world group are set by fastcomm.init/shutdown (set_current), the thread's
+// batch by batch/plan (set_thread_batch). Whatever is not the plain case (not initialized,
+// inside a batch, a group that is not a fastcomm Group, a group-rank argument, odd arguments)
+// goes to the op's Python wrapper, which handles and reports it as before. Strong references,
+// dropped by set_current(None, None) at shutdown.
 PyObject* g_engine = nullptr;
 PyObject* g_world = nullptr;     // the world's GroupHandle
-PyObject* g_fallback = nullptr;  // fastcomm.collectives._all_reduce_py
 PyObject* g_work_cls = nullptr;  // fastcomm.work.Work
 thread_local bool t_in_batch = false;
 
@@ -184,62 +202,155 @@ void set_ref(PyObject*& slot, PyObject* v) {
   slot = v;
 }
 
-PyObject* all_reduce_entry(PyObject*, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
-  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-  PyObject* a[4] = {nullptr, nullptr, nullptr, nullptr};  // tensor, op, group, async_op
-  bool plain = nargs >= 1 && nargs <= 4 && g_engine != nullptr && g_fallback != nullptr && !t_in_batch;
-  for (Py_ssize_t i = 0; plain && i < nargs; ++i) a[i] = args[i];
-  if (plain && kwnames != nullptr) {
-    static const char* const names[4] = {"tensor", "op", "group", "async_op"};
-    for (Py_ssize_t k = 0; plain && k < PyTuple_GET_SIZE(kwnames); ++k) {
+// What each parameter of a fast entry feeds in `issue`.
+enum class Role : uint8_t { kTensor, kList, kOp, kPeer, kGroupPeer, kGroup, kAsync };
+constexpr int kMaxParams = 6;
+constexpr int kPeerRequired = INT32_MIN;  // no default: the wrapper reports the missing rank
+
+struct FastEntry {
+  const char* name;
+  OpKind kind;
+  int nparams;
+  const char* params[kMaxParams];  // torch.distributed's names, in its order
+  Role roles[kMaxParams];
+  int default_peer;  // when neither the rank nor the group rank is given
+  const char* doc;
+  PyObject* fallback;  // the Python wrapper (fastcomm.collectives._<name>_py), set by set_fast_entry
+};
+
+using R = Role;
+FastEntry g_entries[] = {
+    {"all_reduce", OpKind::kAllReduce, 4, {"tensor", "op", "group", "async_op"},
+     {R::kTensor, R::kOp, R::kGroup, R::kAsync}, -1,
+     "all_reduce(tensor, op=None, group=None, async_op=False)\n--\n\n"
+     "Reduces ``tensor`` in place across ``group`` (default: all ranks) with ``op`` (a "
+     "torch.distributed.ReduceOp; None: SUM).",
+     nullptr},
+    {"broadcast", OpKind::kBroadcast, 5, {"tensor", "src", "group", "async_op", "group_src"},
+     {R::kTensor, R::kPeer, R::kGroup, R::kAsync, R::kGroupPeer}, kPeerRequired,
+     "broadcast(tensor, src=None, group=None, async_op=False, group_src=None)\n--\n\n"
+     "Copies ``tensor`` from global rank ``src`` (or group rank ``group_src``) to all members.",
+     nullptr},
+    {"reduce", OpKind::kReduce, 6, {"tensor", "dst", "op", "group", "async_op", "group_dst"},
+     {R::kTensor, R::kPeer, R::kOp, R::kGroup, R::kAsync, R::kGroupPeer}, kPeerRequired,
+     "reduce(tensor, dst=None, op=None, group=None, async_op=False, group_dst=None)\n--\n\n"
+     "Reduces ``tensor`` across ``group`` into ``tensor`` on global rank ``dst`` (or group rank "
+     "``group_dst``); the other members' tensors are left unchanged.",
+     nullptr},
+    {"gather", OpKind::kGather, 6, {"tensor", "gather_list", "dst", "group", "async_op", "group_dst"},
+     {R::kTensor, R::kList, R::kPeer, R::kGroup, R::kAsync, R::kGroupPeer}, 0,
+     "gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None)\n--\n\n"
+     "Copies every member's ``tensor`` into ``gather_list`` (one tensor per member, in group rank "
+     "order) on ``dst`` (default: global rank 0); the others pass no list.",
+     nullptr},
+    {"scatter", OpKind::kScatter, 6, {"tensor", "scatter_list", "src", "group", "async_op", "group_src"},
+     {R::kTensor, R::kList, R::kPeer, R::kGroup, R::kAsync, R::kGroupPeer}, 0,
+     "scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None)\n--\n\n"
+     "Copies ``scatter_list[i]`` on ``src`` (default: global rank 0) into group rank i's "
+     "``tensor``; the others pass no list.",
+     nullptr},
+};
+
+// The plain case of one fast entry, or null with no error set: the wrapper takes the call.
+PyObject* fast_issue(const FastEntry& f, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  if (g_engine == nullptr || t_in_batch || nargs > f.nparams) return nullptr;
+  PyObject* a[kMaxParams] = {};
+  for (Py_ssize_t i = 0; i < nargs; ++i) a[i] = args[i];
+  if (kwnames != nullptr) {
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(kwnames); ++k) {
       PyObject* name = PyTuple_GET_ITEM(kwnames, k);
       int slot = -1;
-      for (int j = 0; j < 4 && slot < 0; ++j)
-        if (PyUnicode_CompareWithASCIIString(name, names[j]) == 0) slot = j;
-      if (slot < 0 || a[slot] != nullptr) plain = false;
-      else a[slot] = args[nargs + k];
+      for (int j = 0; j < f.nparams && slot < 0; ++j)
+        if (PyUnicode_CompareWithASCIIString(name, f.params[j]) == 0) slot = j;
+      if (slot < 0 || a[slot] != nullptr) return nullptr;
+      a[slot] = args[nargs + k];
     }
   }
-  if (!plain || a[0] == nullptr) return PyObject_Vectorcall(g_fallback, args, nargsf, kwnames);
-  try {
-    // Held for the call: another thread may shut fastcomm down (set_current(None, None))
-    // while this one waits without the GIL.
-    const py::object engine = py::reinterpret_borrow<py::object>(g_engine);
-    py::object handle;  // the group's handle, held likewise
-    const GroupHandle* g = nullptr;
-    if (a[2] == nullptr || a[2] == Py_None) {
-      handle = py::reinterpret_borrow<py::object>(g_world);
-      g = registered<GroupHandle>(g_world);
-    } else {
-      static PyObject* const name = PyUnicode_InternFromString("_h");  // not a new string per call
-      PyObject* h = PyObject_GetAttr(a[2], name);
-      if (h == nullptr) {
-        PyErr_Clear();
-        return PyObject_Vectorcall(g_fallback, args, nargsf, kwnames);
-      }
-      handle = py::reinterpret_steal<py::object>(h);
-      g = registered<GroupHandle>(h);
+  PyObject *tensor = nullptr, *list = Py_None, *op = Py_None, *group = Py_None;
+  int peer = f.default_peer, async_op = 0;
+  for (int j = 0; j < f.nparams; ++j) {
+    PyObject* v = a[j];
+    if (v == nullptr) continue;
+    switch (f.roles[j]) {
+      case Role::kTensor: tensor = v; break;
+      case Role::kList: list = v; break;
+      case Role::kOp: op = v; break;
+      case Role::kGroup: group = v; break;
+      case Role::kGroupPeer:
+        if (v != Py_None) return nullptr;
+        break;
+      case Role::kPeer:
+        if (v == Py_None) break;
+        if (!PyLong_CheckExact(v)) return nullptr;
+        {
+          const long r = PyLong_AsLong(v);
+          if ((r == -1 && PyErr_Occurred()) || r < INT32_MIN + 1 || r > INT32_MAX) {
+            PyErr_Clear();
+            return nullptr;
+          }
+          peer = (int)r;
+        }
+        break;
+      case Role::kAsync:
+        if ((async_op = PyObject_IsTrue(v)) < 0) {
+          PyErr_Clear();
+          return nullptr;
+        }
+        break;
     }
-    Engine* e = registered<Engine>(engine);
-    if (g == nullptr || e == nullptr) return PyObject_Vectorcall(g_fallback, args, nargsf, kwnames);
-    int async_op = 0;
-    if (a[3] != nullptr && (async_op = PyObject_IsTrue(a[3])) < 0) throw py::error_already_set();
-    py::object w = issue(*e, (int)OpKind::kAllReduce, *g, a[0], Py_None, Py_None, a[1] ? a[1] : Py_None, -1, 0,
-                         async_op != 0, BatchArg{}, Py_None, Py_None);
-    if (!async_op) return w.release().ptr();
-    return PyObject_CallOneArg(g_work_cls, w.ptr());
+  }
+  if (tensor == nullptr || peer == kPeerRequired) return nullptr;
+  // Held for the call: another thread may shut fastcomm down (set_current(None, None)) while
+  // this one waits without the GIL.
+  const py::object engine = py::reinterpret_borrow<py::object>(g_engine);
+  py::object handle;  // the group's handle, held likewise
+  if (group == Py_None) {
+    handle = py::reinterpret_borrow<py::object>(g_world);
+  } else {
+    static PyObject* const attr = PyUnicode_InternFromString("_h");  // not a new string per call
+    PyObject* h = PyObject_GetAttr(group, attr);
+    if (h == nullptr) {
+      PyErr_Clear();
+      return nullptr;
+    }
+    handle = py::reinterpret_steal<py::object>(h);
+  }
+  const GroupHandle* g = registered<GroupHandle>(handle);
+  Engine* e = registered<Engine>(engine);
+  if (g == nullptr || e == nullptr) return nullptr;
+  py::object w = issue(*e, (int)f.kind, *g, tensor, Py_None, list, op, peer, 0, async_op != 0, BatchArg{}, Py_None,
+                       Py_None);
+  if (!async_op) return w.release().ptr();
+  PyObject* work = PyObject_CallOneArg(g_work_cls, w.ptr());
+  if (work == nullptr) throw py::error_already_set();
+  return work;
+}
+
+template <int I>
+PyObject* fast_entry(PyObject*, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  const FastEntry& f = g_entries[I];
+  try {
+    if (PyObject* r = fast_issue(f, args, PyVectorcall_NARGS(nargsf), kwnames)) return r;
   } catch (...) {
     py::detail::try_translate_exceptions();
     return nullptr;
   }
+  if (f.fallback == nullptr) {
+    PyErr_Format(PyExc_RuntimeError, "fastcomm.%s: the Python layer did not register its wrapper", f.name);
+    return nullptr;
+  }
+  return PyObject_Vectorcall(f.fallback, args, nargsf, kwnames);
 }
 
-PyMethodDef all_reduce_def = {
-    "all_reduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&all_reduce_entry)),
-    METH_FASTCALL | METH_KEYWORDS,
-    "all_reduce(tensor, op=None, group=None, async_op=False)\n--\n\n"
-    "Reduces ``tensor`` in place across ``group`` (default: all ranks) with ``op`` (a "
-    "torch.distributed.ReduceOp; None: SUM)."};
+template <int... I>
+std::array<PyMethodDef, sizeof...(I)> fast_defs(std::integer_sequence<int, I...>) {
+  return {PyMethodDef{g_entries[I].name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_entry<I>)),
+                      METH_FASTCALL | METH_KEYWORDS, g_entries[I].doc}...};
+}
+
+// PyCFunction objects point at their PyMethodDef for good.
+std::array<PyMethodDef, std::size(g_entries)> g_fast_defs =
+    fast_defs(std::make_integer_sequence<int, (int)std::size(g_entries)>{});
 
 PyMethodDef issue_def = {
     "issue", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&issue_entry)), METH_FASTCALL,
@@ -391,7 +502,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("async_op") = true);
 
-  m.add_object("all_reduce", py::reinterpret_steal<py::object>(PyCFunction_NewEx(&all_reduce_def, nullptr, m.attr("__name__").ptr())));
+  for (PyMethodDef& d : g_fast_defs)
+    m.add_object(d.ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(&d, nullptr, m.attr("__name__").ptr())));
   m.def(
       "set_current",
       [](py::handle engine, py::handle world) {
@@ -401,14 +513,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "The engine and world group handle fastcomm.all_reduce uses (None, None: not initialized)");
   m.def(
       "set_fast_entry",
-      [](py::handle fallback, py::handle work_cls) {
-        set_ref(g_fallback, fallback.ptr());
+      [](const std::string& name, py::handle fallback, py::handle work_cls) {
+        FastEntry* f = nullptr;
+        for (FastEntry& x : g_entries)
+          if (name == x.name) f = &x;
+        TORCH_CHECK_VALUE(f != nullptr, "fastcomm: no native entry named ", name);
+        set_ref(f->fallback, fallback.ptr());
         set_ref(g_work_cls, work_cls.ptr());
       },
-      "The Python wrapper fastcomm.all_reduce falls back to, and the Work class it returns");
+      "The Python wrapper the native entry `name` falls back to, and the Work class it returns");
   m.def(
       "set_thread_batch", [](bool in_batch) { t_in_batch = in_batch; },
-      "Whether this thread is recording a batch or plan (fastcomm.all_reduce then takes the Python path)");
+      "Whether this thread is recording a batch or plan (the native entries then take the Python path)");
 
   // Engine.issue, the bare entry above, as a method of Engine (a descriptor checks `self`'s type).
   {

@@ -72,9 +72,9 @@ def _all_reduce_py(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: 
     return _wrap(e.issue(_ALL_REDUCE, h, tensor, None, None, op, -1, 0, async_op, _tls.batch, None, None))
 
 
-def broadcast(tensor: torch.Tensor, src: Optional[int] = None, group=None, async_op: bool = False,
-              group_src: Optional[int] = None) -> Optional[Work]:
-    """Copies ``tensor`` from global rank ``src`` (or group rank ``group_src``) to all members."""
+def _broadcast_py(tensor: torch.Tensor, src: Optional[int] = None, group=None, async_op: bool = False,
+                  group_src: Optional[int] = None) -> Optional[Work]:
+    """fastcomm.broadcast's cases that _C.broadcast does not run itself (as _all_reduce_py)."""
     e, h = _handle(group, "broadcast")
     src = _global_rank(group, src, group_src, "broadcast", "src")
     return _wrap(e.issue(_BROADCAST, h, tensor, None, None, None, src, 0, async_op, _tls.batch, None, None))
@@ -113,28 +113,26 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
                           _tls.batch, None, None))
 
 
-def reduce(tensor: torch.Tensor, dst: Optional[int] = None, op=ReduceOp.SUM, group=None, async_op: bool = False,
-           group_dst: Optional[int] = None) -> Optional[Work]:
-    """Reduces ``tensor`` across ``group`` into ``tensor`` on global rank ``dst`` (or group rank
-    ``group_dst``); the other members' tensors are left unchanged."""
+def _reduce_py(tensor: torch.Tensor, dst: Optional[int] = None, op=ReduceOp.SUM, group=None,
+               async_op: bool = False, group_dst: Optional[int] = None) -> Optional[Work]:
+    """fastcomm.reduce's cases that _C.reduce does not run itself (as _all_reduce_py)."""
     e, h = _handle(group, "reduce")
     dst = _global_rank(group, dst, group_dst, "reduce", "dst")
     return _wrap(e.issue(_REDUCE, h, tensor, None, None, op, dst, 0, async_op, _tls.batch, None, None))
 
 
-def gather(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = None, dst: Optional[int] = None,
-           group=None, async_op: bool = False, group_dst: Optional[int] = None) -> Optional[Work]:
-    """Copies every member's ``tensor`` into ``gather_list`` (one tensor per member, in group
-    rank order) on ``dst`` (default: global rank 0); the others pass no list."""
+def _gather_py(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = None, dst: Optional[int] = None,
+               group=None, async_op: bool = False, group_dst: Optional[int] = None) -> Optional[Work]:
+    """fastcomm.gather's cases that _C.gather does not run itself (as _all_reduce_py)."""
     e, h = _handle(group, "gather")
     dst = 0 if dst is None and group_dst is None else _global_rank(group, dst, group_dst, "gather", "dst")
     return _wrap(e.issue(_GATHER, h, tensor, None, gather_list, None, dst, 0, async_op, _tls.batch, None, None))
 
 
-def scatter(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = None, src: Optional[int] = None,
-            group=None, async_op: bool = False, group_src: Optional[int] = None) -> Optional[Work]:
-    """Copies ``scatter_list[i]`` on ``src`` (default: global rank 0) into group rank i's
-    ``tensor``; the others pass no list."""
+def _scatter_py(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = None,
+                src: Optional[int] = None, group=None, async_op: bool = False,
+                group_src: Optional[int] = None) -> Optional[Work]:
+    """fastcomm.scatter's cases that _C.scatter does not run itself (as _all_reduce_py)."""
     e, h = _handle(group, "scatter")
     src = 0 if src is None and group_src is None else _global_rank(group, src, group_src, "scatter", "src")
     return _wrap(e.issue(_SCATTER, h, tensor, None, scatter_list, None, src, 0, async_op, _tls.batch, None, None))
@@ -434,5 +432,8 @@ def all_reduce_many(tensors: Sequence[torch.Tensor], groups: Sequence, op=Reduce
     return None
 
 
-_C.set_fast_entry(_all_reduce_py, Work)
-all_reduce = _C.all_reduce
+# The hot calls are native entries that run the plain case themselves (see csrc/bindings.cpp).
+for _name, _py in (("all_reduce", _all_reduce_py), ("broadcast", _broadcast_py), ("reduce", _reduce_py),
+                   ("gather", _gather_py), ("scatter", _scatter_py)):
+    _C.set_fast_entry(_name, _py, Work)
+all_reduce, broadcast, reduce, gather, scatter = _C.all_reduce, _C.broadcast, _C.reduce, _C.gather, _C.scatter

@@ -1,6 +1,7 @@
-"""fastcomm.all_reduce is a native entry (no Python frame) that hands every case but the plain
-one to the Python wrapper: each spelling of the arguments, inside a batch and a plan, before
-init and after shutdown, and wrong arguments must behave exactly as the wrapper does."""
+"""fastcomm.all_reduce, broadcast, reduce, gather and scatter are native entries (no Python
+frame) that hand every case but the plain one to their Python wrappers: each spelling of the
+arguments, inside a batch and a plan, before init and after shutdown, and wrong arguments must
+behave exactly as the wrapper does."""
 from __future__ import annotations
 
 import torch
@@ -76,3 +77,102 @@ def test_errors_are_the_wrappers():
 
 def test_before_init():
     expect(RuntimeError, lambda: fc.all_reduce(torch.ones(1)), "fastcomm.all_reduce", "not initialized")
+
+
+def _rooted_spellings_body(rank, world):
+    """broadcast, reduce, gather and scatter in the pair [1, 2] of world 3 (group rank 0 is
+    global rank 1, so a group rank taken for a global one gives a wrong root), spelled every
+    way torch allows, each against the result computed here."""
+    if rank == 0:
+        return None
+    g = fc.new_group([1, 2])
+    me = rank - 1
+    out = []
+
+    def val(r):
+        return torch.arange(3, dtype=torch.float32) + 10 * r
+
+    for call in (
+        lambda t: fc.broadcast(t, 2, g),
+        lambda t: fc.broadcast(t, src=2, group=g),
+        lambda t: fc.broadcast(t, group=g, group_src=1),
+        lambda t: fc.broadcast(t, 2, g, True).wait(),
+        lambda t: collectives._broadcast_py(t, 2, g),
+    ):
+        t = val(rank)
+        call(t)
+        out.append(torch.equal(t, val(2)))
+    for call in (
+        lambda t: fc.reduce(t, 1, ReduceOp.SUM, g),
+        lambda t: fc.reduce(t, dst=1, group=g),
+        lambda t: fc.reduce(t, group=g, group_dst=0),
+        lambda t: fc.reduce(t, 1, group=g, async_op=True).wait(),
+        lambda t: collectives._reduce_py(t, 1, group=g),
+    ):
+        t = val(rank)
+        call(t)
+        out.append(torch.equal(t, val(1) + val(2) if rank == 1 else val(rank)))
+    for call in (
+        lambda t, lst: fc.gather(t, lst, 2, g),
+        lambda t, lst: fc.gather(t, gather_list=lst, dst=2, group=g),
+        lambda t, lst: fc.gather(t, lst, group=g, group_dst=1),
+        lambda t, lst: fc.gather(t, lst, 2, g, True).wait(),
+        lambda t, lst: collectives._gather_py(t, lst, 2, g),
+    ):
+        lst = [torch.zeros(3) for _ in range(2)] if rank == 2 else None
+        call(val(rank), lst)
+        out.append(lst is None or (torch.equal(lst[0], val(1)) and torch.equal(lst[1], val(2))))
+    for call in (
+        lambda t, lst: fc.scatter(t, lst, 1, g),
+        lambda t, lst: fc.scatter(t, scatter_list=lst, src=1, group=g),
+        lambda t, lst: fc.scatter(t, lst, group=g, group_src=0),
+        lambda t, lst: fc.scatter(t, lst, 1, g, async_op=True).wait(),
+        lambda t, lst: collectives._scatter_py(t, lst, 1, g),
+    ):
+        lst = [val(5), val(6)] if rank == 1 else None
+        t = torch.zeros(3)
+        call(t, lst)
+        out.append(torch.equal(t, val(5 + me)))
+    # Inside a batch the ops join it (returning None) and run at its end.
+    t = val(rank)
+    with fc.batch() as b:
+        assert fc.broadcast(t, 1, g) is None and fc.reduce(t, 2, group=g) is None
+        assert torch.equal(t, val(rank))
+    b.wait()
+    out.append(torch.equal(t, 2 * val(1) if rank == 2 else val(1)))
+    return out
+
+
+def _world_default_root_body(rank, world):
+    """gather and scatter default to global rank 0."""
+    lst = [torch.zeros(2) for _ in range(world)] if rank == 0 else None
+    fc.gather(torch.full((2,), float(rank)), lst)
+    t = torch.zeros(2)
+    fc.scatter(t, [torch.full((2,), 7.0 + r) for r in range(world)] if rank == 0 else None)
+    return t[0].item(), None if lst is None else [x[0].item() for x in lst]
+
+
+def test_rooted_ops_every_spelling():
+    res = harness.run(_rooted_spellings_body, 3)
+    assert res[0] is None and res[1] == res[2] and all(res[1]) and len(res[1]) == 21, res
+    assert harness.run(_world_default_root_body, 2) == [(7.0, [0.0, 1.0]), (8.0, None)]
+
+
+def _rooted_errors_body(rank, world):
+    g = fc.new_group([0, 1])
+    t = torch.ones(2)
+    expect(ValueError, lambda: fc.broadcast(t, group=g), "broadcast", "src")
+    expect(ValueError, lambda: fc.reduce(t, 0, group=g, group_dst=0), "reduce", "dst")
+    expect(TypeError, lambda: fc.gather(t, bogus=1), "bogus")
+    expect(TypeError, lambda: fc.scatter(t, None, 0, object()), "group", "fastcomm.Group")
+    expect(TypeError, lambda: fc.reduce(t, 0, "sum", g), "op", "ReduceOp")
+    expect(ValueError, lambda: fc.broadcast(t, 5, g), "rank 5")
+    expect(TypeError, lambda: fc.gather(), "tensor")
+    fc.shutdown()
+    expect(RuntimeError, lambda: fc.gather(t), "gather", "not initialized")
+    harness.init_child(rank, world)
+    return True
+
+
+def test_rooted_errors_are_the_wrappers():
+    assert harness.run(_rooted_errors_body, 2) == [True, True]
