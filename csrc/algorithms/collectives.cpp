@@ -470,7 +470,7 @@ void check_all_gather(const OpRequest& r, const GroupView& g) {
                       " (those of 'tensor'): all_gather's blocks must all be the size of its input, as in torch's ",
                       "Gloo backend");
   for (size_t i = 0; i < r.list.size(); ++i)
-    check_like(r.list[i], r.tensor, r.tensor.numel(), g, r.kind, "tensor_list[" + std::to_string(i) + "]");
+    check_like(r.list[i], r.tensor, r.tensor.numel(), g, r.kind, {"tensor_list", i});
 }
 
 std::unique_ptr<Op> lower_all_gather(const OpRequest& r, const GroupView& g) {
@@ -500,7 +500,7 @@ void check_reduce_scatter(const OpRequest& r, const GroupView& g) {
                     ", group ", g.label(), ": argument 'input_list' has ", r.list.size(),
                     " tensors, expected ", g.ranks.size());
   for (size_t i = 0; i < r.list.size(); ++i)
-    check_like(r.list[i], r.output, r.output.numel(), g, r.kind, "input_list[" + std::to_string(i) + "]");
+    check_like(r.list[i], r.output, r.output.numel(), g, r.kind, {"input_list", i});
 }
 
 std::unique_ptr<Op> lower_reduce_scatter(const OpRequest& r, const GroupView& g) {
@@ -551,7 +551,7 @@ void check_rooted_copy(const OpRequest& r, const GroupView& g) {
   const bool gather = r.kind == OpKind::kGather;
   const char* api = gather ? "gather" : "scatter";
   const char* root_arg = gather ? "dst" : "src";
-  const std::string list_arg = gather ? "gather_list" : "scatter_list";
+  const char* list_arg = gather ? "gather_list" : "scatter_list";
   check_tensor(r.tensor, g, r.kind, "tensor");
   const int root = g.group_rank_of(r.peer, api, root_arg);
   if (g.rank != root) {
@@ -564,7 +564,7 @@ void check_rooted_copy(const OpRequest& r, const GroupView& g) {
                     g.label(), ": argument '", list_arg, "' has ", r.list.size(), " tensors, expected ",
                     g.ranks.size(), " (one per member) on '", root_arg, "'");
   for (size_t i = 0; i < r.list.size(); ++i)
-    check_like(r.list[i], r.tensor, r.tensor.numel(), g, r.kind, list_arg + "[" + std::to_string(i) + "]");
+    check_like(r.list[i], r.tensor, r.tensor.numel(), g, r.kind, {list_arg, i});
 }
 
 std::unique_ptr<Op> lower_rooted_copy(const OpRequest& r, const GroupView& g) {
@@ -582,9 +582,9 @@ void check_all_to_all(const OpRequest& r, const GroupView& g) {
                     ": argument 'output_tensor_list' has ", r.list.size(), " tensors, expected ", k);
   check_tensor(r.inputs[0], g, r.kind, "input_tensor_list[0]");
   for (size_t i = 1; i < k; ++i)
-    check_like(r.inputs[i], r.inputs[0], -1, g, r.kind, "input_tensor_list[" + std::to_string(i) + "]");
+    check_like(r.inputs[i], r.inputs[0], -1, g, r.kind, {"input_tensor_list", i});
   for (size_t i = 0; i < k; ++i)
-    check_like(r.list[i], r.inputs[0], -1, g, r.kind, "output_tensor_list[" + std::to_string(i) + "]");
+    check_like(r.list[i], r.inputs[0], -1, g, r.kind, {"output_tensor_list", i});
   const at::Tensor& in = r.inputs[g.rank];
   const at::Tensor& out = r.list[g.rank];
   TORCH_CHECK_VALUE(out.numel() == in.numel(), "fastcomm.all_to_all: rank ", g.global_rank, ", group ", g.label(),

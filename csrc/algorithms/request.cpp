@@ -26,7 +26,13 @@ int GroupView::group_rank_of(int global, const char* api, const char* arg) const
   return (int)(it - ranks.begin());
 }
 
-void check_tensor(const at::Tensor& t, const GroupView& g, OpKind k, const char* arg) {
+std::ostream& operator<<(std::ostream& os, const ArgName& a) {
+  os << a.name;
+  if (a.index >= 0) os << "[" << a.index << "]";
+  return os;
+}
+
+void check_tensor(const at::Tensor& t, const GroupView& g, OpKind k, ArgName arg) {
   const char* api = op_kind_name(k);
   TORCH_CHECK_VALUE(t.defined(), "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(),
                     ": argument '", arg, "' is undefined");
@@ -49,9 +55,9 @@ void check_tensor(const at::Tensor& t, const GroupView& g, OpKind k, const char*
 }
 
 void check_like(const at::Tensor& t, const at::Tensor& ref, int64_t numel, const GroupView& g, OpKind k,
-                const std::string& arg) {
+                ArgName arg) {
   const char* api = op_kind_name(k);
-  check_tensor(t, g, k, arg.c_str());
+  check_tensor(t, g, k, arg);
   TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), "fastcomm.", api, ": rank ", g.global_rank, ", group ",
                    g.label(), ": argument '", arg, "' has dtype ", t.scalar_type(), ", expected ",
                    ref.scalar_type());

@@ -71,9 +71,18 @@ c10::Device request_device(const OpRequest& r);
 // check_tensor: defined, dense, on CPU or CUDA, contiguous, no lazy conjugate or negative bit,
 // a supported dtype (those the kernels fold, and complex ones). check_like: that, and the
 // dtype and device of `ref` with `numel` elements (any number if negative).
-void check_tensor(const at::Tensor& t, const GroupView& g, OpKind k, const char* arg);
+// An argument's name in messages, `name` or `name[index]`: spelled out only when a check fails
+// (a string per list item and call would cost an allocation each on the hot path).
+struct ArgName {
+  const char* name;
+  int64_t index = -1;
+  ArgName(const char* n) : name(n) {}  // NOLINT: implicit, a plain argument's name
+  ArgName(const char* n, size_t i) : name(n), index((int64_t)i) {}
+};
+std::ostream& operator<<(std::ostream& os, const ArgName& a);
+void check_tensor(const at::Tensor& t, const GroupView& g, OpKind k, ArgName arg);
 void check_like(const at::Tensor& t, const at::Tensor& ref, int64_t numel, const GroupView& g, OpKind k,
-                const std::string& arg);
+                ArgName arg);
 // Whether `op` folds dtype `dt`: complex dtypes only with SUM and AVG, which fold the real and
 // imaginary parts apart (torch's supports_complex); AVG on floating and complex dtypes, bitwise
 // ops on integers and bool.
