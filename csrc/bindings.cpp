@@ -79,9 +79,17 @@ void splits_arg(const py::handle& h, OpRequest& r) {
 // Ops issued inside `with fastcomm.batch()`: checked at issue time, posted together when the
 // block ends.
 struct Batch {
+  Batch() = default;
+  Batch(const Batch&) = delete;  // said outright: std::vector claims to be copyable whatever it holds
+  Batch& operator=(const Batch&) = delete;
   std::vector<Engine::Prepared> ops;
   bool posted = false;
+  py::object engine;  // the engine it was begun on (begin_batch), which posts it; null: any
 };
+
+// The Batch this thread is recording into (fastcomm.batch or plan), or null: every op issued
+// on the thread meanwhile joins it. A strong reference.
+thread_local PyObject* t_batch = nullptr;
 
 // The `batch` argument: a Batch or None (the common case). Loaded by hand because pybind11's
 // generic caster, given None for a Batch*, probes None's type for a foreign module-local
@@ -92,6 +100,8 @@ struct BatchArg {
 
 void add_to_batch(Engine& e, Batch& b, Engine::Prepared prep) {
   TORCH_CHECK(!b.posted, "fastcomm: rank ", e.rank(), ": op issued into a batch that was already posted");
+  TORCH_CHECK(!b.engine || registered<Engine>(b.engine) == &e, "fastcomm.batch: rank ", e.rank(),
+              ": the batch was begun before fastcomm was shut down and initialized again");
   TORCH_CHECK_VALUE(b.ops.empty() || b.ops[0].device.type() == prep.device.type(), "fastcomm.batch: rank ",
                     e.rank(), ": a batch runs on one device; it holds ops on ", b.ops[0].device, " and this one is on ",
                     prep.device);
@@ -118,6 +128,7 @@ py::object issue(Engine& e, int kind, const GroupHandle& g, const py::handle& te
   r.redop = to_redop(op, e, g, k);
   r.peer = peer;
   r.tag = tag;
+  if (batch.p == nullptr && t_batch != nullptr) batch.p = registered<Batch>(t_batch);
   if (batch.p != nullptr) {
     // send/recv take the engine lock to find their channel, never waited for with the GIL.
     if (collective_spec(k).p2p) {
@@ -186,15 +197,14 @@ PyObject* issue_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // The hot calls (all_reduce, broadcast, reduce, gather, scatter) without a Python frame: the
-// engine and the world group are set by fastcomm.init/shutdown (set_current), the thread's
-// batch by batch/plan (set_thread_batch). Whatever is not the plain case (not initialized,
-// inside a batch, a group that is not a fastcomm Group, a group-rank argument, odd arguments)
-// goes to the op's Python wrapper, which handles and reports it as before. Strong references,
+// engine and the world group are set by fastcomm.init/shutdown (set_current), the Batch being
+// recorded on this thread by batch/plan (begin_batch). Whatever is not the plain case (not
+// initialized, a group that is not a fastcomm Group, a group-rank argument, odd arguments) goes
+// to the op's Python wrapper, which handles and reports it as before. Strong references,
 // dropped by set_current(None, None) at shutdown.
 PyObject* g_engine = nullptr;
 PyObject* g_world = nullptr;     // the world's GroupHandle
 PyObject* g_work_cls = nullptr;  // fastcomm.work.Work
-thread_local bool t_in_batch = false;
 
 void set_ref(PyObject*& slot, PyObject* v) {
   Py_XINCREF(v);
@@ -253,7 +263,7 @@ FastEntry g_entries[] = {
 
 // The plain case of one fast entry, or null with no error set: the wrapper takes the call.
 PyObject* fast_issue(const FastEntry& f, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
-  if (g_engine == nullptr || t_in_batch || nargs > f.nparams) return nullptr;
+  if (g_engine == nullptr || nargs > f.nparams) return nullptr;
   PyObject* a[kMaxParams] = {};
   for (Py_ssize_t i = 0; i < nargs; ++i) a[i] = args[i];
   if (kwnames != nullptr) {
@@ -320,7 +330,7 @@ PyObject* fast_issue(const FastEntry& f, PyObject* const* args, Py_ssize_t nargs
   if (g == nullptr || e == nullptr) return nullptr;
   py::object w = issue(*e, (int)f.kind, *g, tensor, Py_None, list, op, peer, 0, async_op != 0, BatchArg{}, Py_None,
                        Py_None);
-  if (!async_op) return w.release().ptr();
+  if (!async_op || t_batch != nullptr) return w.release().ptr();  // recorded: None
   PyObject* work = PyObject_CallOneArg(g_work_cls, w.ptr());
   if (work == nullptr) throw py::error_already_set();
   return work;
@@ -351,6 +361,39 @@ std::array<PyMethodDef, sizeof...(I)> fast_defs(std::integer_sequence<int, I...>
 // PyCFunction objects point at their PyMethodDef for good.
 std::array<PyMethodDef, std::size(g_entries)> g_fast_defs =
     fast_defs(std::make_integer_sequence<int, (int)std::size(g_entries)>{});
+
+// Engine.post_batch(batch, async_op=True) as a bare method, for the same reason as issue: a
+// batch's own cost is paid once per batch, and pybind11's dispatch was a good part of it.
+PyObject* post_batch_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  try {
+    if (nargs < 1 || nargs > 2)
+      throw py::type_error("Engine.post_batch takes 1 or 2 positional arguments, got " + std::to_string(nargs));
+    Engine* e = registered<Engine>(self);
+    if (e == nullptr) throw py::type_error("Engine.post_batch: 'self' is not a fastcomm Engine");
+    Batch* b = registered<Batch>(args[0]);
+    if (b == nullptr) throw py::type_error("Engine.post_batch: argument 'batch' must be a Batch");
+    int async_op = 1;
+    if (nargs == 2 && (async_op = PyObject_IsTrue(args[1])) < 0) throw py::error_already_set();
+    TORCH_CHECK(!b->posted, "fastcomm: rank ", e->rank(), ": batch posted twice");
+    b->posted = true;
+    c10::intrusive_ptr<Work> w;
+    {
+      // A blocking batch is driven by the caller alone: no background thread is woken.
+      py::gil_scoped_release nogil;
+      w = e->run(b->ops, async_op != 0, /*rethrow=*/true);
+    }
+    b->ops.clear();  // with the GIL held (see issue())
+    if (!async_op) Py_RETURN_NONE;
+    return to_py_work(std::move(w)).release().ptr();
+  } catch (...) {
+    py::detail::try_translate_exceptions();
+    return nullptr;
+  }
+}
+
+PyMethodDef post_batch_def = {
+    "post_batch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&post_batch_entry)), METH_FASTCALL,
+    "post_batch(batch, async_op=True): issues the ops recorded in `batch` together (positional only)"};
 
 PyMethodDef issue_def = {
     "issue", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&issue_entry)), METH_FASTCALL,
@@ -470,21 +513,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return e.make_plan(std::move(b.ops));
           },
           py::arg("batch"))
-      .def(
-          "post_batch",
-          // A blocking batch is driven by the caller alone: no background thread is woken.
-          [](Engine& e, Batch& b, bool async_op) -> py::object {
-            TORCH_CHECK(!b.posted, "fastcomm: rank ", e.rank(), ": batch posted twice");
-            b.posted = true;
-            c10::intrusive_ptr<Work> w;
-            {
-              py::gil_scoped_release nogil;
-              w = e.run(b.ops, async_op, /*rethrow=*/true);
-            }
-            b.ops.clear();  // with the GIL held (see issue())
-            return async_op ? to_py_work(std::move(w)) : py::none();
-          },
-          py::arg("batch"), py::arg("async_op") = true);
+      ;
 
   py::class_<Batch>(m, "Batch").def(py::init<>()).def("__len__", [](const Batch& b) { return b.ops.size(); });
 
@@ -523,15 +552,57 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "The Python wrapper the native entry `name` falls back to, and the Work class it returns");
   m.def(
-      "set_thread_batch", [](bool in_batch) { t_in_batch = in_batch; },
-      "Whether this thread is recording a batch or plan (the native entries then take the Python path)");
+      "begin_batch",
+      [](const std::string& api) -> py::object {
+        TORCH_CHECK(t_batch == nullptr, "fastcomm.", api, ": ",
+                    api == "batch" ? "batches do not nest" : "a plan cannot be recorded inside a batch or another plan");
+        py::object engine = py::reinterpret_borrow<py::object>(g_engine);
+        Engine* e = g_engine ? registered<Engine>(engine) : nullptr;
+        // Not initialized, or shut down underneath (by the torch backend): the Python layer
+        // says which, in its words.
+        if (e == nullptr || e->is_shut_down()) engine = py::module_::import("fastcomm._state").attr("_require")(api);
+        auto* b = new Batch();
+        b->engine = std::move(engine);
+        py::object batch = py::cast(b, py::return_value_policy::take_ownership);
+        set_ref(t_batch, batch.ptr());
+        return batch;
+      },
+      py::arg("api"),
+      "begin_batch(api): a new Batch that every op this thread issues joins (api: 'batch' or "
+      "'plan', for messages) until end_batch");
+  m.def(
+      "end_batch",
+      [](Batch& b, bool post) -> py::object {
+        set_ref(t_batch, nullptr);
+        if (!post) return py::none();
+        Engine* e = registered<Engine>(b.engine);
+        TORCH_CHECK(e != nullptr, "fastcomm.batch: the batch was not begun with begin_batch");
+        TORCH_CHECK(!b.posted, "fastcomm: rank ", e->rank(), ": batch posted twice");
+        b.posted = true;
+        c10::intrusive_ptr<Work> w;
+        {
+          py::gil_scoped_release nogil;
+          w = e->run(b.ops, /*async_op=*/true, /*rethrow=*/true);
+        }
+        b.ops.clear();  // with the GIL held (see issue())
+        return to_py_work(std::move(w));
+      },
+      py::arg("batch"), py::arg("post"),
+      "end_batch(batch, post): ops issue again; post: issue the batch's ops together and return "
+      "their Work (else None: a plan's recording, or a discarded batch)");
+  m.def(
+      "recording", [] { return t_batch != nullptr; },
+      "Whether this thread is recording a batch or plan (begin_batch without end_batch)");
 
-  // Engine.issue, the bare entry above, as a method of Engine (a descriptor checks `self`'s type).
+  // Engine.issue and post_batch, the bare entries above, as methods of Engine (a descriptor checks
+  // `self`'s type).
   {
     py::object engine = m.attr("Engine");
-    PyObject* d = PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(engine.ptr()), &issue_def);
-    if (d == nullptr) throw py::error_already_set();
-    engine.attr("issue") = py::reinterpret_steal<py::object>(d);
+    for (PyMethodDef* def : {&issue_def, &post_batch_def}) {
+      PyObject* d = PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(engine.ptr()), def);
+      if (d == nullptr) throw py::error_already_set();
+      engine.attr(def->ml_name) = py::reinterpret_steal<py::object>(d);
+    }
   }
 
   register_backend_bindings(m);  // the torch.distributed backend (csrc/backend)

@@ -5,7 +5,6 @@ rank, group and argument on error) before anything is sent. Inside ``with fastco
 the same calls are validated and queued instead, and the batch issues them together."""
 from __future__ import annotations
 
-import threading
 import time
 from datetime import timedelta
 from typing import List, Optional, Sequence
@@ -27,15 +26,6 @@ _ANY_SOURCE = -1  # recv's peer when src and group_src are both None
 # monitored_barrier's messages travel on the send/recv channels of this tag, which send and
 # recv refuse, so user messages never meet them.
 _MONITORED_BARRIER_TAG = -(2 ** 31)
-
-
-class _Local(threading.local):
-    # A class-level default: looking it up never raises, so the per-op check costs no
-    # exception (and no garbage for the cyclic GC) on the hot path.
-    batch = None
-
-
-_tls = _Local()  # the batch being collected by this thread, if any
 
 
 def _handle(group, api: str):
@@ -69,7 +59,7 @@ def _all_reduce_py(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: 
     is _C.all_reduce, which runs the plain case without a Python frame and comes here for the
     rest: inside a batch, before init, a wrong argument.)"""
     e, h = _handle(group, "all_reduce")
-    return _wrap(e.issue(_ALL_REDUCE, h, tensor, None, None, op, -1, 0, async_op, _tls.batch, None, None))
+    return _wrap(e.issue(_ALL_REDUCE, h, tensor, None, None, op, -1, 0, async_op, None, None, None))
 
 
 def _broadcast_py(tensor: torch.Tensor, src: Optional[int] = None, group=None, async_op: bool = False,
@@ -77,7 +67,7 @@ def _broadcast_py(tensor: torch.Tensor, src: Optional[int] = None, group=None, a
     """fastcomm.broadcast's cases that _C.broadcast does not run itself (as _all_reduce_py)."""
     e, h = _handle(group, "broadcast")
     src = _global_rank(group, src, group_src, "broadcast", "src")
-    return _wrap(e.issue(_BROADCAST, h, tensor, None, None, None, src, 0, async_op, _tls.batch, None, None))
+    return _wrap(e.issue(_BROADCAST, h, tensor, None, None, None, src, 0, async_op, None, None, None))
 
 
 def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = False) -> Optional[Work]:
@@ -87,14 +77,14 @@ def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = F
         return all_gather_into_tensor(tensor_list, tensor, group, async_op)
     e, h = _handle(group, "all_gather")
     return _wrap(e.issue(_ALL_GATHER, h, tensor, None, list(tensor_list), None, -1, 0, async_op,
-                          _tls.batch, None, None))
+                          None, None, None))
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
                            async_op: bool = False) -> Optional[Work]:
     e, h = _handle(group, "all_gather_into_tensor")
     return _wrap(e.issue(_ALL_GATHER_INTO_TENSOR, h, input_tensor, output_tensor, None, None, -1, 0,
-                         async_op, _tls.batch, None, None))
+                         async_op, None, None, None))
 
 
 def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op=ReduceOp.SUM, group=None,
@@ -102,7 +92,7 @@ def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op=
     """Member i receives the reduction over members of their ``input_list[i]``."""
     e, h = _handle(group, "reduce_scatter")
     return _wrap(e.issue(_REDUCE_SCATTER, h, None, output, list(input_list), op, -1, 0, async_op,
-                          _tls.batch, None, None))
+                          None, None, None))
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
@@ -110,7 +100,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
     """Like reduce_scatter, with the inputs concatenated in one tensor of ``size() * numel``."""
     e, h = _handle(group, "reduce_scatter_tensor")
     return _wrap(e.issue(_REDUCE_SCATTER_TENSOR, h, input, output, None, op, -1, 0, async_op,
-                          _tls.batch, None, None))
+                          None, None, None))
 
 
 def _reduce_py(tensor: torch.Tensor, dst: Optional[int] = None, op=ReduceOp.SUM, group=None,
@@ -118,7 +108,7 @@ def _reduce_py(tensor: torch.Tensor, dst: Optional[int] = None, op=ReduceOp.SUM,
     """fastcomm.reduce's cases that _C.reduce does not run itself (as _all_reduce_py)."""
     e, h = _handle(group, "reduce")
     dst = _global_rank(group, dst, group_dst, "reduce", "dst")
-    return _wrap(e.issue(_REDUCE, h, tensor, None, None, op, dst, 0, async_op, _tls.batch, None, None))
+    return _wrap(e.issue(_REDUCE, h, tensor, None, None, op, dst, 0, async_op, None, None, None))
 
 
 def _gather_py(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = None, dst: Optional[int] = None,
@@ -126,7 +116,7 @@ def _gather_py(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] =
     """fastcomm.gather's cases that _C.gather does not run itself (as _all_reduce_py)."""
     e, h = _handle(group, "gather")
     dst = 0 if dst is None and group_dst is None else _global_rank(group, dst, group_dst, "gather", "dst")
-    return _wrap(e.issue(_GATHER, h, tensor, None, gather_list, None, dst, 0, async_op, _tls.batch, None, None))
+    return _wrap(e.issue(_GATHER, h, tensor, None, gather_list, None, dst, 0, async_op, None, None, None))
 
 
 def _scatter_py(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = None,
@@ -135,7 +125,7 @@ def _scatter_py(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]]
     """fastcomm.scatter's cases that _C.scatter does not run itself (as _all_reduce_py)."""
     e, h = _handle(group, "scatter")
     src = 0 if src is None and group_src is None else _global_rank(group, src, group_src, "scatter", "src")
-    return _wrap(e.issue(_SCATTER, h, tensor, None, scatter_list, None, src, 0, async_op, _tls.batch, None, None))
+    return _wrap(e.issue(_SCATTER, h, tensor, None, scatter_list, None, src, 0, async_op, None, None, None))
 
 
 def all_to_all(output_tensor_list: Sequence[torch.Tensor], input_tensor_list: Sequence[torch.Tensor], group=None,
@@ -143,7 +133,7 @@ def all_to_all(output_tensor_list: Sequence[torch.Tensor], input_tensor_list: Se
     """Sends ``input_tensor_list[i]`` to group rank i, which receives it into its
     ``output_tensor_list[me]``; tensors may differ in size, but each pair must agree."""
     e, h = _handle(group, "all_to_all")
-    return _wrap(e.issue(_ALL_TO_ALL, h, None, None, list(output_tensor_list), None, -1, 0, async_op, _tls.batch,
+    return _wrap(e.issue(_ALL_TO_ALL, h, None, None, list(output_tensor_list), None, -1, 0, async_op, None,
                          list(input_tensor_list), None))
 
 
@@ -156,13 +146,13 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     e, h = _handle(group, "all_to_all_single")
     splits = None if not output_split_sizes and not input_split_sizes else (
         output_split_sizes or None, input_split_sizes or None)
-    return _wrap(e.issue(_ALL_TO_ALL_SINGLE, h, input, output, None, None, -1, 0, async_op, _tls.batch, None,
+    return _wrap(e.issue(_ALL_TO_ALL_SINGLE, h, input, output, None, None, -1, 0, async_op, None, None,
                          splits))
 
 
 def barrier(group=None, async_op: bool = False) -> Optional[Work]:
     e, h = _handle(group, "barrier")
-    return _wrap(e.issue(_BARRIER, h, None, None, None, None, -1, 0, async_op, _tls.batch, None, None))
+    return _wrap(e.issue(_BARRIER, h, None, None, None, None, -1, 0, async_op, None, None, None))
 
 
 def _reserved_tag(api: str):
@@ -178,7 +168,7 @@ def isend(tensor: torch.Tensor, dst: Optional[int] = None, group=None, tag: int 
     if tag == _MONITORED_BARRIER_TAG:
         _reserved_tag("isend")
     dst = _global_rank(group, dst, group_dst, "isend", "dst")
-    return _wrap(e.issue(_SEND, h, tensor, None, None, None, dst, tag, True, _tls.batch, None,
+    return _wrap(e.issue(_SEND, h, tensor, None, None, None, dst, tag, True, None, None,
                          None))
 
 
@@ -191,7 +181,7 @@ def irecv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int 
     if tag == _MONITORED_BARRIER_TAG:
         _reserved_tag("irecv")
     src = _ANY_SOURCE if src is None and group_src is None else _global_rank(group, src, group_src, "irecv", "src")
-    w = e.issue(_RECV, h, tensor, None, None, None, src, tag, True, _tls.batch, None, None)
+    w = e.issue(_RECV, h, tensor, None, None, None, src, tag, True, None, None, None)
     return None if w is None else Work(w, h)
 
 
@@ -201,7 +191,7 @@ def send(tensor: torch.Tensor, dst: Optional[int] = None, group=None, tag: int =
     if tag == _MONITORED_BARRIER_TAG:
         _reserved_tag("send")
     dst = _global_rank(group, dst, group_dst, "send", "dst")
-    e.issue(_SEND, h, tensor, None, None, None, dst, tag, False, _tls.batch, None, None)
+    e.issue(_SEND, h, tensor, None, None, None, dst, tag, False, None, None, None)
 
 
 def recv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0,
@@ -214,7 +204,7 @@ def recv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int =
     if tag == _MONITORED_BARRIER_TAG:
         _reserved_tag("recv")
     src = _ANY_SOURCE if src is None and group_src is None else _global_rank(group, src, group_src, "recv", "src")
-    got = e.issue(_RECV, h, tensor, None, None, None, src, tag, False, _tls.batch, None, None)
+    got = e.issue(_RECV, h, tensor, None, None, None, src, tag, False, None, None, None)
     if got is not None:
         return got
     return None if src == _ANY_SOURCE else src
@@ -229,7 +219,7 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) ->
     nothing from rank 0 within twice ``timeout`` raises too. Nothing spins meanwhile."""
     e, h = _handle(group, "monitored_barrier")
     me = e.rank
-    if _tls.batch is not None:
+    if _C.recording():
         raise RuntimeError(f"fastcomm.monitored_barrier: rank {me}: not allowed inside fastcomm.batch()")
     ranks = list(h.ranks)
     where = f"fastcomm.monitored_barrier: rank {me}, group {ranks}"
@@ -303,21 +293,6 @@ def _ranks_failed(ranks: List[int], secs: Optional[float] = None) -> str:
     return f"{who} failed to pass monitored_barrier" + ("" if secs is None else f" within {secs:g} s")
 
 
-def _start_recording(api: str):
-    """(engine, ops): this thread's ops are validated into ``ops`` instead of issued, both on the
-    Python path (_tls) and on _C.all_reduce's native one (set_thread_batch)."""
-    engine = _state._require(api)
-    ops = _C.Batch()
-    _tls.batch = ops
-    _C.set_thread_batch(True)
-    return engine, ops
-
-
-def _stop_recording() -> None:
-    _tls.batch = None
-    _C.set_thread_batch(False)
-
-
 class batch:
     """``with fastcomm.batch() as b:`` -- every op issued in the block (any groups, overlapping
     or not) is validated at once and issued together when the block ends, as one fused step:
@@ -325,21 +300,20 @@ class batch:
     the whole batch (wait, is_completed, is_success, exception, get_future). An exception
     inside the block discards the batch: nothing was sent."""
 
+    # A batch's own cost is paid on every use of it: entering and leaving are one native call
+    # each (which also checks nesting and init), and the engine's Work is kept unwrapped.
+    __slots__ = ("_ops", "_work")
+
     def __init__(self):
-        self._engine = None
         self._ops = None
-        self._work: Optional[Work] = None
+        self._work = None  # the engine's Work, once posted
 
     def __enter__(self) -> "batch":
-        if _tls.batch is not None:
-            raise RuntimeError("fastcomm.batch: batches do not nest")
-        self._engine, self._ops = _start_recording("batch")
+        self._ops = _C.begin_batch("batch")
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        _stop_recording()
-        if exc_type is None:
-            self._work = Work(self._engine.post_batch(self._ops))
+        self._work = _C.end_batch(self._ops, exc_type is None)
         return False
 
     def __len__(self) -> int:
@@ -348,9 +322,11 @@ class batch:
     def _posted(self) -> Work:
         if self._work is None:
             raise RuntimeError("fastcomm.batch: the batch has not been issued yet (leave the with-block first)")
-        return self._work
+        return Work(self._work)
 
     def wait(self, timeout=None) -> bool:
+        if timeout is None and self._work is not None:
+            return self._work.wait()
         return self._posted().wait(timeout)
 
     def is_completed(self) -> bool:
@@ -385,18 +361,17 @@ class plan:
         self._plan = None
 
     def __enter__(self) -> "plan":
-        if _tls.batch is not None:
-            raise RuntimeError("fastcomm.plan: a plan cannot be recorded inside a batch or another plan")
         if self._plan is not None or self._ops is not None:
             raise RuntimeError("fastcomm.plan: this plan was already recorded")
-        self._engine, self._ops = _start_recording("plan")
+        self._ops = _C.begin_batch("plan")
+        self._engine = _state._engine
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        _stop_recording()
+        ops, self._ops = self._ops, None
+        _C.end_batch(ops, False)
         if exc_type is None:
-            self._plan = self._engine.make_plan(self._ops)
-        self._ops = None
+            self._plan = self._engine.make_plan(ops)
         return False
 
     def __len__(self) -> int:
@@ -421,7 +396,7 @@ def all_reduce_many(tensors: Sequence[torch.Tensor], groups: Sequence, op=Reduce
                 all_reduce(t, op=op, group=g)
         return b
     e = _state._require("all_reduce_many")
-    if _tls.batch is not None:  # inside an enclosing batch: the ops join it
+    if _C.recording():  # inside an enclosing batch: the ops join it
         for t, g in zip(tensors, groups):
             all_reduce(t, op=op, group=g)
         return None

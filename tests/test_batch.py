@@ -207,6 +207,40 @@ def test_discarded_nested_and_empty_batches():
     assert res[1][2] == [5.0, 5.0]
 
 
+def _other_thread_body(rank, world):
+    """A batch records the ops of the thread that opened it only: another thread's op inside
+    the block runs at once (natively entered or through a Python wrapper), and a plan being
+    recorded on that other thread is its own."""
+    import threading
+
+    g, h = fc.new_group([0, 1]), fc.new_group([0, 1])
+    seen = {}
+
+    def other():
+        t = torch.full((3,), float(rank + 1))
+        assert fc.all_reduce(t, group=h) is None
+        u = [torch.zeros(3) for _ in range(2)]
+        fc.all_gather(u, t, group=h)
+        seen["other"] = (t.tolist(), [x.tolist() for x in u], fc._C.recording())
+
+    x = torch.full((4,), float(rank + 1))
+    with fc.batch() as b:
+        fc.all_reduce(x, group=g)
+        th = threading.Thread(target=other)
+        th.start()
+        th.join(timeout=30)
+        assert not th.is_alive() and "other" in seen
+        assert fc._C.recording() and len(b) == 1 and x[0].item() == rank + 1
+    assert not fc._C.recording()
+    b.wait()
+    return x.tolist(), seen["other"]
+
+
+def test_batch_records_its_own_thread_only():
+    res = harness.run(_other_thread_body, 2, timeout=60)
+    assert res[0] == res[1] == ([3.0] * 4, ([3.0] * 3, [[3.0] * 3, [3.0] * 3], False))
+
+
 def _pending_batch_then_op_body(rank, world):
     """A posted batch not yet waited on, then a blocking op on one of its groups: the group's
     ops still run in issue order."""
