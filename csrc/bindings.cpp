@@ -362,8 +362,23 @@ std::array<PyMethodDef, sizeof...(I)> fast_defs(std::integer_sequence<int, I...>
 std::array<PyMethodDef, std::size(g_entries)> g_fast_defs =
     fast_defs(std::make_integer_sequence<int, (int)std::size(g_entries)>{});
 
-// Engine.post_batch(batch, async_op=True) as a bare method, for the same reason as issue: a
-// batch's own cost is paid once per batch, and pybind11's dispatch was a good part of it.
+// Issues a batch's ops together: their Work (async_op), else None once they are done.
+py::object post_batch(Engine& e, Batch& b, bool async_op) {
+  TORCH_CHECK(!b.posted, "fastcomm: rank ", e.rank(), ": batch posted twice");
+  b.posted = true;
+  c10::intrusive_ptr<Work> w;
+  {
+    // A blocking batch is driven by the caller alone: no background thread is woken.
+    py::gil_scoped_release nogil;
+    w = e.run(b.ops, async_op, /*rethrow=*/true);
+  }
+  b.ops.clear();  // with the GIL held (see issue())
+  return async_op ? to_py_work(std::move(w)) : py::none();
+}
+
+// Engine.post_batch(batch, async_op=True), and the recording of a batch (begin_batch,
+// end_batch), as bare functions for the same reason as issue: a batch's own cost is paid on
+// every use, and pybind11's dispatch was a good part of it.
 PyObject* post_batch_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   try {
     if (nargs < 1 || nargs > 2)
@@ -374,22 +389,62 @@ PyObject* post_batch_entry(PyObject* self, PyObject* const* args, Py_ssize_t nar
     if (b == nullptr) throw py::type_error("Engine.post_batch: argument 'batch' must be a Batch");
     int async_op = 1;
     if (nargs == 2 && (async_op = PyObject_IsTrue(args[1])) < 0) throw py::error_already_set();
-    TORCH_CHECK(!b->posted, "fastcomm: rank ", e->rank(), ": batch posted twice");
-    b->posted = true;
-    c10::intrusive_ptr<Work> w;
-    {
-      // A blocking batch is driven by the caller alone: no background thread is woken.
-      py::gil_scoped_release nogil;
-      w = e->run(b->ops, async_op != 0, /*rethrow=*/true);
-    }
-    b->ops.clear();  // with the GIL held (see issue())
-    if (!async_op) Py_RETURN_NONE;
-    return to_py_work(std::move(w)).release().ptr();
+    return post_batch(*e, *b, async_op != 0).release().ptr();
   } catch (...) {
     py::detail::try_translate_exceptions();
     return nullptr;
   }
 }
+
+// begin_batch(api): api is "batch" or "plan", for messages.
+PyObject* begin_batch_entry(PyObject*, PyObject* api_obj) {
+  try {
+    const std::string api = py::cast<std::string>(api_obj);
+    TORCH_CHECK(t_batch == nullptr, "fastcomm.", api, ": ",
+                api == "batch" ? "batches do not nest" : "a plan cannot be recorded inside a batch or another plan");
+    py::object engine = py::reinterpret_borrow<py::object>(g_engine);
+    Engine* e = g_engine ? registered<Engine>(engine) : nullptr;
+    // Not initialized, or shut down underneath (by the torch backend): the Python layer says
+    // which, in its words.
+    if (e == nullptr || e->is_shut_down()) engine = py::module_::import("fastcomm._state").attr("_require")(api);
+    auto* b = new Batch();
+    b->engine = std::move(engine);
+    py::object batch = py::cast(b, py::return_value_policy::take_ownership);
+    set_ref(t_batch, batch.ptr());
+    return batch.release().ptr();
+  } catch (...) {
+    py::detail::try_translate_exceptions();
+    return nullptr;
+  }
+}
+
+// end_batch(batch, post)
+PyObject* end_batch_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  try {
+    if (nargs != 2) throw py::type_error("end_batch takes 2 positional arguments, got " + std::to_string(nargs));
+    Batch* b = registered<Batch>(args[0]);
+    if (b == nullptr) throw py::type_error("end_batch: argument 'batch' must be a Batch");
+    const int post = PyObject_IsTrue(args[1]);
+    if (post < 0) throw py::error_already_set();
+    set_ref(t_batch, nullptr);
+    if (!post) Py_RETURN_NONE;
+    Engine* e = b->engine ? registered<Engine>(b->engine) : nullptr;
+    TORCH_CHECK(e != nullptr, "fastcomm.batch: the batch was not begun with begin_batch");
+    return post_batch(*e, *b, /*async_op=*/true).release().ptr();
+  } catch (...) {
+    py::detail::try_translate_exceptions();
+    return nullptr;
+  }
+}
+
+PyMethodDef batch_defs[] = {
+    {"begin_batch", reinterpret_cast<PyCFunction>(&begin_batch_entry), METH_O,
+     "begin_batch(api): a new Batch that every op this thread issues joins (api: 'batch' or 'plan', for "
+     "messages) until end_batch"},
+    {"end_batch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&end_batch_entry)), METH_FASTCALL,
+     "end_batch(batch, post): ops issue again; post: issue the batch's ops together and return their Work "
+     "(else None: a plan's recording, or a discarded batch)"},
+};
 
 PyMethodDef post_batch_def = {
     "post_batch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&post_batch_entry)), METH_FASTCALL,
@@ -551,45 +606,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         set_ref(g_work_cls, work_cls.ptr());
       },
       "The Python wrapper the native entry `name` falls back to, and the Work class it returns");
-  m.def(
-      "begin_batch",
-      [](const std::string& api) -> py::object {
-        TORCH_CHECK(t_batch == nullptr, "fastcomm.", api, ": ",
-                    api == "batch" ? "batches do not nest" : "a plan cannot be recorded inside a batch or another plan");
-        py::object engine = py::reinterpret_borrow<py::object>(g_engine);
-        Engine* e = g_engine ? registered<Engine>(engine) : nullptr;
-        // Not initialized, or shut down underneath (by the torch backend): the Python layer
-        // says which, in its words.
-        if (e == nullptr || e->is_shut_down()) engine = py::module_::import("fastcomm._state").attr("_require")(api);
-        auto* b = new Batch();
-        b->engine = std::move(engine);
-        py::object batch = py::cast(b, py::return_value_policy::take_ownership);
-        set_ref(t_batch, batch.ptr());
-        return batch;
-      },
-      py::arg("api"),
-      "begin_batch(api): a new Batch that every op this thread issues joins (api: 'batch' or "
-      "'plan', for messages) until end_batch");
-  m.def(
-      "end_batch",
-      [](Batch& b, bool post) -> py::object {
-        set_ref(t_batch, nullptr);
-        if (!post) return py::none();
-        Engine* e = registered<Engine>(b.engine);
-        TORCH_CHECK(e != nullptr, "fastcomm.batch: the batch was not begun with begin_batch");
-        TORCH_CHECK(!b.posted, "fastcomm: rank ", e->rank(), ": batch posted twice");
-        b.posted = true;
-        c10::intrusive_ptr<Work> w;
-        {
-          py::gil_scoped_release nogil;
-          w = e->run(b.ops, /*async_op=*/true, /*rethrow=*/true);
-        }
-        b.ops.clear();  // with the GIL held (see issue())
-        return to_py_work(std::move(w));
-      },
-      py::arg("batch"), py::arg("post"),
-      "end_batch(batch, post): ops issue again; post: issue the batch's ops together and return "
-      "their Work (else None: a plan's recording, or a discarded batch)");
+  for (PyMethodDef& d : batch_defs)
+    m.add_object(d.ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(&d, nullptr, m.attr("__name__").ptr())));
   m.def(
       "recording", [] { return t_batch != nullptr; },
       "Whether this thread is recording a batch or plan (begin_batch without end_batch)");

@@ -393,17 +393,20 @@ def all_reduce_many(tensors: Sequence[torch.Tensor], groups: Sequence, op=Reduce
     if async_op:
         with batch() as b:
             for t, g in zip(tensors, groups):
-                all_reduce(t, op=op, group=g)
+                all_reduce(t, op, g)
         return b
-    e = _state._require("all_reduce_many")
     if _C.recording():  # inside an enclosing batch: the ops join it
         for t, g in zip(tensors, groups):
-            all_reduce(t, op=op, group=g)
+            all_reduce(t, op, g)
         return None
-    ops = _C.Batch()
-    for t, g in zip(tensors, groups):
-        e.issue(_ALL_REDUCE, _handle(g, "all_reduce_many")[1], t, None, None, op, -1, 0, False, ops, None, None)
-    e.post_batch(ops, False)
+    # A batch recorded here and posted blocking: the caller drives it, no Work is made.
+    ops = _C.begin_batch("all_reduce_many")
+    try:
+        for t, g in zip(tensors, groups):
+            all_reduce(t, op, g)
+    finally:
+        _C.end_batch(ops, False)
+    _state._engine.post_batch(ops, False)
     return None
 
 
