@@ -111,7 +111,8 @@ void add_to_batch(Engine& e, Batch& b, Engine::Prepared prep) {
 py::object to_py_work(c10::intrusive_ptr<Work> w) { return py::cast(c10::intrusive_ptr<c10d::Work>(std::move(w))); }
 
 // Every op's entry. inputs: all_to_all's input list; splits: all_to_all_single's (output,
-// input) split sizes.
+// input) split sizes; batch: where the op is recorded instead of issued (none given: the
+// thread's recording Batch, if any).
 py::object issue(Engine& e, int kind, const GroupHandle& g, const py::handle& tensor, const py::handle& output,
                  const py::handle& list, const py::handle& op, int peer, int tag, bool async_op, BatchArg batch,
                  const py::handle& inputs, const py::handle& splits) {

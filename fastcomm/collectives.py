@@ -57,7 +57,7 @@ def _global_rank(group, rank, group_rank, api: str, arg: str) -> int:
 def _all_reduce_py(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False) -> Optional[Work]:
     """Reduces ``tensor`` in place across ``group`` (default: all ranks). (fastcomm.all_reduce
     is _C.all_reduce, which runs the plain case without a Python frame and comes here for the
-    rest: inside a batch, before init, a wrong argument.)"""
+    rest: before init, a group that is not a fastcomm Group, a wrong argument.)"""
     e, h = _handle(group, "all_reduce")
     return _wrap(e.issue(_ALL_REDUCE, h, tensor, None, None, op, -1, 0, async_op, None, None, None))
 
