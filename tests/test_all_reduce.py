@@ -175,6 +175,33 @@ def _future_after_polling_body(rank, world):
     return True
 
 
+def _polling_walk_body(rank, world):
+    """Every rank walks the same random sequence of small groups, skipping those it is not in,
+    and completes each async op by looping on is_completed() alone: with more ranks than cores
+    (5 here on 2) a poll that finds nothing to do must let the peers run."""
+    import random
+
+    rng = random.Random(7)
+    lists = [sorted(rng.sample(range(world), rng.choice((2, 3)))) for _ in range(120)]
+    groups = fc.new_groups(lists)
+    done = 0
+    for i, (members, g) in enumerate(zip(lists, groups)):
+        if rank not in members:
+            continue
+        t = torch.full((16,), float(rank + i))
+        w = fc.all_reduce(t, group=g, async_op=True)
+        while not w.is_completed():
+            pass
+        assert torch.equal(t, torch.full((16,), float(sum(members) + len(members) * i))), (i, members)
+        done += 1
+    return done
+
+
+def test_is_completed_polling_with_more_ranks_than_cores():
+    res = harness.run(_polling_walk_body, 5, timeout=120)
+    assert sum(res) > 0 and all(n > 0 for n in res)
+
+
 def test_future_of_an_op_finished_by_is_completed():
     assert harness.run(_future_after_polling_body, 2, timeout=60, env=RING_ENV) == [True, True]
 

@@ -27,9 +27,13 @@ Driver::Driver(Progress& progress, int rank, int local_ranks, int64_t spin_ns, i
     : progress_(progress), bell_(progress.bell()), rank_(rank), user_spin_(spin_ns >= 0), user_yield_(yield_ns >= 0) {
   // Spinning pays only when every local rank has a core to itself; otherwise it steals the
   // time slice the peer needs to answer, so back off to yield and sleep almost at once.
-  const bool oversubscribed = local_ranks > usable_cpus();
-  spin_ns_ = user_spin_ ? spin_ns : (oversubscribed ? 2000 : 200000);
-  yield_ns_ = user_yield_ ? yield_ns : (oversubscribed ? 20000 : 2000000);
+  oversubscribed_ = local_ranks > usable_cpus();
+  spin_ns_ = user_spin_ ? spin_ns : (oversubscribed_ ? 2000 : 200000);
+  yield_ns_ = user_yield_ ? yield_ns : (oversubscribed_ ? 20000 : 2000000);
+}
+
+void Driver::poll() {
+  if (!progress_.try_progress(/*may_block=*/false) && oversubscribed_) sched_yield();
 }
 
 Driver::~Driver() { stop(); }

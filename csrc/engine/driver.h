@@ -26,6 +26,10 @@ class Driver {
   // Peers on other hosts answer through transport threads, which a spinning or yielding
   // waiter starves of CPU: sleep almost at once, unless the user chose the policy.
   void prefer_sleep();
+  // One pass for Work.is_completed(). One that finds nothing to do yields the core when the
+  // local ranks outnumber the cores: a caller looping on is_completed() would otherwise keep
+  // it for a whole time slice while the peers it waits for cannot run.
+  void poll();
   // After an async post: makes sure the background thread will look.
   void ensure_background();
   void wake_background() { bg_cv_.notify_one(); }
@@ -44,6 +48,7 @@ class Driver {
   const Doorbell bell_;
   const int rank_;
   const bool user_spin_, user_yield_;
+  bool oversubscribed_;
   int64_t spin_ns_, yield_ns_;
   std::atomic<int> fg_drivers_{0};
   std::atomic<uint64_t> stalled_sleeps_{0};
