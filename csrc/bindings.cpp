@@ -84,7 +84,7 @@ struct Batch {
   Batch& operator=(const Batch&) = delete;
   std::vector<Engine::Prepared> ops;
   bool posted = false;
-  py::object engine;  // the engine it was begun on (begin_batch), which posts it; null: any
+  py::object engine;  // the engine it was begun on (begin_batch), which posts it
 };
 
 // The Batch this thread is recording into (fastcomm.batch or plan), or null: every op issued
@@ -100,7 +100,7 @@ struct BatchArg {
 
 void add_to_batch(Engine& e, Batch& b, Engine::Prepared prep) {
   TORCH_CHECK(!b.posted, "fastcomm: rank ", e.rank(), ": op issued into a batch that was already posted");
-  TORCH_CHECK(!b.engine || registered<Engine>(b.engine) == &e, "fastcomm.batch: rank ", e.rank(),
+  TORCH_CHECK(registered<Engine>(b.engine) == &e, "fastcomm.batch: rank ", e.rank(),
               ": the batch was begun before fastcomm was shut down and initialized again");
   TORCH_CHECK_VALUE(b.ops.empty() || b.ops[0].device.type() == prep.device.type(), "fastcomm.batch: rank ",
                     e.rank(), ": a batch runs on one device; it holds ops on ", b.ops[0].device, " and this one is on ",
@@ -377,26 +377,8 @@ py::object post_batch(Engine& e, Batch& b, bool async_op) {
   return async_op ? to_py_work(std::move(w)) : py::none();
 }
 
-// Engine.post_batch(batch, async_op=True), and the recording of a batch (begin_batch,
-// end_batch), as bare functions for the same reason as issue: a batch's own cost is paid on
-// every use, and pybind11's dispatch was a good part of it.
-PyObject* post_batch_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  try {
-    if (nargs < 1 || nargs > 2)
-      throw py::type_error("Engine.post_batch takes 1 or 2 positional arguments, got " + std::to_string(nargs));
-    Engine* e = registered<Engine>(self);
-    if (e == nullptr) throw py::type_error("Engine.post_batch: 'self' is not a fastcomm Engine");
-    Batch* b = registered<Batch>(args[0]);
-    if (b == nullptr) throw py::type_error("Engine.post_batch: argument 'batch' must be a Batch");
-    int async_op = 1;
-    if (nargs == 2 && (async_op = PyObject_IsTrue(args[1])) < 0) throw py::error_already_set();
-    return post_batch(*e, *b, async_op != 0).release().ptr();
-  } catch (...) {
-    py::detail::try_translate_exceptions();
-    return nullptr;
-  }
-}
-
+// The recording of a batch (begin_batch, end_batch) as bare functions for the same reason as
+// issue: a batch's own cost is paid on every use, and pybind11's dispatch was a good part of it.
 // begin_batch(api): api is "batch" or "plan", for messages.
 PyObject* begin_batch_entry(PyObject*, PyObject* api_obj) {
   try {
@@ -419,19 +401,19 @@ PyObject* begin_batch_entry(PyObject*, PyObject* api_obj) {
   }
 }
 
-// end_batch(batch, post)
+// end_batch(batch, post, async_op=True)
 PyObject* end_batch_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   try {
-    if (nargs != 2) throw py::type_error("end_batch takes 2 positional arguments, got " + std::to_string(nargs));
+    if (nargs < 2 || nargs > 3)
+      throw py::type_error("end_batch takes 2 or 3 positional arguments, got " + std::to_string(nargs));
     Batch* b = registered<Batch>(args[0]);
     if (b == nullptr) throw py::type_error("end_batch: argument 'batch' must be a Batch");
     const int post = PyObject_IsTrue(args[1]);
-    if (post < 0) throw py::error_already_set();
+    int async_op = 1;
+    if (post < 0 || (nargs == 3 && (async_op = PyObject_IsTrue(args[2])) < 0)) throw py::error_already_set();
     set_ref(t_batch, nullptr);
     if (!post) Py_RETURN_NONE;
-    Engine* e = b->engine ? registered<Engine>(b->engine) : nullptr;
-    TORCH_CHECK(e != nullptr, "fastcomm.batch: the batch was not begun with begin_batch");
-    return post_batch(*e, *b, /*async_op=*/true).release().ptr();
+    return post_batch(*registered<Engine>(b->engine), *b, async_op != 0).release().ptr();
   } catch (...) {
     py::detail::try_translate_exceptions();
     return nullptr;
@@ -443,13 +425,10 @@ PyMethodDef batch_defs[] = {
      "begin_batch(api): a new Batch that every op this thread issues joins (api: 'batch' or 'plan', for "
      "messages) until end_batch"},
     {"end_batch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&end_batch_entry)), METH_FASTCALL,
-     "end_batch(batch, post): ops issue again; post: issue the batch's ops together and return their Work "
-     "(else None: a plan's recording, or a discarded batch)"},
+     "end_batch(batch, post, async_op=True): ops issue again; post: issue the batch's ops together, and "
+     "return their Work (async_op) or None once they are done (not post: a plan's recording, or a "
+     "discarded batch)"},
 };
-
-PyMethodDef post_batch_def = {
-    "post_batch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&post_batch_entry)), METH_FASTCALL,
-    "post_batch(batch, async_op=True): issues the ops recorded in `batch` together (positional only)"};
 
 PyMethodDef issue_def = {
     "issue", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&issue_entry)), METH_FASTCALL,
@@ -571,7 +550,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("batch"))
       ;
 
-  py::class_<Batch>(m, "Batch").def(py::init<>()).def("__len__", [](const Batch& b) { return b.ops.size(); });
+  // Made by begin_batch only (it holds the engine that posts it).
+  py::class_<Batch>(m, "Batch").def("__len__", [](const Batch& b) { return b.ops.size(); });
 
   py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan")
       .def("__len__", &Plan::size)
@@ -587,8 +567,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("async_op") = true);
 
-  for (PyMethodDef& d : g_fast_defs)
-    m.add_object(d.ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(&d, nullptr, m.attr("__name__").ptr())));
+  auto add_functions = [&m](auto& defs) {
+    for (PyMethodDef& d : defs)
+      m.add_object(d.ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(&d, nullptr, m.attr("__name__").ptr())));
+  };
+  add_functions(g_fast_defs);
+  add_functions(batch_defs);
   m.def(
       "set_current",
       [](py::handle engine, py::handle world) {
@@ -607,21 +591,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         set_ref(g_work_cls, work_cls.ptr());
       },
       "The Python wrapper the native entry `name` falls back to, and the Work class it returns");
-  for (PyMethodDef& d : batch_defs)
-    m.add_object(d.ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(&d, nullptr, m.attr("__name__").ptr())));
   m.def(
       "recording", [] { return t_batch != nullptr; },
       "Whether this thread is recording a batch or plan (begin_batch without end_batch)");
 
-  // Engine.issue and post_batch, the bare entries above, as methods of Engine (a descriptor checks
-  // `self`'s type).
+  // Engine.issue, the bare entry above, as a method of Engine (a descriptor checks `self`'s type).
   {
     py::object engine = m.attr("Engine");
-    for (PyMethodDef* def : {&issue_def, &post_batch_def}) {
-      PyObject* d = PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(engine.ptr()), def);
-      if (d == nullptr) throw py::error_already_set();
-      engine.attr(def->ml_name) = py::reinterpret_steal<py::object>(d);
-    }
+    PyObject* d = PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(engine.ptr()), &issue_def);
+    if (d == nullptr) throw py::error_already_set();
+    engine.attr("issue") = py::reinterpret_steal<py::object>(d);
   }
 
   register_backend_bindings(m);  // the torch.distributed backend (csrc/backend)

@@ -404,9 +404,10 @@ def all_reduce_many(tensors: Sequence[torch.Tensor], groups: Sequence, op=Reduce
     try:
         for t, g in zip(tensors, groups):
             all_reduce(t, op, g)
-    finally:
-        _C.end_batch(ops, False)
-    _state._engine.post_batch(ops, False)
+    except BaseException:
+        _C.end_batch(ops, False)  # discarded: nothing was sent
+        raise
+    _C.end_batch(ops, True, False)
     return None
 
 

@@ -122,6 +122,14 @@ def _many_body(rank, world):
     # Mismatched lengths are refused before anything is sent.
     with pytest.raises(ValueError):
         fc.all_reduce_many([torch.ones(1)], [g for _, g in mine])
+    # A bad tensor after a good one discards the whole blocking batch on every rank: nothing
+    # was sent, the thread records nothing more, and the groups' next ops match.
+    with pytest.raises(ValueError, match="contiguous"):
+        fc.all_reduce_many([torch.full((4,), 1000.0), torch.ones(4, 2).t()], [None, None])
+    assert not fc._C.recording()
+    t = torch.full((4,), float(rank + 1))
+    fc.all_reduce(t)
+    assert torch.equal(t, torch.full((4,), float(sum(range(1, world + 1))))), t
     assert fc.all_reduce_many([], []) is None
     return out
 
