@@ -265,7 +265,13 @@ void GlooTransport::pop(int peer) {
   }
 }
 
-bool GlooTransport::peer_alive(int peer) { return !peers_[peer]->dead.load(); }
+// Gone, and every bulk transfer with it settled. The engine fails whatever it has not seen done
+// once this says false; frames are published before the receiver reports the death, but a
+// transfer the peer completed just before it went may still be on its waiter thread.
+bool GlooTransport::peer_alive(int peer) {
+  const Peer& p = *peers_[peer];
+  return !p.dead.load() || p.bulk_in_flight.load() > 0;
+}
 
 size_t GlooTransport::bulk_min(int peer, bool more_ops) {
   if (!remote_[peer]) return SIZE_MAX;
@@ -385,7 +391,6 @@ void GlooTransport::bulk_main() {
       if (!ok && !err.empty() && !stop_)
         mark_dead(x->peer, x->send ? "Gloo send to rank " + std::to_string(x->peer) + " failed: " + err
                                    : "Gloo receive from rank " + std::to_string(x->peer) + " failed: " + err);
-      peers_[x->peer]->bulk_in_flight.fetch_sub(1);
       Released release;
       lk.lock();
       bulk_live_.erase(std::remove(bulk_live_.begin(), bulk_live_.end(), x), bulk_live_.end());
@@ -398,6 +403,7 @@ void GlooTransport::bulk_main() {
         lk.lock();
       }
       x->state.store(ok ? 1 : 2, std::memory_order_release);
+      peers_[x->peer]->bulk_in_flight.fetch_sub(1);  // after the state: see peer_alive
       std::shared_ptr<BulkXfer> next;
       if (!x->then.empty()) {
         next = std::move(x->then.front());
