@@ -26,10 +26,12 @@ constexpr auto kBgIdle = std::chrono::milliseconds(100);
 Driver::Driver(Progress& progress, int rank, int local_ranks, int64_t spin_ns, int64_t yield_ns)
     : progress_(progress), bell_(progress.bell()), rank_(rank), user_spin_(spin_ns >= 0), user_yield_(yield_ns >= 0) {
   // Spinning pays only when every local rank has a core to itself; otherwise it steals the
-  // time slice the peer needs to answer, so back off to yield and sleep almost at once.
+  // time slice the peer needs to answer, so yield from the first pass that finds nothing. Not
+  // sleep soon, though: a sleeper costs the rank that wakes it a syscall, and the cores' time
+  // in between is lost if nobody else can use it.
   oversubscribed_ = local_ranks > usable_cpus();
-  spin_ns_ = user_spin_ ? spin_ns : (oversubscribed_ ? 2000 : 200000);
-  yield_ns_ = user_yield_ ? yield_ns : (oversubscribed_ ? 20000 : 2000000);
+  spin_ns_ = user_spin_ ? spin_ns : (oversubscribed_ ? 0 : 200000);
+  yield_ns_ = user_yield_ ? yield_ns : 2000000;
 }
 
 void Driver::poll() {
@@ -64,7 +66,9 @@ void Driver::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) 
       continue;
     }
     if (idle++ == 0) idle_since = Clock::now();
-    if ((idle & 63) != 0 && idle < 4096) {
+    // A waiter that shares its core yields after every empty pass: the peer it waits for may
+    // be the one that needs the core.
+    if (!oversubscribed_ && (idle & 63) != 0 && idle < 4096) {
       cpu_relax();
       continue;
     }
