@@ -287,11 +287,15 @@ def check_members_identical(results):
             assert not diff, f"group {list(ranks)}: ranks {r0} and {r} got different bytes in cases {diff[:10]}"
 
 
-@pytest.mark.parametrize("shape", ["pair", "triple", "world", "default", "single"])
-def test_collectives_sweep(shape):
+@pytest.mark.parametrize("shape,env", [("pair", RING_ENV), ("triple", RING_ENV), ("world", RING_ENV),
+                                       ("default", RING_ENV), ("single", RING_ENV),
+                                       ("triple", {"FASTCOMM_SHM_STREAM_STORES": "1"})],
+                         ids=["pair", "triple", "world", "default", "single", "triple-stream"])
+def test_collectives_sweep(shape, env):
+    # The stream case keeps the default 1 MiB ring, whose pieces take the non-temporal copy.
     sizes = SIZES + [BIG] if shape in ("pair", "triple", "world") else [0, 7, 1001]
     world = 2 if shape == "single" else 4
-    results = harness.run(_sweep_body, world, shape, sizes, 8, timeout=120, env=RING_ENV)
+    results = harness.run(_sweep_body, world, shape, sizes, 8, timeout=120, env=env)
     check_members_identical(results)
 
 

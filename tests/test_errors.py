@@ -233,6 +233,18 @@ def test_ring_size_must_agree_on_every_rank():
     assert "is 131072 here but 65536 on rank 0" in msgs[1], msgs[1]
 
 
+def _bad_setting_body(rank, world):
+    with pytest.raises(ValueError, match="FASTCOMM_SHM_STREAM_STORES must be '0', '1' or 'auto', got 'yes'"):
+        harness.init_child(rank, world)
+    assert not fc.is_initialized()
+    return True
+
+
+def test_malformed_setting_is_refused_at_init():
+    assert harness.run(_bad_setting_body, 2, timeout=60, init=False,
+                       env={"FASTCOMM_SHM_STREAM_STORES": "yes"}) == [True, True]
+
+
 def _init_twice_body(rank, world):
     msg = expect(RuntimeError, lambda: harness.init_child(rank, world, timeout=5.0), f"rank {rank}",
                  "twice")

@@ -31,7 +31,8 @@ int local_ranks(const EngineOptions& o) {
 
 Engine::Engine(EngineOptions opts)
     : opts_(checked(opts)),
-      transports_(opts_.rank, opts_.token, opts_.host_of, opts_.pids, opts_.settings.ring_bytes),
+      transports_(opts_.rank, opts_.token, opts_.host_of, opts_.pids, opts_.settings.ring_bytes,
+                  opts_.settings.shm_stream_stores),
       groups_(++g_engine_serial, opts_.rank, opts_.host_of, opts_.settings.hierarchical),
       router_(transports_, groups_),
       progress_(mu_, opts_.rank, opts_.pids, transports_, router_,

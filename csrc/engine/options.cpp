@@ -31,6 +31,11 @@ Settings Settings::from_env() {
   Settings s;
   if (const char* v = env("FASTCOMM_HOST_ID")) s.host_id = v;
   s.ring_bytes = (size_t)env_int("FASTCOMM_SHM_RING_BYTES", (int64_t)s.ring_bytes, 1);
+  if (const char* v = env("FASTCOMM_SHM_STREAM_STORES")) {
+    TORCH_CHECK_VALUE(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0 || std::strcmp(v, "auto") == 0,
+                      "fastcomm: FASTCOMM_SHM_STREAM_STORES must be '0', '1' or 'auto', got '", v, "'");
+    s.shm_stream_stores = std::strcmp(v, "auto") == 0 ? -1 : std::strcmp(v, "1") == 0 ? 1 : 0;
+  }
   s.spin_ns = env_int("FASTCOMM_SPIN_NS", -1, -1);
   s.yield_ns = env_int("FASTCOMM_YIELD_NS", -1, -1);
   if (const char* v = env("FASTCOMM_HIERARCHICAL")) s.hierarchical = std::strcmp(v, "0") != 0;

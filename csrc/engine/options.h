@@ -12,6 +12,8 @@ namespace fastcomm {
 struct Settings {
   std::string host_id;             // FASTCOMM_HOST_ID: ranks with equal ids share memory
   size_t ring_bytes = 1 << 20;     // FASTCOMM_SHM_RING_BYTES: each peer's ring, per direction
+  int shm_stream_stores = -1;      // FASTCOMM_SHM_STREAM_STORES: 1 always, 0 never, -1 when a
+                                   // plain copy into a ring runs slow (transport/shm/transport.h)
   int64_t spin_ns = -1;            // FASTCOMM_SPIN_NS: a waiter polls this long (-1: picked
   int64_t yield_ns = -1;           // FASTCOMM_YIELD_NS: ... then yields this long, then sleeps
   bool hierarchical = true;        // FASTCOMM_HIERARCHICAL=0: groups spanning hosts run flat

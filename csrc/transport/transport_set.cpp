@@ -6,7 +6,7 @@
 namespace fastcomm {
 
 TransportSet::TransportSet(int rank, const std::string& token, const std::vector<int>& host_of,
-                           const std::vector<int64_t>& pids, size_t ring_bytes)
+                           const std::vector<int64_t>& pids, size_t ring_bytes, int stream_stores)
     : by_rank_(host_of.size(), nullptr), local_(host_of.size(), 0) {
   std::vector<int> local;
   for (int r = 0; r < (int)host_of.size(); ++r) {
@@ -14,7 +14,8 @@ TransportSet::TransportSet(int rank, const std::string& token, const std::vector
     local.push_back(r);
     local_[r] = 1;
   }
-  auto shm = std::make_unique<ShmTransport>(rank, (int)host_of.size(), token, local, pids, ring_bytes);
+  auto shm = std::make_unique<ShmTransport>(rank, (int)host_of.size(), token, local, pids, ring_bytes,
+                                            stream_stores);
   shm_ = shm.get();
   bell_ = shm->doorbell();
   max_payload_ = shm->max_payload();

@@ -25,7 +25,7 @@ class TransportSet {
   // Creates this rank's shared-memory segment for the ranks on its host (host_of[r] equal to
   // its own); ranks elsewhere are unreachable until attach_gloo().
   TransportSet(int rank, const std::string& token, const std::vector<int>& host_of,
-               const std::vector<int64_t>& pids, size_t ring_bytes);
+               const std::vector<int64_t>& pids, size_t ring_bytes, int stream_stores = -1);
   // An empty set over `world` ranks, for tests that add their own transports.
   explicit TransportSet(int world);
   ~TransportSet();

@@ -50,10 +50,10 @@ std::vector<std::string> shm_entries(const std::string& token) {
 // Ranks 0 and 1 of one host, attached to each other, names already unlinked (as after init).
 struct ShmPair {
   std::unique_ptr<ShmTransport> t0, t1;
-  ShmPair(const std::string& token, size_t ring) {
+  ShmPair(const std::string& token, size_t ring, int stream) {
     const std::vector<int64_t> pids{getpid(), getpid()};
-    t0 = std::make_unique<ShmTransport>(0, 2, token, std::vector<int>{0, 1}, pids, ring);
-    t1 = std::make_unique<ShmTransport>(1, 2, token, std::vector<int>{0, 1}, pids, ring);
+    t0 = std::make_unique<ShmTransport>(0, 2, token, std::vector<int>{0, 1}, pids, ring, stream);
+    t1 = std::make_unique<ShmTransport>(1, 2, token, std::vector<int>{0, 1}, pids, ring, stream);
     // Both names exist until unlinked, so the emptiness checks below and after a test see
     // the unlinking, not a wrong directory.
     CHECK_EQ(shm_entries(token).size(), 2u);
@@ -66,10 +66,11 @@ struct ShmPair {
 };
 
 // Runs `body` on a fresh pair, then checks /dev/shm holds nothing of the pair's job.
-void with_pair(const std::function<void(ShmTransport&, ShmTransport&)>& body, size_t ring = kRing) {
+void with_pair(const std::function<void(ShmTransport&, ShmTransport&)>& body, size_t ring = kRing,
+               int stream = -1) {
   const std::string token = fresh_token();
   try {
-    ShmPair p(token, ring);
+    ShmPair p(token, ring, stream);
     body(*p.t0, *p.t1);
   } catch (...) {
     CHECK(shm_entries(token).empty());
@@ -226,6 +227,34 @@ TEST(shm_max_payload) {
     a.flush();
     CHECK(b.peek(0) == nullptr);
   });
+}
+
+// Large payloads take the non-temporal copy when forced (1), never (0), or when plain copies run
+// slow (-1): the bytes arrive the same, from sources at any alignment and of any length.
+TEST(shm_large_payloads_every_copy_mode) {
+  for (int stream : {1, 0, -1}) {
+    with_pair(
+        [&](ShmTransport& a, ShmTransport& b) {
+          const uint32_t mp = (uint32_t)a.max_payload();
+          REQUIRE(mp >= 128 * 1024);
+          uint64_t seq = 0;
+          for (uint32_t len : {65536u, 65536u + 13, 100000u + 7, mp - 1, mp}) {
+            for (size_t shift : {0, 1, 8, 33}) {
+              const auto p = payload_for(seq, len);
+              std::vector<uint8_t> src(len + shift);
+              std::memcpy(src.data() + shift, p.data(), len);
+              REQUIRE(a.try_send(1, header_for(seq, len), src.data() + shift));
+              a.flush();
+              const bool ok = recv_msg(b, 0, seq, len);
+              CHECK_MSG(ok, "copy mode " << stream << ", " << len << " bytes, source +" << shift);
+              if (!ok) return;
+              ++seq;
+            }
+          }
+          CHECK(b.peek(0) == nullptr);
+        },
+        1 << 20, stream);
+  }
 }
 
 TEST(shm_full_ring_refuses_then_frees) {

@@ -12,6 +12,13 @@
 // crash of any rank afterwards leaves nothing behind in /dev/shm; the kernel frees the memory
 // when the last mapping goes away.
 //
+// Large payloads are copied into a ring with plain stores while such copies run fast. The ring's
+// lines were last read by the receiver, so each store first takes the line from the receiver's
+// cache; where that cache is far (a VM whose two vCPUs the host puts on different core
+// complexes) a copy ran 5x slower. A copy that runs slow switches that peer's ring to
+// non-temporal stores, which write to memory without taking the lines, for a while
+// (FASTCOMM_SHM_STREAM_STORES forces either way).
+//
 // Thread-safety: none. The engine serialises every call under its progress lock.
 #include <string>
 #include <vector>
@@ -28,8 +35,10 @@ class ShmTransport final : public Transport {
  public:
   // Creates this rank's segment. `local_ranks` lists the global ranks on this host (sorted,
   // including this rank); `pids` are the peers' process ids, indexed by global rank.
+  // `stream_stores`: 1 non-temporal copies of large payloads always, 0 never, -1 when plain
+  // ones run slow.
   ShmTransport(int rank, int world_size, const std::string& token, std::vector<int> local_ranks,
-               std::vector<int64_t> pids, size_t ring_bytes);
+               std::vector<int64_t> pids, size_t ring_bytes, int stream_stores = -1);
   ~ShmTransport() override;
 
   // Maps every same-host peer's segment and checks it belongs to this job.
@@ -69,9 +78,12 @@ class ShmTransport final : public Transport {
     uint8_t* ring = nullptr;
     uint64_t wpos = 0;   // end of what we wrote; ctl->head trails it until flush()
     bool dirty = false;  // wpos is ahead of ctl->head
+    uint32_t stream_left = 0;  // large payloads still to copy with non-temporal stores
+    uint32_t slow_copies = 0;  // plain copies of large payloads in a row that ran slow
     Doorbell peer_bell;
   };
 
+  void copy_payload(Outbound& o, uint8_t* dst, const void* src, size_t n);
   std::string segment_name(int rank) const;
   size_t segment_size() const;
   ShmRingCtl* ring_ctl(void* base, int local_idx) const;
@@ -84,6 +96,7 @@ class ShmTransport final : public Transport {
   std::vector<int> local_index_;  // global rank -> index in local_ranks_, or -1
   std::vector<int64_t> pids_;
   size_t ring_bytes_;
+  int stream_stores_;
   size_t max_payload_;
   bool unlinked_ = false;
   Mapping own_;
