@@ -91,13 +91,6 @@ struct Batch {
 // on the thread meanwhile joins it. A strong reference.
 thread_local PyObject* t_batch = nullptr;
 
-// The `batch` argument: a Batch or None (the common case). Loaded by hand because pybind11's
-// generic caster, given None for a Batch*, probes None's type for a foreign module-local
-// binding and re-converts every argument: about a microsecond per blocking call.
-struct BatchArg {
-  Batch* p = nullptr;
-};
-
 void add_to_batch(Engine& e, Batch& b, Engine::Prepared prep) {
   TORCH_CHECK(!b.posted, "fastcomm: rank ", e.rank(), ": op issued into a batch that was already posted");
   TORCH_CHECK(registered<Engine>(b.engine) == &e, "fastcomm.batch: rank ", e.rank(),
@@ -111,10 +104,10 @@ void add_to_batch(Engine& e, Batch& b, Engine::Prepared prep) {
 py::object to_py_work(c10::intrusive_ptr<Work> w) { return py::cast(c10::intrusive_ptr<c10d::Work>(std::move(w))); }
 
 // Every op's entry. inputs: all_to_all's input list; splits: all_to_all_single's (output,
-// input) split sizes; batch: where the op is recorded instead of issued (none given: the
-// thread's recording Batch, if any).
+// input) split sizes. Inside a batch or plan being recorded on this thread the op is added to
+// it instead of issued.
 py::object issue(Engine& e, int kind, const GroupHandle& g, const py::handle& tensor, const py::handle& output,
-                 const py::handle& list, const py::handle& op, int peer, int tag, bool async_op, BatchArg batch,
+                 const py::handle& list, const py::handle& op, int peer, int tag, bool async_op,
                  const py::handle& inputs, const py::handle& splits) {
   TORCH_CHECK_VALUE(kind > (int)OpKind::kNone && kind < (int)OpKind::kCount, "fastcomm: rank ", e.rank(),
                     ": unknown op kind ", kind);
@@ -129,17 +122,16 @@ py::object issue(Engine& e, int kind, const GroupHandle& g, const py::handle& te
   r.redop = to_redop(op, e, g, k);
   r.peer = peer;
   r.tag = tag;
-  if (batch.p == nullptr && t_batch != nullptr) batch.p = registered<Batch>(t_batch);
-  if (batch.p != nullptr) {
+  if (Batch* batch = t_batch != nullptr ? registered<Batch>(t_batch) : nullptr) {
     // send/recv take the engine lock to find their channel, never waited for with the GIL.
     if (collective_spec(k).p2p) {
       Engine::Prepared prep = [&] {
         py::gil_scoped_release nogil;
         return e.prepare(std::move(r), g);
       }();
-      add_to_batch(e, *batch.p, std::move(prep));
+      add_to_batch(e, *batch, std::move(prep));
     } else {
-      add_to_batch(e, *batch.p, e.prepare(std::move(r), g));
+      add_to_batch(e, *batch, e.prepare(std::move(r), g));
     }
     return py::none();
   }
@@ -172,8 +164,8 @@ int int_arg(PyObject* o, const char* name) {
 // small group. Arguments as `issue` above, positional only.
 PyObject* issue_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   try {
-    if (nargs != 12)
-      throw py::type_error("Engine.issue takes 12 positional arguments, got " + std::to_string(nargs));
+    if (nargs != 11)
+      throw py::type_error("Engine.issue takes 11 positional arguments, got " + std::to_string(nargs));
     Engine* e = registered<Engine>(self);
     if (e == nullptr) throw py::type_error("Engine.issue: 'self' is not a fastcomm Engine");
     const GroupHandle* g = registered<GroupHandle>(args[1]);
@@ -181,15 +173,10 @@ PyObject* issue_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
       throw py::type_error("fastcomm: rank " + std::to_string(e->rank()) +
                            ": argument 'group' must be a fastcomm group handle, got " +
                            std::string(py::str(py::type::of(args[1]))));
-    BatchArg batch;
-    if (args[9] != Py_None) {
-      batch.p = registered<Batch>(args[9]);
-      if (batch.p == nullptr) throw py::type_error("Engine.issue: argument 'batch' must be a Batch or None");
-    }
     const int async_op = PyObject_IsTrue(args[8]);
     if (async_op < 0) throw py::error_already_set();
     py::object r = issue(*e, int_arg(args[0], "kind"), *g, args[2], args[3], args[4], args[5],
-                         int_arg(args[6], "peer"), int_arg(args[7], "tag"), async_op != 0, batch, args[10], args[11]);
+                         int_arg(args[6], "peer"), int_arg(args[7], "tag"), async_op != 0, args[9], args[10]);
     return r.release().ptr();
   } catch (...) {
     py::detail::try_translate_exceptions();
@@ -329,7 +316,7 @@ PyObject* fast_issue(const FastEntry& f, PyObject* const* args, Py_ssize_t nargs
   const GroupHandle* g = registered<GroupHandle>(handle);
   Engine* e = registered<Engine>(engine);
   if (g == nullptr || e == nullptr) return nullptr;
-  py::object w = issue(*e, (int)f.kind, *g, tensor, Py_None, list, op, peer, 0, async_op != 0, BatchArg{}, Py_None,
+  py::object w = issue(*e, (int)f.kind, *g, tensor, Py_None, list, op, peer, 0, async_op != 0, Py_None,
                        Py_None);
   if (!async_op || t_batch != nullptr) return w.release().ptr();  // recorded: None
   PyObject* work = PyObject_CallOneArg(g_work_cls, w.ptr());
@@ -432,28 +419,11 @@ PyMethodDef batch_defs[] = {
 
 PyMethodDef issue_def = {
     "issue", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&issue_entry)), METH_FASTCALL,
-    "issue(kind, group, tensor, output, list, op, peer, tag, async_op, batch, inputs, splits): every op's "
+    "issue(kind, group, tensor, output, list, op, peer, tag, async_op, inputs, splits): every op's "
     "entry (positional only; from fastcomm/collectives.py)"};
 
 }  // namespace
 
-namespace pybind11::detail {
-template <>
-struct type_caster<BatchArg> {
-  PYBIND11_TYPE_CASTER(BatchArg, const_name("Batch | None"));
-  bool load(handle src, bool convert) {
-    if (src.is_none()) {
-      value.p = nullptr;
-      return true;
-    }
-    make_caster<Batch> c;
-    if (!c.load(src, convert)) return false;
-    value.p = &cast_op<Batch&>(c);
-    return true;
-  }
-  static handle cast(const BatchArg&, return_value_policy, handle) { return none().release(); }
-};
-}  // namespace pybind11::detail
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastcomm native engine";
@@ -547,8 +517,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             py::gil_scoped_release nogil;  // the ops' last tensor references may be dropped
             return e.make_plan(std::move(b.ops));
           },
-          py::arg("batch"))
-      ;
+          py::arg("batch"));
 
   // Made by begin_batch only (it holds the engine that posts it).
   py::class_<Batch>(m, "Batch").def("__len__", [](const Batch& b) { return b.ops.size(); });

@@ -59,7 +59,7 @@ def _all_reduce_py(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: 
     is _C.all_reduce, which runs the plain case without a Python frame and comes here for the
     rest: before init, a group that is not a fastcomm Group, a wrong argument.)"""
     e, h = _handle(group, "all_reduce")
-    return _wrap(e.issue(_ALL_REDUCE, h, tensor, None, None, op, -1, 0, async_op, None, None, None))
+    return _wrap(e.issue(_ALL_REDUCE, h, tensor, None, None, op, -1, 0, async_op, None, None))
 
 
 def _broadcast_py(tensor: torch.Tensor, src: Optional[int] = None, group=None, async_op: bool = False,
@@ -67,7 +67,7 @@ def _broadcast_py(tensor: torch.Tensor, src: Optional[int] = None, group=None, a
     """fastcomm.broadcast's cases that _C.broadcast does not run itself (as _all_reduce_py)."""
     e, h = _handle(group, "broadcast")
     src = _global_rank(group, src, group_src, "broadcast", "src")
-    return _wrap(e.issue(_BROADCAST, h, tensor, None, None, None, src, 0, async_op, None, None, None))
+    return _wrap(e.issue(_BROADCAST, h, tensor, None, None, None, src, 0, async_op, None, None))
 
 
 def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = False) -> Optional[Work]:
@@ -76,31 +76,28 @@ def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = F
     if isinstance(tensor_list, torch.Tensor):
         return all_gather_into_tensor(tensor_list, tensor, group, async_op)
     e, h = _handle(group, "all_gather")
-    return _wrap(e.issue(_ALL_GATHER, h, tensor, None, list(tensor_list), None, -1, 0, async_op,
-                          None, None, None))
+    return _wrap(e.issue(_ALL_GATHER, h, tensor, None, list(tensor_list), None, -1, 0, async_op, None, None))
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
                            async_op: bool = False) -> Optional[Work]:
     e, h = _handle(group, "all_gather_into_tensor")
     return _wrap(e.issue(_ALL_GATHER_INTO_TENSOR, h, input_tensor, output_tensor, None, None, -1, 0,
-                         async_op, None, None, None))
+                         async_op, None, None))
 
 
 def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op=ReduceOp.SUM, group=None,
                    async_op: bool = False) -> Optional[Work]:
     """Member i receives the reduction over members of their ``input_list[i]``."""
     e, h = _handle(group, "reduce_scatter")
-    return _wrap(e.issue(_REDUCE_SCATTER, h, None, output, list(input_list), op, -1, 0, async_op,
-                          None, None, None))
+    return _wrap(e.issue(_REDUCE_SCATTER, h, None, output, list(input_list), op, -1, 0, async_op, None, None))
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
                           async_op: bool = False) -> Optional[Work]:
     """Like reduce_scatter, with the inputs concatenated in one tensor of ``size() * numel``."""
     e, h = _handle(group, "reduce_scatter_tensor")
-    return _wrap(e.issue(_REDUCE_SCATTER_TENSOR, h, input, output, None, op, -1, 0, async_op,
-                          None, None, None))
+    return _wrap(e.issue(_REDUCE_SCATTER_TENSOR, h, input, output, None, op, -1, 0, async_op, None, None))
 
 
 def _reduce_py(tensor: torch.Tensor, dst: Optional[int] = None, op=ReduceOp.SUM, group=None,
@@ -108,7 +105,7 @@ def _reduce_py(tensor: torch.Tensor, dst: Optional[int] = None, op=ReduceOp.SUM,
     """fastcomm.reduce's cases that _C.reduce does not run itself (as _all_reduce_py)."""
     e, h = _handle(group, "reduce")
     dst = _global_rank(group, dst, group_dst, "reduce", "dst")
-    return _wrap(e.issue(_REDUCE, h, tensor, None, None, op, dst, 0, async_op, None, None, None))
+    return _wrap(e.issue(_REDUCE, h, tensor, None, None, op, dst, 0, async_op, None, None))
 
 
 def _gather_py(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = None, dst: Optional[int] = None,
@@ -116,7 +113,7 @@ def _gather_py(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] =
     """fastcomm.gather's cases that _C.gather does not run itself (as _all_reduce_py)."""
     e, h = _handle(group, "gather")
     dst = 0 if dst is None and group_dst is None else _global_rank(group, dst, group_dst, "gather", "dst")
-    return _wrap(e.issue(_GATHER, h, tensor, None, gather_list, None, dst, 0, async_op, None, None, None))
+    return _wrap(e.issue(_GATHER, h, tensor, None, gather_list, None, dst, 0, async_op, None, None))
 
 
 def _scatter_py(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = None,
@@ -125,7 +122,7 @@ def _scatter_py(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]]
     """fastcomm.scatter's cases that _C.scatter does not run itself (as _all_reduce_py)."""
     e, h = _handle(group, "scatter")
     src = 0 if src is None and group_src is None else _global_rank(group, src, group_src, "scatter", "src")
-    return _wrap(e.issue(_SCATTER, h, tensor, None, scatter_list, None, src, 0, async_op, None, None, None))
+    return _wrap(e.issue(_SCATTER, h, tensor, None, scatter_list, None, src, 0, async_op, None, None))
 
 
 def all_to_all(output_tensor_list: Sequence[torch.Tensor], input_tensor_list: Sequence[torch.Tensor], group=None,
@@ -133,7 +130,7 @@ def all_to_all(output_tensor_list: Sequence[torch.Tensor], input_tensor_list: Se
     """Sends ``input_tensor_list[i]`` to group rank i, which receives it into its
     ``output_tensor_list[me]``; tensors may differ in size, but each pair must agree."""
     e, h = _handle(group, "all_to_all")
-    return _wrap(e.issue(_ALL_TO_ALL, h, None, None, list(output_tensor_list), None, -1, 0, async_op, None,
+    return _wrap(e.issue(_ALL_TO_ALL, h, None, None, list(output_tensor_list), None, -1, 0, async_op,
                          list(input_tensor_list), None))
 
 
@@ -146,13 +143,13 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     e, h = _handle(group, "all_to_all_single")
     splits = None if not output_split_sizes and not input_split_sizes else (
         output_split_sizes or None, input_split_sizes or None)
-    return _wrap(e.issue(_ALL_TO_ALL_SINGLE, h, input, output, None, None, -1, 0, async_op, None, None,
+    return _wrap(e.issue(_ALL_TO_ALL_SINGLE, h, input, output, None, None, -1, 0, async_op, None,
                          splits))
 
 
 def barrier(group=None, async_op: bool = False) -> Optional[Work]:
     e, h = _handle(group, "barrier")
-    return _wrap(e.issue(_BARRIER, h, None, None, None, None, -1, 0, async_op, None, None, None))
+    return _wrap(e.issue(_BARRIER, h, None, None, None, None, -1, 0, async_op, None, None))
 
 
 def _reserved_tag(api: str):
@@ -168,8 +165,7 @@ def isend(tensor: torch.Tensor, dst: Optional[int] = None, group=None, tag: int 
     if tag == _MONITORED_BARRIER_TAG:
         _reserved_tag("isend")
     dst = _global_rank(group, dst, group_dst, "isend", "dst")
-    return _wrap(e.issue(_SEND, h, tensor, None, None, None, dst, tag, True, None, None,
-                         None))
+    return _wrap(e.issue(_SEND, h, tensor, None, None, None, dst, tag, True, None, None))
 
 
 def irecv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0,
@@ -181,7 +177,7 @@ def irecv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int 
     if tag == _MONITORED_BARRIER_TAG:
         _reserved_tag("irecv")
     src = _ANY_SOURCE if src is None and group_src is None else _global_rank(group, src, group_src, "irecv", "src")
-    w = e.issue(_RECV, h, tensor, None, None, None, src, tag, True, None, None, None)
+    w = e.issue(_RECV, h, tensor, None, None, None, src, tag, True, None, None)
     return None if w is None else Work(w, h)
 
 
@@ -191,7 +187,7 @@ def send(tensor: torch.Tensor, dst: Optional[int] = None, group=None, tag: int =
     if tag == _MONITORED_BARRIER_TAG:
         _reserved_tag("send")
     dst = _global_rank(group, dst, group_dst, "send", "dst")
-    e.issue(_SEND, h, tensor, None, None, None, dst, tag, False, None, None, None)
+    e.issue(_SEND, h, tensor, None, None, None, dst, tag, False, None, None)
 
 
 def recv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0,
@@ -204,7 +200,7 @@ def recv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int =
     if tag == _MONITORED_BARRIER_TAG:
         _reserved_tag("recv")
     src = _ANY_SOURCE if src is None and group_src is None else _global_rank(group, src, group_src, "recv", "src")
-    got = e.issue(_RECV, h, tensor, None, None, None, src, tag, False, None, None, None)
+    got = e.issue(_RECV, h, tensor, None, None, None, src, tag, False, None, None)
     if got is not None:
         return got
     return None if src == _ANY_SOURCE else src
@@ -238,7 +234,7 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) ->
     tag = _MONITORED_BARRIER_TAG
 
     def issue(kind, peer, t):
-        return e.issue(kind, h, t, None, None, None, peer, tag, True, None, None, None)
+        return e.issue(kind, h, t, None, None, None, peer, tag, True, None, None)
 
     # Rank 0's answer: one flag per group rank, 1 for a member that did not arrive. It is sent
     # even when some failed, so every member's k-th answer is rank 0's k-th whatever happened.
