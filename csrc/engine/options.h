@@ -1,7 +1,7 @@
 #pragma once
 // Everything an engine is configured by: what the rendezvous found, and every FASTCOMM_*
 // environment variable, each parsed once here (Settings::from_env) and passed down from the
-// engine; nothing below reads the environment. README.md's settings table lists them.
+// engine; nothing below reads the environment. docs/settings.md lists them.
 #include <cstddef>
 #include <cstdint>
 #include <string>
