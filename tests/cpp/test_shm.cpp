@@ -289,7 +289,7 @@ TEST(shm_full_ring_refuses_then_frees) {
 
 TEST(shm_many_messages_wrap_around) {
   // Far more bytes than the ring holds, in records of many sizes (so the wrap point falls
-  // anywhere, including where only a wrap marker fits), written as fast as the ring allows
+  // anywhere, including where only a record header fits), written as fast as the ring allows
   // and read back in uneven batches.
   with_pair([](ShmTransport& a, ShmTransport& b) {
     const uint32_t mp = (uint32_t)a.max_payload();
@@ -313,6 +313,37 @@ TEST(shm_many_messages_wrap_around) {
     CHECK_EQ(received, total);
     CHECK(bytes > 20 * kRing);
     CHECK(refusals > 0);
+    CHECK(b.peek(0) == nullptr);
+  });
+}
+
+TEST(shm_empty_ring_restarts_and_stale_slots_are_skipped) {
+  // A sender that finds its ring empty goes back to the ring's start when the record fits
+  // before its current position. Bursts of 1-4 records of random sizes, each read back
+  // entirely or in part before the next burst, put the write position everywhere and make the
+  // reader skip slots that hold records of earlier passes and of earlier restarts.
+  with_pair([](ShmTransport& a, ShmTransport& b) {
+    const uint32_t mp = (uint32_t)a.max_payload();
+    std::mt19937_64 g(7);
+    uint64_t sent = 0, received = 0;
+    std::vector<uint32_t> lens;
+    for (int round = 0; round < 4000; ++round) {
+      const int burst = 1 + (int)(g() % 4);
+      for (int k = 0; k < burst; ++k) {
+        const uint32_t len = g() % 5 == 0 ? (uint32_t)(g() % (mp + 1)) : (uint32_t)(g() % 700);
+        if (!send_msg(a, 1, sent, len)) break;
+        lens.push_back(len);
+        ++sent;
+      }
+      a.flush();
+      // Mostly drain the ring (the sender then finds it empty), sometimes leave records in it.
+      const uint64_t keep = g() % 3 == 0 ? g() % 2 : 0;
+      for (; received + keep < sent; ++received)
+        if (!recv_msg(b, 0, received, lens[received])) return;
+    }
+    for (; received < sent; ++received)
+      if (!recv_msg(b, 0, received, lens[received])) return;
+    CHECK_MSG(sent > 6000, sent << " sent");
     CHECK(b.peek(0) == nullptr);
   });
 }
