@@ -10,7 +10,8 @@ pairs. This script reruns that loop side by side, on local processes it launches
    fastcomm (``fc.new_group`` per pair, created by its members only);
 2. large messages: one pair, all_reduce of 1 MB and 16 MB (or the sizes of --sizes: a size
    sweep), per-op time and algorithm bandwidth (tensor bytes / time), next to this machine's
-   single-core memcpy bandwidth;
+   single-core memcpy bandwidth; fastcomm twice, on ordinary tensors and on tensors from
+   ``fc.empty`` (which the pair reads from each other in place);
 3. the same loops with MPI (mpi4py ``Allreduce`` on pair communicators) when mpi4py and mpirun
    are both installed.
 
@@ -50,13 +51,14 @@ MPI_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mpi_pair
 # What each rank runs
 # --------------------------------------------------------------------------------------------
 
-def _timed_all_reduce(all_reduce, group, barrier, rank, numel, iters, warmup, fresh=False):
+def _timed_all_reduce(all_reduce, group, barrier, rank, numel, iters, warmup, fresh=False, empty=torch.empty):
     """Seconds per op of ``all_reduce(t, group=group)`` on this rank, then one checked op.
 
     ``all_reduce`` is dist.all_reduce or fc.all_reduce (same signature), called directly in
     the loop so that no wrapper of ours adds to the time of either. ``fresh``: the forum
-    post's own loop, a new ``torch.randn`` tensor for every op."""
-    t = torch.zeros(numel)  # zeros: the sum stays 0, so no number of ops overflows to inf
+    post's own loop, a new ``torch.randn`` tensor for every op. ``empty`` allocates the
+    tensors (torch.empty or fc.empty)."""
+    t = empty(numel).zero_()  # zeros: the sum stays 0, so no number of ops overflows to inf
     for _ in range(warmup):
         all_reduce(t, group=group)
     barrier()  # all pairs enter the timed loop together and contend for the cores, as in the MWE
@@ -73,7 +75,7 @@ def _timed_all_reduce(all_reduce, group, barrier, rank, numel, iters, warmup, fr
     # that misses a contribution or misplaces a chunk cannot pass.
     lo = 2 * (rank // 2)
     base = torch.arange(numel, dtype=torch.float32)
-    t = base + (rank + 1)
+    t = empty(numel).copy_(base + (rank + 1))
     all_reduce(t, group=group)
     expected = 2 * base + (lo + 1) + (lo + 2)
     if not torch.equal(t, expected):
@@ -95,20 +97,25 @@ def _gloo_body(store, rank, world, numel, iters, warmup, fresh=False):
         dist.destroy_process_group()
 
 
-def _fastcomm_body(store, rank, world, numel, iters, warmup, fresh=False):
+def _fastcomm_body(store, rank, world, numel, iters, warmup, fresh=False, shared=False):
     import fastcomm as fc
 
     fc.init(store=store, rank=rank, world_size=world, timeout=STORE_TIMEOUT)
     try:
         lo = 2 * (rank // 2)
         group = fc.new_group([lo, lo + 1])  # only the two members call this
-        return _timed_all_reduce(fc.all_reduce, group, fc.barrier, rank, numel, iters, warmup, fresh)
+        return _timed_all_reduce(fc.all_reduce, group, fc.barrier, rank, numel, iters, warmup, fresh,
+                                 fc.empty if shared else torch.empty)
     finally:
         fc.shutdown()
 
 
-BACKENDS = {"gloo": _gloo_body, "fastcomm": _fastcomm_body}
-LABELS = {"gloo": "torch Gloo", "fastcomm": "fastcomm", "mpi": "MPI"}
+def _fastcomm_shared_body(store, rank, world, numel, iters, warmup, fresh=False):
+    return _fastcomm_body(store, rank, world, numel, iters, warmup, fresh, shared=True)
+
+
+BACKENDS = {"gloo": _gloo_body, "fastcomm": _fastcomm_body, "fc.empty": _fastcomm_shared_body}
+LABELS = {"gloo": "torch Gloo", "fastcomm": "fastcomm", "fc.empty": "fastcomm, fc.empty", "mpi": "MPI"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -264,7 +271,7 @@ def write_plot(path, results, args, backends):
         ax.legend()
     if show_bw:
         ax = axes.pop(0)
-        for backend in backends:
+        for backend in backends[:2] + ["fc.empty"] + backends[2:]:
             pts = [(n, n / results["large"][str(n)][backend]["per_op_s"] / 1e9) for n in args.sizes
                    if "error" not in results["large"][str(n)][backend]]
             if pts:
@@ -339,14 +346,16 @@ def main():
         # Below 1 MB an op is short: more of them (up to the MWE's count) keep a loop as long.
         return min(max(count, cap), count * max(1, 2**20 // nbytes))
 
-    progress = Progress((len(args.pairs) + len(args.sizes)) * len(backends) * args.repeat)
+    # The large messages also run fastcomm on fc.empty tensors, read in place by the pair.
+    large_backends = backends[:2] + ["fc.empty"] + backends[2:]
+    progress = Progress((len(args.pairs) * len(backends) + len(args.sizes) * len(large_backends)) * args.repeat)
     for pairs in args.pairs:
         results["mwe"][str(pairs)] = measure_row(backends, 2 * pairs, MWE_NUMEL, args.iters,
                                                  warmup, mpirun, args.repeat,
                                                  f"MWE, {pairs} pair(s)", progress, args.fresh)
     for nbytes in args.sizes:
         results["large"][str(nbytes)] = measure_row(
-            backends, 2, nbytes // 4, sized(large_iters, nbytes, args.iters),
+            large_backends, 2, nbytes // 4, sized(large_iters, nbytes, args.iters),
             sized(large_warmup, nbytes, warmup),
             mpirun, args.repeat, f"large, {fmt_size(nbytes)}", progress)
     results["memcpy_GBps"] = memcpy_bandwidth(16 * 2**20, 20) / 1e9
@@ -398,21 +407,27 @@ def main():
     warm = f"{warm[0]}" if len(warm) == 1 else f"{warm[0]}-{warm[-1]}"
     print(f"\n## 2. Large messages: one pair, all_reduce of float32 "
           f"({ops} timed ops after {warm} warm-up ops, {launches})\n")
-    head = ["size", "torch Gloo µs/op", "Gloo GB/s", "fastcomm µs/op", "fastcomm GB/s"]
+    head = ["size", "torch Gloo µs/op", "Gloo GB/s", "fastcomm µs/op", "fastcomm GB/s",
+            "fc.empty µs/op", "fc.empty GB/s"]
     head += ["MPI µs/op", "MPI GB/s"] if mpi_cols else []
-    head += ["fastcomm vs Gloo"]
+    head += ["fastcomm vs Gloo", "fc.empty / memcpy"] + (["fc.empty vs MPI"] if mpi_cols else [])
     rows = []
     for nbytes in args.sizes:
         row = results["large"][str(nbytes)]
+        shared = row["fc.empty"]
         cells = [fmt_size(nbytes), fmt_us(row["gloo"]), fmt_gbs(row["gloo"], nbytes),
-                 fmt_us(row["fastcomm"]), fmt_gbs(row["fastcomm"], nbytes)]
+                 fmt_us(row["fastcomm"]), fmt_gbs(row["fastcomm"], nbytes),
+                 fmt_us(shared), fmt_gbs(shared, nbytes)]
         cells += [fmt_us(row["mpi"]), fmt_gbs(row["mpi"], nbytes)] if mpi_cols else []
-        cells += [fmt_ratio(row["gloo"], row["fastcomm"])]
+        cells += [fmt_ratio(row["gloo"], row["fastcomm"]),
+                  "n/a" if "error" in shared else f"{nbytes / shared['per_op_s'] / 1e9 / results['memcpy_GBps']:.2f}"]
+        cells += [fmt_ratio(row["mpi"], shared)] if mpi_cols else []
         rows.append(cells)
     print_table(head, rows)
     print(f"\nGB/s = algorithm bandwidth: tensor bytes / time per op (1 GB = 1e9 B). "
           f"Reference: single-core memcpy of 16 MB here: {results['memcpy_GBps']:.2f} GB/s "
-          f"(bytes copied / time, best of 20).")
+          f"(bytes copied / time, best of 20). fc.empty: the same all_reduce on tensors from "
+          f"fastcomm.empty, which the pair reads from each other in place.")
     if not mpi_cols:
         print(f"\nMPI: not found ({mpi_note}); its columns are left out.")
 

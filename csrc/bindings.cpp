@@ -15,6 +15,7 @@
 #include "algorithms/reduce.h"
 #include "backend/backend.h"
 #include "engine/engine.h"
+#include "transport/shm/buffers.h"
 
 namespace py = pybind11;
 using namespace fastcomm;
@@ -430,6 +431,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reduce_kernels", &reduce_kernels,
         "The build of the reduction loops this process runs: 'avx2' or 'baseline' (picked when "
         "an engine starts; FASTCOMM_REDUCE_KERNELS=baseline forces the baseline one)");
+  m.def("shared_empty", &shared_empty, py::arg("sizes"), py::arg("dtype"),
+        "A contiguous CPU tensor in a new buffer that same-host ranks can map (fastcomm.empty)");
   m.attr("has_nccl") = device_engine_factory(c10::kCUDA) != nullptr;
   py::dict kinds;
 #define FASTCOMM_OP_KIND_PY(kind, name, type) kinds[name] = (int)OpKind::kind;

@@ -41,6 +41,7 @@ from .collectives import (
     scatter,
     send,
 )
+from .memory import empty
 from .work import Work
 from . import backend  # noqa: F401,E402  registers the "fastcomm" torch.distributed backend
 
@@ -57,6 +58,7 @@ __all__ = [
     "barrier",
     "batch",
     "broadcast",
+    "empty",
     "gather",
     "irecv",
     "isend",

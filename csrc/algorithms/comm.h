@@ -57,6 +57,14 @@ class Comm {
   virtual std::shared_ptr<Bulk> send_bulk(int to, uint32_t tag, at::Tensor bytes) = 0;
   virtual std::shared_ptr<Bulk> recv_bulk(int from, const Message& offer, at::Tensor bytes,
                                           Bulk* with) = 0;
+
+  // Reading members' memory in place (Transport::import_span): whether this rank could map
+  // what `member` exports, this rank's description of [p, p + n) if it lies in a shared
+  // buffer (false otherwise), and the address here of a span `member` described (null when
+  // it cannot be mapped).
+  virtual bool shares_memory(int /*member*/) { return false; }
+  virtual bool export_span(const void* /*p*/, size_t /*n*/, SharedSpan* /*out*/) { return false; }
+  virtual const uint8_t* import_span(int /*member*/, const SharedSpan& /*span*/) { return nullptr; }
 };
 
 }  // namespace fastcomm

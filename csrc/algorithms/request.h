@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
@@ -43,6 +44,9 @@ struct GroupView {
   int global_rank;
   std::shared_ptr<const HostLayout> hosts;  // set: all_reduce and barrier run hierarchically
   size_t rsag_threshold;          // bytes from which groups of 3+ reduce-scatter + all-gather
+  // Bytes from which a flat all_reduce first tries reading the members' shared buffers in place
+  // (algorithms/direct.h).
+  size_t direct_min = SIZE_MAX;
   int size() const { return (int)ranks.size(); }
   std::string label() const;
   // Group rank of global rank `global`, an argument named `arg`; throws if not a member.

@@ -144,7 +144,7 @@ Engine::Prepared Engine::prepare(OpRequest req, const GroupHandle& g) {
     p.group = g;
   }
   if (!p.on_device) {
-    p.op = spec.make(req, view_of(*p.group.state, opts_.rank, rsag));
+    p.op = spec.make(req, view_of(*p.group.state, opts_.rank, rsag, opts_.settings.shm_direct_bytes));
     // The Work's future holds complex tensors as the caller gave them, not their real views.
     if (!complex.empty()) {
       p.outputs = p.op->outputs();

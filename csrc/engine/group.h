@@ -137,8 +137,9 @@ class GroupRegistry {
 };
 
 // What checks and algorithms see of a member's group.
-inline GroupView view_of(const GroupState& g, int global_rank, size_t rsag_threshold) {
-  return GroupView{g.ranks, g.rank, global_rank, g.hosts, rsag_threshold};
+inline GroupView view_of(const GroupState& g, int global_rank, size_t rsag_threshold,
+                        size_t direct_min = SIZE_MAX) {
+  return GroupView{g.ranks, g.rank, global_rank, g.hosts, rsag_threshold, direct_min};
 }
 
 }  // namespace fastcomm

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "common/errors.h"
+#include "transport/shm/buffers.h"
 
 namespace fastcomm {
 
@@ -50,6 +51,8 @@ std::shared_ptr<Bulk> OpComm::recv_bulk(int from, const Message& m, at::Tensor b
   TORCH_INTERNAL_ASSERT(b, "bulk offer from a peer whose transport has no bulk transfers");
   return b;
 }
+
+bool OpComm::export_span(const void* p, size_t n, SharedSpan* out) { return find_shared_span(p, n, out); }
 
 void OpComm::reject(int peer, const Message& m) {
   const OpDesc& d = p_.op->desc();

@@ -39,6 +39,15 @@ class OpComm final : public Comm {
   }
   std::shared_ptr<Bulk> send_bulk(int to, uint32_t tag, at::Tensor bytes) override;
   std::shared_ptr<Bulk> recv_bulk(int from, const Message& m, at::Tensor bytes, Bulk* with) override;
+  bool shares_memory(int member) override {
+    const int peer = g_.ranks[member];
+    return tr_.of(peer)->shares_memory(peer);
+  }
+  bool export_span(const void* p, size_t n, SharedSpan* out) override;
+  const uint8_t* import_span(int member, const SharedSpan& span) override {
+    const int peer = g_.ranks[member];
+    return tr_.of(peer)->import_span(peer, span);
+  }
 
   // The header of every message of this op.
   static Header header_of(const GroupState& g, const Pending& p, uint64_t offset, uint32_t tag, uint32_t len);

@@ -36,6 +36,8 @@ Settings Settings::from_env() {
                       "fastcomm: FASTCOMM_SHM_STREAM_STORES must be '0', '1' or 'auto', got '", v, "'");
     s.shm_stream_stores = std::strcmp(v, "auto") == 0 ? -1 : std::strcmp(v, "1") == 0 ? 1 : 0;
   }
+  const int64_t direct = env_int("FASTCOMM_SHM_DIRECT_BYTES", (int64_t)s.shm_direct_bytes, 0);
+  s.shm_direct_bytes = direct == 0 ? SIZE_MAX : (size_t)direct;
   s.spin_ns = env_int("FASTCOMM_SPIN_NS", -1, -1);
   s.yield_ns = env_int("FASTCOMM_YIELD_NS", -1, -1);
   if (const char* v = env("FASTCOMM_HIERARCHICAL")) s.hierarchical = std::strcmp(v, "0") != 0;

@@ -14,6 +14,9 @@ struct Settings {
   size_t ring_bytes = 1 << 20;     // FASTCOMM_SHM_RING_BYTES: each peer's ring, per direction
   int shm_stream_stores = -1;      // FASTCOMM_SHM_STREAM_STORES: 1 always, 0 never, -1 when a
                                    // plain copy into a ring runs slow (transport/shm/transport.h)
+  size_t shm_direct_bytes = 256 * 1024;  // FASTCOMM_SHM_DIRECT_BYTES: an all_reduce of at
+                                         // least this many bytes on one host reads members'
+                                         // fastcomm.empty tensors in place (0: never)
   int64_t spin_ns = -1;            // FASTCOMM_SPIN_NS: a waiter polls this long (-1: picked
   int64_t yield_ns = -1;           // FASTCOMM_YIELD_NS: ... then yields this long, then sleeps
   bool hierarchical = true;        // FASTCOMM_HIERARCHICAL=0: groups spanning hosts run flat

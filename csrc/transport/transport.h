@@ -58,6 +58,17 @@ struct Bulk {
   bool failed() const { return state.load(std::memory_order_acquire) == 2; }
 };
 
+// A span of a tensor in a process's shared buffer (transport/shm/buffers.h), as its owner
+// describes it to a peer on the same host, which maps the buffer and reads the span in place.
+struct SharedSpan {
+  uint64_t buffer = 0;  // the owner's id of the buffer, never reused
+  uint64_t offset = 0;  // of the span in the buffer
+  uint64_t bytes = 0;   // of the span
+  uint64_t size = 0;    // of the whole buffer
+  int32_t fd = -1;      // the owner's descriptor of the buffer, valid while its op runs
+  uint32_t pad = 0;
+};
+
 // A received message. `data` stays valid until the transport's pop() for that peer.
 struct Message {
   Header hdr;
@@ -114,6 +125,12 @@ class Transport {
                                           Bulk* /*with*/) {
     return nullptr;
   }
+
+  // Reading peers' memory in place. shares_memory: this transport could map what `peer`
+  // exports. import_span maps a span that `peer` exported (cached by buffer) and returns its
+  // address here, or null when it cannot; the mapping stays valid while the transport lives.
+  virtual bool shares_memory(int /*peer*/) { return false; }
+  virtual const uint8_t* import_span(int /*peer*/, const SharedSpan& /*span*/) { return nullptr; }
 };
 
 }  // namespace fastcomm

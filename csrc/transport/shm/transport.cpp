@@ -3,15 +3,14 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#if defined(__x86_64__)
-#include <emmintrin.h>
-#endif
 
+#include "common/copy.h"
 #include "common/errors.h"
 #include "common/process.h"
 
@@ -38,28 +37,6 @@ constexpr double kSlowCopyRate = 4.0;
 constexpr uint32_t kSlowInARow = 2;
 constexpr uint32_t kStreamRun = 256;
 
-// memcpy with non-temporal stores; the fence orders them before the ring's head is published.
-void stream_copy(uint8_t* dst, const uint8_t* src, size_t n) {
-#if defined(__x86_64__)
-  const size_t head = std::min(n, (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15);
-  std::memcpy(dst, src, head);
-  size_t i = head;
-  for (; i + 64 <= n; i += 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
-  }
-  std::memcpy(dst + i, src + i, n - i);
-  _mm_sfence();
-#else
-  std::memcpy(dst, src, n);
-#endif
-}
 }  // namespace
 
 struct ShmSegmentHeader {
@@ -106,7 +83,9 @@ ShmTransport::ShmTransport(int rank, int world_size, const std::string& token,
       ring_bytes_(align64(ring_bytes)),
       stream_stores_(stream_stores),
       in_(world_size),
-      out_(world_size) {
+      out_(world_size),
+      pidfd_(world_size, -1),
+      imports_(world_size) {
   TORCH_CHECK_VALUE(ring_bytes_ >= 4 * 4096, "fastcomm: FASTCOMM_SHM_RING_BYTES must be >= 16384");
   TORCH_CHECK_VALUE(token_.size() < sizeof(ShmSegmentHeader::token), "fastcomm: job token too long");
   for (size_t i = 0; i < local_ranks_.size(); ++i) local_index_[local_ranks_[i]] = (int)i;
@@ -148,6 +127,7 @@ ShmTransport::ShmTransport(int rank, int world_size, const std::string& token,
 
 ShmTransport::~ShmTransport() {
   unlink_own();
+  for (int r = 0; r < world_size_; ++r) drop_imports(r);
   for (auto& m : peer_maps_)
     if (m.base) munmap(m.base, m.size);
   if (own_.base) munmap(own_.base, own_.size);
@@ -199,6 +179,8 @@ void ShmTransport::attach_peers() {
         throw_comm_error("fastcomm: rank " + std::to_string(rank_) + ": segment of rank " +
                          std::to_string(peer) + " does not belong to this job");
       }
+      // Where the kernel or a sandbox refuses, no op reads this peer's memory in place.
+      pidfd_[peer] = (int)syscall(SYS_pidfd_open, (pid_t)pids_[peer], 0);
     }
     auto* peer_hdr = static_cast<ShmSegmentHeader*>(base);
     Doorbell peer_bell(&peer_hdr->bell);
@@ -351,6 +333,53 @@ void ShmTransport::release_peer(int peer) {
   Mapping& m = peer_maps_[idx];
   if (m.base) munmap(m.base, m.size);
   m = Mapping{};
+  drop_imports(peer);
+}
+
+void ShmTransport::drop_imports(int peer) {
+  for (Imported& b : imports_[peer]) munmap(b.base, b.size);
+  imports_[peer].clear();
+  if (pidfd_[peer] >= 0) close(pidfd_[peer]);
+  pidfd_[peer] = -1;
+}
+
+// A peer's buffers stay mapped here after the peer frees them (their memory with them) until
+// they are evicted, the peer exits or this transport goes: at most this many per peer.
+constexpr size_t kMaxImports = 8;
+
+const uint8_t* ShmTransport::import_span(int peer, const SharedSpan& s) {
+  if (!shares_memory(peer) || s.offset > s.size || s.bytes > s.size - s.offset) return nullptr;
+  ++import_calls_;
+  auto& list = imports_[peer];
+  for (Imported& b : list) {
+    if (b.buffer == s.buffer && b.size == s.size) {
+      b.used = import_calls_;
+      return static_cast<const uint8_t*>(b.base) + s.offset;
+    }
+  }
+  // The owner keeps the buffer (and so its descriptor number) alive until every member has
+  // finished the op that named it, which includes this call.
+  const int fd = (int)syscall(SYS_pidfd_getfd, pidfd_[peer], s.fd, 0);
+  if (fd < 0) return nullptr;
+  struct stat st;
+  void* base = MAP_FAILED;
+  if (fstat(fd, &st) == 0 && (uint64_t)st.st_size == s.size)
+    base = mmap(nullptr, s.size, PROT_READ, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) return nullptr;
+  if (list.size() >= kMaxImports) {
+    auto lru = std::min_element(list.begin(), list.end(),
+                                [](const Imported& a, const Imported& b) { return a.used < b.used; });
+    munmap(lru->base, lru->size);
+    list.erase(lru);
+  }
+  list.push_back(Imported{s.buffer, base, s.size, import_calls_});
+  ++buffers_mapped_;
+  return static_cast<const uint8_t*>(base) + s.offset;
+}
+
+std::map<std::string, uint64_t> ShmTransport::counters() {
+  return {{"spans_imported", import_calls_}, {"buffers_mapped", buffers_mapped_}};
 }
 
 bool ShmTransport::peer_alive(int peer) { return !process_gone(pids_[peer]); }

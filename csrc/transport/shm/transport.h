@@ -20,6 +20,7 @@
 // (FASTCOMM_SHM_STREAM_STORES forces either way).
 //
 // Thread-safety: none. The engine serialises every call under its progress lock.
+#include <map>
 #include <string>
 #include <vector>
 
@@ -55,6 +56,9 @@ class ShmTransport final : public Transport {
   void pop(int peer) override;
   bool peer_alive(int peer) override;
   void release_peer(int peer) override;
+  std::map<std::string, uint64_t> counters() override;
+  bool shares_memory(int peer) override { return is_local(peer) && peer != rank_ && pidfd_[peer] >= 0; }
+  const uint8_t* import_span(int peer, const SharedSpan& span) override;
 
   bool is_local(int peer) const { return local_index_[peer] >= 0; }
   Doorbell doorbell() const { return own_bell_; }
@@ -83,7 +87,15 @@ class ShmTransport final : public Transport {
     Doorbell peer_bell;
   };
 
+  struct Imported {  // a peer's shared buffer mapped here (read-only)
+    uint64_t buffer = 0;
+    void* base = nullptr;
+    size_t size = 0;
+    uint64_t used = 0;  // import_calls_ when last used, for eviction
+  };
+
   void copy_payload(Outbound& o, uint8_t* dst, const void* src, size_t n);
+  void drop_imports(int peer);
   std::string segment_name(int rank) const;
   size_t segment_size() const;
   ShmRingCtl* ring_ctl(void* base, int local_idx) const;
@@ -104,6 +116,11 @@ class ShmTransport final : public Transport {
   std::vector<Inbound> in_;         // by global rank
   std::vector<Outbound> out_;       // by global rank
   std::vector<int> dirty_;          // peers with unpublished messages
+  // Same-host peers' process descriptors (-1: none, so no imports from that peer), opened when
+  // the peer's segment was checked, so they name that process even if its pid is reused.
+  std::vector<int> pidfd_;          // by global rank
+  std::vector<std::vector<Imported>> imports_;  // by global rank
+  uint64_t import_calls_ = 0, buffers_mapped_ = 0;
   Doorbell own_bell_;
 };
 
