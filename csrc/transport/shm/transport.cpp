@@ -62,8 +62,8 @@ static_assert(sizeof(ShmRingCtl) <= kRingCtlBytes, "ring control too large");
 
 // 64-byte record header in the ring; payload follows, padded to 64. `pos` is the record's
 // absolute ring position: a slot whose pos differs from the reader's position was skipped by
-// the sender (the record did not fit before the ring's end, or the ring was empty and the
-// sender went back to its start), so the reader moves on to the next start of the ring.
+// the sender (the record did not fit before the ring's end), so the reader moves on to the
+// next start of the ring.
 struct Record {
   Header hdr;
   uint64_t pos;
@@ -217,11 +217,10 @@ bool ShmTransport::try_send(int peer, const Header& hdr, const void* payload) {
   uint64_t head = o.wpos;
   uint64_t pos = head % R;
   uint64_t tail = o.ctl->tail.load(std::memory_order_acquire);
-  // Back to the ring's start when the record does not fit before its end, and also when the
-  // ring is empty: back-and-forth traffic then keeps reusing the same few lines, which stay in
-  // the two cores' caches, instead of walking the whole ring through memory (the first walk
-  // also faulted every page in, about 2x the cost of an op for the first ring's worth).
-  const bool restart = pos != 0 && (need > R - pos || (tail == head && need <= pos));
+  // A record that does not fit before the ring's end goes to its start. (Not also whenever the
+  // ring is empty, to reuse warm lines: the skipped bytes count as used until the reader passes
+  // them, so a reader that stalls would leave the sender too little room for an abort notice.)
+  const bool restart = pos != 0 && need > R - pos;
   const uint64_t total = restart ? R - pos + need : need;
   if (head + total - tail > R) {
     // Full: ask the receiver to ring us when it frees space, then look once more so a pop
