@@ -184,9 +184,8 @@ std::unique_ptr<Op> make_hierarchical(OpDesc d, const at::Tensor& t, bool reduce
       });
 }
 
-std::unique_ptr<Op> make_flat_all_reduce(const at::Tensor& t, RedOp op, const GroupView& g) {
+std::unique_ptr<Op> make_flat_all_reduce(OpDesc d, const at::Tensor& t, RedOp op, const GroupView& g) {
   const int rank = g.rank, size = g.size();
-  OpDesc d{OpKind::kAllReduce, t.scalar_type(), op, (uint64_t)t.numel(), -1};
   const size_t es = t.element_size();
   uint8_t* base = bytes(t);
   const size_t total = nbytes(t);
@@ -244,7 +243,7 @@ std::unique_ptr<Op> make_all_reduce(const OpRequest& r, const GroupView& g) {
   const at::Tensor& t = r.tensor;
   OpDesc d{OpKind::kAllReduce, t.scalar_type(), r.redop, (uint64_t)t.numel(), -1};
   if (g.hosts) return make_hierarchical(d, t, true, r.redop, g);
-  auto flat = make_flat_all_reduce(t, r.redop, g);
+  auto flat = make_flat_all_reduce(d, t, r.redop, g);
   if (g.size() >= 2 && nbytes(t) >= g.direct_min)
     return make_direct_all_reduce(d, t, g.rank, g.size(), std::move(flat));
   return flat;

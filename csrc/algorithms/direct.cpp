@@ -4,7 +4,6 @@
 #include <cstring>
 #include <vector>
 
-#include "algorithms/exchange.h"
 #include "algorithms/reduce.h"
 #include "common/copy.h"
 #include "common/errors.h"
@@ -146,8 +145,8 @@ class DirectAllReduce final : public Op {
     for (int q = 0; q < size_; ++q) {
       if (q == rank_) continue;
       if (spans_[q].bytes != nbytes())
-        throw_comm_error("fastcomm: group rank " + std::to_string(q) + " described " +
-                         std::to_string(spans_[q].bytes) + " bytes for an all_reduce of " +
+        throw_comm_error("fastcomm: group rank " + std::to_string(c.rank()) + ": group rank " + std::to_string(q) +
+                         " described " + std::to_string(spans_[q].bytes) + " bytes for an all_reduce of " +
                          std::to_string(nbytes()));
       peer_[q] = c.import_span(q, spans_[q]);
       if (peer_[q] == nullptr) mapped_ = false;
@@ -247,7 +246,7 @@ class DirectAllReduce final : public Op {
   }
 
   [[noreturn]] void unexpected(const Comm& c, int from, const Message& m, uint32_t tag) const {
-    throw_comm_error("fastcomm: rank " + std::to_string(c.rank()) + " expected step " + std::to_string(tag) +
+    throw_comm_error("fastcomm: group rank " + std::to_string(c.rank()) + " expected step " + std::to_string(tag) +
                      " of the in-place all_reduce from group rank " + std::to_string(from) + ", got tag " +
                      std::to_string(m.hdr.tag) + " with " + std::to_string(m.hdr.len) +
                      " bytes (FASTCOMM_SHM_DIRECT_BYTES must be equal on all ranks)");
