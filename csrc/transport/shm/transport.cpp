@@ -37,6 +37,29 @@ constexpr double kSlowCopyRate = 4.0;
 constexpr uint32_t kSlowInARow = 2;
 constexpr uint32_t kStreamRun = 256;
 
+// A ring's pages are mapped in ahead of use, up to this much at a time (the whole of a default
+// ring at the first message): one call instead of a page fault per 4 KB on each side, which in
+// this project's VM doubled a small op's cost until the ring had wrapped once. The price is
+// paid at a peer's first message, about 0.6 ms per MB, and the memory of the whole ring.
+constexpr uint64_t kPopulateChunk = 1 << 20;
+
+// Maps in ring bytes from `done` to a chunk past `upto`, as a write (the sender, backing the
+// pages) or a read (the receiver); advances `done`. Where the
+// kernel cannot (before Linux 5.14), `done` jumps to the end and pages fault in as before.
+void populate(uint8_t* ring, uint64_t& done, uint64_t upto, uint64_t ring_bytes, bool write) {
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#define MADV_POPULATE_WRITE 23
+#endif
+  if (upto <= done) return;
+  const uint64_t to = std::min(ring_bytes, (upto + kPopulateChunk - 1) / kPopulateChunk * kPopulateChunk + kPopulateChunk);
+  static const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+  const uintptr_t from = reinterpret_cast<uintptr_t>(ring + done) & ~(page - 1);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(ring + to);
+  done = madvise(reinterpret_cast<void*>(from), end - from, write ? MADV_POPULATE_WRITE : MADV_POPULATE_READ) == 0
+             ? to
+             : ring_bytes;
+}
 }  // namespace
 
 struct ShmSegmentHeader {
@@ -233,6 +256,7 @@ bool ShmTransport::try_send(int peer, const Header& hdr, const void* payload) {
     head += R - pos;
     pos = 0;
   }
+  populate(o.ring, o.populated, pos + need, R, true);
   auto* rec = reinterpret_cast<Record*>(o.ring + pos);
   rec->hdr = hdr;
   rec->pos = head;
@@ -283,6 +307,7 @@ const Message* ShmTransport::peek(int peer) {
   uint64_t t = in.tail;
   if (t == head) return nullptr;
   uint64_t pos = t % R;
+  populate(in.ring, in.populated, pos + kRecordHeader, R, false);
   auto* rec = reinterpret_cast<const Record*>(in.ring + pos);
   uint64_t skip = 0;
   if (rec->pos != t) {

@@ -4,8 +4,9 @@
 // Each process owns one segment. It holds a control block (identity, doorbell) and one
 // outbound byte ring per same-host peer: the sender writes records into its own segment and
 // the receiver reads them from there, advancing the ring's tail. Every process maps the
-// segments of all its same-host peers once at init; pages are only backed when first written,
-// so an unused peer costs address space, not memory.
+// segments of all its same-host peers once at init; a ring's pages are backed (and mapped in on
+// both sides, ahead of use) only from its first message, so an unused peer costs address space,
+// not memory.
 //
 // Lifetime: the segment is created with mode 0600 under a name that carries the job's random
 // token, and unlinked as soon as every same-host rank has attached it (see unlink_own), so a
@@ -74,6 +75,7 @@ class ShmTransport final : public Transport {
     uint64_t tail = 0;       // private copy of ctl->tail, published on pop
     uint64_t cur_bytes = 0;  // bytes the peeked record occupies (incl. any wrap skip)
     bool have = false;
+    uint64_t populated = 0;  // ring bytes mapped in here so far (transport.cpp, populate)
     Message msg;
     Doorbell peer_bell;
   };
@@ -82,6 +84,7 @@ class ShmTransport final : public Transport {
     uint8_t* ring = nullptr;
     uint64_t wpos = 0;   // end of what we wrote; ctl->head trails it until flush()
     bool dirty = false;  // wpos is ahead of ctl->head
+    uint64_t populated = 0;  // ring bytes backed and mapped in so far
     uint32_t stream_left = 0;  // large payloads still to copy with non-temporal stores
     uint32_t slow_copies = 0;  // plain copies of large payloads in a row that ran slow
     Doorbell peer_bell;
