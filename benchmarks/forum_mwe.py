@@ -116,6 +116,7 @@ def _fastcomm_shared_body(store, rank, world, numel, iters, warmup, fresh=False)
 
 BACKENDS = {"gloo": _gloo_body, "fastcomm": _fastcomm_body, "fc.empty": _fastcomm_shared_body}
 LABELS = {"gloo": "torch Gloo", "fastcomm": "fastcomm", "fc.empty": "fastcomm, fc.empty", "mpi": "MPI"}
+COLORS = {"gloo": "tab:blue", "fastcomm": "tab:orange", "fc.empty": "tab:red", "mpi": "tab:green"}  # same in both panels
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,7 +262,7 @@ def write_plot(path, results, args, backends):
             pts = [(p, results["mwe"][str(p)][backend]["per_op_s"] * 1e6) for p in args.pairs
                    if "error" not in results["mwe"][str(p)][backend]]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=LABELS[backend])
+                ax.plot(*zip(*pts), marker="o", label=LABELS[backend], color=COLORS[backend])
         ax.set(xscale="log", yscale="log", xlabel="pairs (ranks = 2 x pairs)",
                ylabel="µs per all_reduce (max over ranks)",
                title=f"Forum MWE: 10x10 float32 all_reduce, {os.cpu_count()} cores")
@@ -275,7 +276,7 @@ def write_plot(path, results, args, backends):
             pts = [(n, n / results["large"][str(n)][backend]["per_op_s"] / 1e9) for n in args.sizes
                    if "error" not in results["large"][str(n)][backend]]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=LABELS[backend])
+                ax.plot(*zip(*pts), marker="o", label=LABELS[backend], color=COLORS[backend])
         # Labelled on the line, not in the legend, which would otherwise sit on top of it.
         ax.axhline(results["memcpy_GBps"], color="gray", linestyle="--")
         ax.annotate("1-core memcpy", (0.02, results["memcpy_GBps"]),
