@@ -44,8 +44,8 @@ constexpr uint32_t kStreamRun = 256;
 constexpr uint64_t kPopulateChunk = 1 << 20;
 
 // Maps in ring bytes from `done` to a chunk past `upto`, as a write (the sender, backing the
-// pages) or a read (the receiver); advances `done`. Where the
-// kernel cannot (before Linux 5.14), `done` jumps to the end and pages fault in as before.
+// pages) or a read (the receiver); advances `done`. Where the kernel cannot (before Linux
+// 5.14), `done` jumps to the end and pages fault in one by one as before.
 void populate(uint8_t* ring, uint64_t& done, uint64_t upto, uint64_t ring_bytes, bool write) {
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22
