@@ -14,6 +14,7 @@
 
 #include "algorithms/reduce.h"
 #include "backend/backend.h"
+#include "bindings_work.h"
 #include "engine/engine.h"
 #include "transport/shm/buffers.h"
 
@@ -102,7 +103,6 @@ void add_to_batch(Engine& e, Batch& b, Engine::Prepared prep) {
   b.ops.push_back(std::move(prep));
 }
 
-py::object to_py_work(c10::intrusive_ptr<Work> w) { return py::cast(c10::intrusive_ptr<c10d::Work>(std::move(w))); }
 
 // Every op's entry. inputs: all_to_all's input list; splits: all_to_all_single's (output,
 // input) split sizes. Inside a batch or plan being recorded on this thread the op is added to
@@ -148,7 +148,7 @@ py::object issue(Engine& e, int kind, const GroupHandle& g, const py::handle& te
   }
   // Python objects (even None's reference count) only with the GIL held again. A blocking recv
   // returns its sender's global rank (torch's recv does), found only now for one from any source.
-  if (async_op) return to_py_work(std::move(w));
+  if (async_op) return wrap_work(std::move(w));
   if (k == OpKind::kRecv && !w->on_device()) return py::int_(g.ranks[w->sourceRank()]);
   return py::none();
 }
@@ -193,7 +193,6 @@ PyObject* issue_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
 // dropped by set_current(None, None) at shutdown.
 PyObject* g_engine = nullptr;
 PyObject* g_world = nullptr;     // the world's GroupHandle
-PyObject* g_work_cls = nullptr;  // fastcomm.work.Work
 
 void set_ref(PyObject*& slot, PyObject* v) {
   Py_XINCREF(v);
@@ -317,12 +316,9 @@ PyObject* fast_issue(const FastEntry& f, PyObject* const* args, Py_ssize_t nargs
   const GroupHandle* g = registered<GroupHandle>(handle);
   Engine* e = registered<Engine>(engine);
   if (g == nullptr || e == nullptr) return nullptr;
-  py::object w = issue(*e, (int)f.kind, *g, tensor, Py_None, list, op, peer, 0, async_op != 0, Py_None,
-                       Py_None);
-  if (!async_op || t_batch != nullptr) return w.release().ptr();  // recorded: None
-  PyObject* work = PyObject_CallOneArg(g_work_cls, w.ptr());
-  if (work == nullptr) throw py::error_already_set();
-  return work;
+  return issue(*e, (int)f.kind, *g, tensor, Py_None, list, op, peer, 0, async_op != 0, Py_None, Py_None)
+      .release()
+      .ptr();
 }
 
 template <int I>
@@ -362,7 +358,7 @@ py::object post_batch(Engine& e, Batch& b, bool async_op) {
     w = e.run(b.ops, async_op, /*rethrow=*/true);
   }
   b.ops.clear();  // with the GIL held (see issue())
-  return async_op ? to_py_work(std::move(w)) : py::none();
+  return async_op ? wrap_work(std::move(w)) : py::none();
 }
 
 // The recording of a batch (begin_batch, end_batch) as bare functions for the same reason as
@@ -535,7 +531,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               py::gil_scoped_release nogil;
               w = p->engine().start(p, async_op);
             }
-            return async_op ? to_py_work(std::move(w)) : py::none();
+            return async_op ? wrap_work(std::move(w)) : py::none();
           },
           py::arg("async_op") = true);
 
@@ -554,15 +550,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "The engine and world group handle fastcomm.all_reduce uses (None, None: not initialized)");
   m.def(
       "set_fast_entry",
-      [](const std::string& name, py::handle fallback, py::handle work_cls) {
+      [](const std::string& name, py::handle fallback) {
         FastEntry* f = nullptr;
         for (FastEntry& x : g_entries)
           if (name == x.name) f = &x;
         TORCH_CHECK_VALUE(f != nullptr, "fastcomm: no native entry named ", name);
         set_ref(f->fallback, fallback.ptr());
-        set_ref(g_work_cls, work_cls.ptr());
       },
-      "The Python wrapper the native entry `name` falls back to, and the Work class it returns");
+      "The Python wrapper the native entry `name` falls back to");
   m.def(
       "recording", [] { return t_batch != nullptr; },
       "Whether this thread is recording a batch or plan (begin_batch without end_batch)");
@@ -575,5 +570,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     engine.attr("issue") = py::reinterpret_steal<py::object>(d);
   }
 
+  add_work_type(m);
   register_backend_bindings(m);  // the torch.distributed backend (csrc/backend)
 }

@@ -41,10 +41,6 @@ def _handle(group, api: str):
                         f"(from fastcomm.new_group), got {type(group).__name__}") from None
 
 
-def _wrap(w) -> Optional[Work]:
-    return None if w is None else Work(w)
-
-
 def _global_rank(group, rank, group_rank, api: str, arg: str) -> int:
     if (rank is None) == (group_rank is None):
         raise ValueError(f"fastcomm.{api}: give exactly one of '{arg}' and 'group_{arg}'")
@@ -59,7 +55,7 @@ def _all_reduce_py(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: 
     is _C.all_reduce, which runs the plain case without a Python frame and comes here for the
     rest: before init, a group that is not a fastcomm Group, a wrong argument.)"""
     e, h = _handle(group, "all_reduce")
-    return _wrap(e.issue(_ALL_REDUCE, h, tensor, None, None, op, -1, 0, async_op, None, None))
+    return e.issue(_ALL_REDUCE, h, tensor, None, None, op, -1, 0, async_op, None, None)
 
 
 def _broadcast_py(tensor: torch.Tensor, src: Optional[int] = None, group=None, async_op: bool = False,
@@ -67,7 +63,7 @@ def _broadcast_py(tensor: torch.Tensor, src: Optional[int] = None, group=None, a
     """fastcomm.broadcast's cases that _C.broadcast does not run itself (as _all_reduce_py)."""
     e, h = _handle(group, "broadcast")
     src = _global_rank(group, src, group_src, "broadcast", "src")
-    return _wrap(e.issue(_BROADCAST, h, tensor, None, None, None, src, 0, async_op, None, None))
+    return e.issue(_BROADCAST, h, tensor, None, None, None, src, 0, async_op, None, None)
 
 
 def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = False) -> Optional[Work]:
@@ -76,28 +72,28 @@ def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = F
     if isinstance(tensor_list, torch.Tensor):
         return all_gather_into_tensor(tensor_list, tensor, group, async_op)
     e, h = _handle(group, "all_gather")
-    return _wrap(e.issue(_ALL_GATHER, h, tensor, None, list(tensor_list), None, -1, 0, async_op, None, None))
+    return e.issue(_ALL_GATHER, h, tensor, None, list(tensor_list), None, -1, 0, async_op, None, None)
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
                            async_op: bool = False) -> Optional[Work]:
     e, h = _handle(group, "all_gather_into_tensor")
-    return _wrap(e.issue(_ALL_GATHER_INTO_TENSOR, h, input_tensor, output_tensor, None, None, -1, 0,
-                         async_op, None, None))
+    return e.issue(_ALL_GATHER_INTO_TENSOR, h, input_tensor, output_tensor, None, None, -1, 0,
+                         async_op, None, None)
 
 
 def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op=ReduceOp.SUM, group=None,
                    async_op: bool = False) -> Optional[Work]:
     """Member i receives the reduction over members of their ``input_list[i]``."""
     e, h = _handle(group, "reduce_scatter")
-    return _wrap(e.issue(_REDUCE_SCATTER, h, None, output, list(input_list), op, -1, 0, async_op, None, None))
+    return e.issue(_REDUCE_SCATTER, h, None, output, list(input_list), op, -1, 0, async_op, None, None)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
                           async_op: bool = False) -> Optional[Work]:
     """Like reduce_scatter, with the inputs concatenated in one tensor of ``size() * numel``."""
     e, h = _handle(group, "reduce_scatter_tensor")
-    return _wrap(e.issue(_REDUCE_SCATTER_TENSOR, h, input, output, None, op, -1, 0, async_op, None, None))
+    return e.issue(_REDUCE_SCATTER_TENSOR, h, input, output, None, op, -1, 0, async_op, None, None)
 
 
 def _reduce_py(tensor: torch.Tensor, dst: Optional[int] = None, op=ReduceOp.SUM, group=None,
@@ -105,7 +101,7 @@ def _reduce_py(tensor: torch.Tensor, dst: Optional[int] = None, op=ReduceOp.SUM,
     """fastcomm.reduce's cases that _C.reduce does not run itself (as _all_reduce_py)."""
     e, h = _handle(group, "reduce")
     dst = _global_rank(group, dst, group_dst, "reduce", "dst")
-    return _wrap(e.issue(_REDUCE, h, tensor, None, None, op, dst, 0, async_op, None, None))
+    return e.issue(_REDUCE, h, tensor, None, None, op, dst, 0, async_op, None, None)
 
 
 def _gather_py(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = None, dst: Optional[int] = None,
@@ -113,7 +109,7 @@ def _gather_py(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] =
     """fastcomm.gather's cases that _C.gather does not run itself (as _all_reduce_py)."""
     e, h = _handle(group, "gather")
     dst = 0 if dst is None and group_dst is None else _global_rank(group, dst, group_dst, "gather", "dst")
-    return _wrap(e.issue(_GATHER, h, tensor, None, gather_list, None, dst, 0, async_op, None, None))
+    return e.issue(_GATHER, h, tensor, None, gather_list, None, dst, 0, async_op, None, None)
 
 
 def _scatter_py(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = None,
@@ -122,7 +118,7 @@ def _scatter_py(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]]
     """fastcomm.scatter's cases that _C.scatter does not run itself (as _all_reduce_py)."""
     e, h = _handle(group, "scatter")
     src = 0 if src is None and group_src is None else _global_rank(group, src, group_src, "scatter", "src")
-    return _wrap(e.issue(_SCATTER, h, tensor, None, scatter_list, None, src, 0, async_op, None, None))
+    return e.issue(_SCATTER, h, tensor, None, scatter_list, None, src, 0, async_op, None, None)
 
 
 def all_to_all(output_tensor_list: Sequence[torch.Tensor], input_tensor_list: Sequence[torch.Tensor], group=None,
@@ -130,8 +126,8 @@ def all_to_all(output_tensor_list: Sequence[torch.Tensor], input_tensor_list: Se
     """Sends ``input_tensor_list[i]`` to group rank i, which receives it into its
     ``output_tensor_list[me]``; tensors may differ in size, but each pair must agree."""
     e, h = _handle(group, "all_to_all")
-    return _wrap(e.issue(_ALL_TO_ALL, h, None, None, list(output_tensor_list), None, -1, 0, async_op,
-                         list(input_tensor_list), None))
+    return e.issue(_ALL_TO_ALL, h, None, None, list(output_tensor_list), None, -1, 0, async_op,
+                         list(input_tensor_list), None)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Optional[List[int]] = None,
@@ -143,13 +139,13 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     e, h = _handle(group, "all_to_all_single")
     splits = None if not output_split_sizes and not input_split_sizes else (
         output_split_sizes or None, input_split_sizes or None)
-    return _wrap(e.issue(_ALL_TO_ALL_SINGLE, h, input, output, None, None, -1, 0, async_op, None,
-                         splits))
+    return e.issue(_ALL_TO_ALL_SINGLE, h, input, output, None, None, -1, 0, async_op, None,
+                         splits)
 
 
 def barrier(group=None, async_op: bool = False) -> Optional[Work]:
     e, h = _handle(group, "barrier")
-    return _wrap(e.issue(_BARRIER, h, None, None, None, None, -1, 0, async_op, None, None))
+    return e.issue(_BARRIER, h, None, None, None, None, -1, 0, async_op, None, None)
 
 
 def _reserved_tag(api: str):
@@ -165,7 +161,7 @@ def isend(tensor: torch.Tensor, dst: Optional[int] = None, group=None, tag: int 
     if tag == _MONITORED_BARRIER_TAG:
         _reserved_tag("isend")
     dst = _global_rank(group, dst, group_dst, "isend", "dst")
-    return _wrap(e.issue(_SEND, h, tensor, None, None, None, dst, tag, True, None, None))
+    return e.issue(_SEND, h, tensor, None, None, None, dst, tag, True, None, None)
 
 
 def irecv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0,
@@ -318,11 +314,9 @@ class batch:
     def _posted(self) -> Work:
         if self._work is None:
             raise RuntimeError("fastcomm.batch: the batch has not been issued yet (leave the with-block first)")
-        return Work(self._work)
+        return self._work
 
     def wait(self, timeout=None) -> bool:
-        if timeout is None and self._work is not None:
-            return self._work.wait()
         return self._posted().wait(timeout)
 
     def is_completed(self) -> bool:
@@ -378,7 +372,7 @@ class plan:
         they are done and returns None."""
         if self._plan is None:
             raise RuntimeError("fastcomm.plan: start() before the plan was recorded (leave the with-block first)")
-        return _wrap(self._plan.start(async_op))
+        return self._plan.start(async_op)
 
 
 def all_reduce_many(tensors: Sequence[torch.Tensor], groups: Sequence, op=ReduceOp.SUM,
@@ -410,5 +404,5 @@ def all_reduce_many(tensors: Sequence[torch.Tensor], groups: Sequence, op=Reduce
 # The hot calls are native entries that run the plain case themselves (see csrc/bindings.cpp).
 for _name, _py in (("all_reduce", _all_reduce_py), ("broadcast", _broadcast_py), ("reduce", _reduce_py),
                    ("gather", _gather_py), ("scatter", _scatter_py)):
-    _C.set_fast_entry(_name, _py, Work)
+    _C.set_fast_entry(_name, _py)
 all_reduce, broadcast, reduce, gather, scatter = _C.all_reduce, _C.broadcast, _C.reduce, _C.gather, _C.scatter

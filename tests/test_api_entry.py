@@ -4,8 +4,10 @@ arguments, inside a batch and a plan, before init and after shutdown, and wrong 
 behave exactly as the wrapper does."""
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
-from torch.distributed import ReduceOp
+from torch.distributed import DistBackendError, ReduceOp
 
 import harness
 from _helpers import expect
@@ -73,6 +75,50 @@ def _errors_body(rank, world):
 
 def test_errors_are_the_wrappers():
     assert harness.run(_errors_body, 2) == [True, True]
+
+
+def _work_handle_body(rank, world):
+    """fastcomm.Work, a native type: every method and spelling torch's Work has, and re-wrapping."""
+    g = fc.new_group([0, 1])
+    t = torch.full((3,), float(rank + 1))
+    w = fc.all_reduce(t, group=g, async_op=True)
+    assert type(w) is fc.Work and fc.Work.__module__ == "fastcomm"
+    assert repr(w) in ("fastcomm.Work(pending)", "fastcomm.Work(completed)")
+    assert w.wait(timedelta(seconds=60)) is True
+    assert w.wait(timeout=60.0) is True and w.wait(None) is True and w.wait() is True
+    assert w.is_completed() and w.is_success() and w.exception() is None
+    assert repr(w) == "fastcomm.Work(completed)"
+    assert torch.equal(t, torch.full((3,), 3.0))
+    assert [torch.equal(x, t) for x in w.result()] == [True]
+    assert [torch.equal(x, t) for x in w.get_future().wait()] == [True]
+    w.synchronize()
+    again = fc.Work(w)
+    assert again is not w and again.is_completed() and again.wait() is True
+    expect(RuntimeError, w.source_rank)
+    expect(TypeError, lambda: w.wait(1.0, 2.0), "at most 1 argument")
+    expect(TypeError, lambda: w.wait(seconds=1.0), "unexpected keyword")
+    expect(TypeError, lambda: fc.Work(object()))
+    # A failed op: its error as the exception object a raising wait gives.
+    slow = fc.new_group([0, 1], timeout=timedelta(milliseconds=300))
+    if rank == 0:
+        bad = fc.all_reduce(torch.ones(1), group=slow, async_op=True)
+        expect(DistBackendError, bad.wait, "timed out")
+        assert bad.is_completed() and not bad.is_success()
+        e = bad.exception()
+        assert isinstance(e, DistBackendError) and "timed out" in str(e), repr(e)
+    fc.barrier()
+    # An irecv's Work maps its sender to a global rank through the group it was posted on.
+    h = fc.new_group([0, 1])
+    if rank == 0:
+        fc.send(torch.ones(2), 1, group=h)
+        return True
+    r = fc.irecv(torch.zeros(2), group=h)
+    r.wait()
+    return r.source_rank() == 0 and fc.Work(r).source_rank() == 0
+
+
+def test_work_handle():
+    assert harness.run(_work_handle_body, 2) == [True, True]
 
 
 def test_before_init():
