@@ -90,8 +90,10 @@ struct Batch {
 };
 
 // The Batch this thread is recording into (fastcomm.batch or plan), or null: every op issued
-// on the thread meanwhile joins it. A strong reference.
+// on the thread meanwhile joins it. `t_batch` is the Python object that holds it (a strong
+// reference): a pybind11 Batch (begin_batch) or a fastcomm.batch, which holds its own.
 thread_local PyObject* t_batch = nullptr;
+thread_local Batch* t_recording = nullptr;
 
 void add_to_batch(Engine& e, Batch& b, Engine::Prepared prep) {
   TORCH_CHECK(!b.posted, "fastcomm: rank ", e.rank(), ": op issued into a batch that was already posted");
@@ -123,7 +125,7 @@ py::object issue(Engine& e, int kind, const GroupHandle& g, const py::handle& te
   r.redop = to_redop(op, e, g, k);
   r.peer = peer;
   r.tag = tag;
-  if (Batch* batch = t_batch != nullptr ? registered<Batch>(t_batch) : nullptr) {
+  if (Batch* batch = t_recording) {
     // send/recv take the engine lock to find their channel, never waited for with the GIL.
     if (collective_spec(k).p2p) {
       Engine::Prepared prep = [&] {
@@ -361,23 +363,41 @@ py::object post_batch(Engine& e, Batch& b, bool async_op) {
   return async_op ? wrap_work(std::move(w)) : py::none();
 }
 
-// The recording of a batch (begin_batch, end_batch) as bare functions for the same reason as
-// issue: a batch's own cost is paid on every use, and pybind11's dispatch was a good part of it.
+// The engine a batch or plan recorded now is posted on. Not initialized, or shut down
+// underneath (by the torch backend): the Python layer says which, in its words.
+py::object current_engine(const char* api) {
+  Engine* e = g_engine ? registered<Engine>(g_engine) : nullptr;
+  if (e == nullptr || e->is_shut_down()) return py::module_::import("fastcomm._state").attr("_require")(api);
+  return py::reinterpret_borrow<py::object>(g_engine);
+}
+
+void check_not_recording(const std::string& api) {
+  TORCH_CHECK(t_batch == nullptr, "fastcomm.", api, ": ",
+              api == "batch" ? "batches do not nest" : "a plan cannot be recorded inside a batch or another plan");
+}
+
+void begin_recording(PyObject* owner, Batch& b) {
+  set_ref(t_batch, owner);
+  t_recording = &b;
+}
+
+void end_recording() {
+  t_recording = nullptr;
+  set_ref(t_batch, nullptr);
+}
+
+// The recording of a plan or of all_reduce_many (begin_batch, end_batch) as bare functions
+// for the same reason as issue: pybind11's dispatch was a good part of their own cost.
 // begin_batch(api): api is "batch" or "plan", for messages.
 PyObject* begin_batch_entry(PyObject*, PyObject* api_obj) {
   try {
     const std::string api = py::cast<std::string>(api_obj);
-    TORCH_CHECK(t_batch == nullptr, "fastcomm.", api, ": ",
-                api == "batch" ? "batches do not nest" : "a plan cannot be recorded inside a batch or another plan");
-    py::object engine = py::reinterpret_borrow<py::object>(g_engine);
-    Engine* e = g_engine ? registered<Engine>(engine) : nullptr;
-    // Not initialized, or shut down underneath (by the torch backend): the Python layer says
-    // which, in its words.
-    if (e == nullptr || e->is_shut_down()) engine = py::module_::import("fastcomm._state").attr("_require")(api);
+    check_not_recording(api);
+    py::object engine = current_engine(api.c_str());
     auto* b = new Batch();
     b->engine = std::move(engine);
     py::object batch = py::cast(b, py::return_value_policy::take_ownership);
-    set_ref(t_batch, batch.ptr());
+    begin_recording(batch.ptr(), *b);
     return batch.release().ptr();
   } catch (...) {
     py::detail::try_translate_exceptions();
@@ -395,13 +415,147 @@ PyObject* end_batch_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     const int post = PyObject_IsTrue(args[1]);
     int async_op = 1;
     if (post < 0 || (nargs == 3 && (async_op = PyObject_IsTrue(args[2])) < 0)) throw py::error_already_set();
-    set_ref(t_batch, nullptr);
+    end_recording();
     if (!post) Py_RETURN_NONE;
     return post_batch(*registered<Engine>(b->engine), *b, async_op != 0).release().ptr();
   } catch (...) {
     py::detail::try_translate_exceptions();
     return nullptr;
   }
+}
+
+// fastcomm.batch, a bare CPython type: entering, leaving and waiting run no Python frame, and
+// the Batch lives inside the object (no pybind11 instance per use). A program that mixes
+// batches of a few ops with blocking calls pays this on every batch.
+struct BatchObject {
+  PyObject_HEAD
+  Batch batch;
+  PyObject* work;  // the fastcomm.Work of the posted batch; null before
+};
+
+BatchObject* as_batch(PyObject* self) { return reinterpret_cast<BatchObject*>(self); }
+
+PyObject* batch_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  if (PyTuple_GET_SIZE(args) != 0 || (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0)) {
+    PyErr_SetString(PyExc_TypeError, "fastcomm.batch() takes no arguments");
+    return nullptr;
+  }
+  PyObject* o = type->tp_alloc(type, 0);
+  if (o == nullptr) return nullptr;
+  new (&as_batch(o)->batch) Batch();
+  as_batch(o)->work = nullptr;
+  return o;
+}
+
+void batch_dealloc(PyObject* self) {
+  as_batch(self)->batch.~Batch();  // (never the recording one: t_batch holds that)
+  Py_XDECREF(as_batch(self)->work);
+  PyTypeObject* tp = Py_TYPE(self);
+  tp->tp_free(self);
+  Py_DECREF(tp);
+}
+
+PyObject* batch_enter(PyObject* self, PyObject*) {
+  try {
+    BatchObject* b = as_batch(self);
+    check_not_recording("batch");
+    py::object engine = current_engine("batch");
+    begin_recording(self, b->batch);
+    // A batch object used again records anew.
+    b->batch.ops.clear();
+    b->batch.posted = false;
+    b->batch.engine = std::move(engine);
+    Py_CLEAR(b->work);
+    Py_INCREF(self);
+    return self;
+  } catch (...) {
+    py::detail::try_translate_exceptions();
+    return nullptr;
+  }
+}
+
+// __exit__(exc_type, exc, tb): an exception inside the block discards the batch (nothing was
+// sent); otherwise its ops are posted together.
+PyObject* batch_exit(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  try {
+    BatchObject* b = as_batch(self);
+    TORCH_CHECK(t_recording == &b->batch, "fastcomm.batch: __exit__ of a batch that is not being recorded");
+    end_recording();
+    if (nargs == 0 || args[0] == Py_None) {
+      Engine* e = registered<Engine>(b->batch.engine);
+      TORCH_INTERNAL_ASSERT(e != nullptr, "fastcomm.batch: recorded without an engine");
+      b->work = post_batch(*e, b->batch, /*async_op=*/true).release().ptr();
+    } else {
+      b->batch.ops.clear();
+    }
+    Py_RETURN_FALSE;
+  } catch (...) {
+    py::detail::try_translate_exceptions();
+    return nullptr;
+  }
+}
+
+Py_ssize_t batch_len(PyObject* self) { return (Py_ssize_t)as_batch(self)->batch.ops.size(); }
+
+// The batch's Work methods, called on its Work once posted.
+template <const char* kName>
+PyObject* batch_forward(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  PyObject* work = as_batch(self)->work;
+  if (work == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "fastcomm.batch: the batch has not been issued yet (leave the with-block first)");
+    return nullptr;
+  }
+  static PyObject* const name = PyUnicode_InternFromString(kName);
+  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  const Py_ssize_t n = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+  if (n > 4) {
+    PyErr_Format(PyExc_TypeError, "fastcomm.batch.%s: too many arguments", kName);
+    return nullptr;
+  }
+  PyObject* stack[5] = {work};
+  for (Py_ssize_t i = 0; i < n; ++i) stack[i + 1] = args[i];
+  return PyObject_VectorcallMethod(name, stack, (size_t)(nargs + 1), kwnames);
+}
+
+constexpr char kWait[] = "wait", kIsCompleted[] = "is_completed", kIsSuccess[] = "is_success",
+               kException[] = "exception", kGetFuture[] = "get_future";
+
+template <const char* kName>
+PyMethodDef forwarded(const char* doc) {
+  return {kName, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&batch_forward<kName>)),
+          METH_FASTCALL | METH_KEYWORDS, doc};
+}
+
+PyMethodDef batch_methods[] = {
+    {"__enter__", &batch_enter, METH_NOARGS, nullptr},
+    {"__exit__", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&batch_exit)), METH_FASTCALL, nullptr},
+    forwarded<kWait>("wait(timeout=None): waits for every op of the batch (Work.wait)"),
+    forwarded<kIsCompleted>("Whether every op of the batch has finished"),
+    forwarded<kIsSuccess>("Whether every op of the batch has finished without an error"),
+    forwarded<kException>("The batch's first error as an exception object, or None"),
+    forwarded<kGetFuture>("A torch.futures.Future completed with the batch's outputs"),
+    {nullptr, nullptr, 0, nullptr},
+};
+
+void add_batch_type(py::module_& m) {
+  static PyType_Slot slots[] = {
+      {Py_tp_doc, const_cast<char*>(
+                      "``with fastcomm.batch() as b:`` -- every op issued in the block (any groups, overlapping or not) "
+                      "is validated at once and issued together when the block ends, as one fused step: one write and "
+                      "one wake-up per peer. Inside the block ops return None; ``b`` stands for the Work of the whole "
+                      "batch (wait, is_completed, is_success, exception, get_future). An exception inside the block "
+                      "discards the batch: nothing was sent. ``len(b)``: the ops recorded and not yet issued.")},
+      {Py_tp_new, reinterpret_cast<void*>(&batch_new)},
+      {Py_tp_dealloc, reinterpret_cast<void*>(&batch_dealloc)},
+      {Py_tp_methods, batch_methods},
+      {Py_sq_length, reinterpret_cast<void*>(&batch_len)},
+      {0, nullptr},
+  };
+  static PyType_Spec spec = {"fastcomm.batch", sizeof(BatchObject), 0, Py_TPFLAGS_DEFAULT, slots};
+  PyObject* t = PyType_FromSpec(&spec);
+  if (t == nullptr) throw py::error_already_set();
+  m.add_object("batch", py::reinterpret_steal<py::object>(t));
 }
 
 PyMethodDef batch_defs[] = {
@@ -571,5 +725,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }
 
   add_work_type(m);
+  add_batch_type(m);
   register_backend_bindings(m);  // the torch.distributed backend (csrc/backend)
 }

@@ -285,51 +285,9 @@ def _ranks_failed(ranks: List[int], secs: Optional[float] = None) -> str:
     return f"{who} failed to pass monitored_barrier" + ("" if secs is None else f" within {secs:g} s")
 
 
-class batch:
-    """``with fastcomm.batch() as b:`` -- every op issued in the block (any groups, overlapping
-    or not) is validated at once and issued together when the block ends, as one fused step:
-    one write and one wake-up per peer. Inside the block ops return None; ``b`` is the Work of
-    the whole batch (wait, is_completed, is_success, exception, get_future). An exception
-    inside the block discards the batch: nothing was sent."""
-
-    # A batch's own cost is paid on every use of it: entering and leaving are one native call
-    # each (which also checks nesting and init), and the engine's Work is kept unwrapped.
-    __slots__ = ("_ops", "_work")
-
-    def __init__(self):
-        self._ops = None
-        self._work = None  # the engine's Work, once posted
-
-    def __enter__(self) -> "batch":
-        self._ops = _C.begin_batch("batch")
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        self._work = _C.end_batch(self._ops, exc_type is None)
-        return False
-
-    def __len__(self) -> int:
-        return len(self._ops) if self._ops is not None else 0
-
-    def _posted(self) -> Work:
-        if self._work is None:
-            raise RuntimeError("fastcomm.batch: the batch has not been issued yet (leave the with-block first)")
-        return self._work
-
-    def wait(self, timeout=None) -> bool:
-        return self._posted().wait(timeout)
-
-    def is_completed(self) -> bool:
-        return self._posted().is_completed()
-
-    def is_success(self) -> bool:
-        return self._posted().is_success()
-
-    def exception(self):
-        return self._posted().exception()
-
-    def get_future(self) -> torch.futures.Future:
-        return self._posted().get_future()
+# ``with fastcomm.batch() as b:`` -- a native type (csrc/bindings.cpp): a batch's own cost is
+# paid on every use, so entering, leaving and waiting run no Python frame.
+batch = _C.batch
 
 
 class plan:

@@ -98,6 +98,16 @@ def _work_handle_body(rank, world):
     expect(TypeError, lambda: w.wait(1.0, 2.0), "at most 1 argument")
     expect(TypeError, lambda: w.wait(seconds=1.0), "unexpected keyword")
     expect(TypeError, lambda: fc.Work(object()))
+    # fastcomm.batch is native too: no arguments, and one object can record again once posted.
+    expect(TypeError, lambda: fc.batch(1), "no arguments")
+    b = fc.batch()
+    for i in range(2):
+        x = torch.full((2,), float(rank + i))
+        with b:
+            fc.all_reduce(x, group=g)
+            assert len(b) == 1
+        assert b.wait(timeout=60) is True and b.is_success() and b.exception() is None
+        assert len(b) == 0 and torch.equal(x, torch.full((2,), float(1 + 2 * i)))
     # A failed op: its error as the exception object a raising wait gives.
     slow = fc.new_group([0, 1], timeout=timedelta(milliseconds=300))
     if rank == 0:
