@@ -16,9 +16,14 @@ int usable_cpus() {
 
 // The background thread ticks while async ops come and go, rather than being woken for each:
 // a wake-up costs a futex call and, with more ranks than cores, a context switch per op, which
-// the caller almost always makes moot by waiting at once. After kBgIdle without an async op it
-// sleeps until the next post wakes it.
+// the caller almost always makes moot by waiting at once. A tick costs the same, so while the
+// ticks find nothing to drive (every op waited for by its caller) they slow down, doubling
+// after every kBgSlowAfter such ticks up to kBgTickMax, and speed up again at the first one
+// that drives (or a Future asked for, hurry()). After kBgIdle without an async op it sleeps
+// until the next post wakes it.
 constexpr auto kBgTick = std::chrono::microseconds(500);
+constexpr auto kBgTickMax = std::chrono::microseconds(4000);
+constexpr int kBgSlowAfter = 4;
 constexpr auto kBgIdle = std::chrono::milliseconds(100);
 
 }  // namespace
@@ -141,19 +146,42 @@ void Driver::ensure_background() {
   bg_cv_.notify_one();
 }
 
+void Driver::hurry() {
+  {
+    std::lock_guard<std::mutex> lk(bg_mu_);
+    bg_hurry_ = true;
+  }
+  bg_cv_.notify_one();
+}
+
 void Driver::bg_main() {
   std::unique_lock<std::mutex> lk(bg_mu_);
   auto last_busy = Clock::now();
+  auto tick = kBgTick;
+  int idle_ticks = 0;
+  auto idle_tick = [&] {
+    if (++idle_ticks >= kBgSlowAfter && tick < kBgTickMax) {
+      tick = std::min(tick * 2, kBgTickMax);
+      idle_ticks = 0;
+    }
+  };
   while (!bg_stop_) {
     if (Clock::now() - last_busy > kBgIdle) {
       // A post that saw bg_deep_ false before this store finds pending_async raised here.
       bg_deep_.store(true, std::memory_order_seq_cst);
       bg_cv_.wait(lk, [&] { return bg_stop_ || progress_.pending_async() > 0; });
       bg_deep_.store(false, std::memory_order_seq_cst);
-    } else {
-      bg_cv_.wait_for(lk, kBgTick);
+      tick = kBgTick;
+      idle_ticks = 0;
+    } else if (!bg_hurry_) {
+      bg_cv_.wait_for(lk, tick);
     }
     if (bg_stop_) break;
+    if (bg_hurry_) {
+      bg_hurry_ = false;
+      tick = kBgTick;
+      idle_ticks = 0;
+    }
     if (progress_.pending_async() == 0) {
       if (progress_.publish_pending()) {
         lk.unlock();
@@ -161,10 +189,16 @@ void Driver::bg_main() {
         progress_.finish(none);
         lk.lock();
       }
+      idle_tick();
       continue;
     }
     last_busy = Clock::now();
-    if (fg_drivers_.load() > 0) continue;
+    if (fg_drivers_.load() > 0) {
+      idle_tick();
+      continue;
+    }
+    tick = kBgTick;
+    idle_ticks = 0;
     lk.unlock();
     try {
       drive(nullptr, Clock::time_point{}, false);

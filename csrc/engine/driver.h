@@ -33,6 +33,8 @@ class Driver {
   // After an async post: makes sure the background thread will look.
   void ensure_background();
   void wake_background() { bg_cv_.notify_one(); }
+  // Makes the background thread look now and tick at its fastest again.
+  void hurry();
   // Stops and joins the background thread (or detaches it, if called on it).
   void stop();
   // Sleeps that ran their whole slice with nobody ringing, after which there was work to do:
@@ -56,6 +58,7 @@ class Driver {
   std::condition_variable bg_cv_;
   std::thread bg_;
   bool bg_stop_ = false;
+  bool bg_hurry_ = false;  // bg_mu_
   std::atomic<bool> bg_started_{false};
   std::atomic<bool> bg_deep_{false};  // asleep until rung, not ticking
 };

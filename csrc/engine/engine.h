@@ -129,6 +129,7 @@ class Engine final : public Waiter, public HostLink, public std::enable_shared_f
   // Waiter: blocks until `w` is done, driving progress; poll: one non-blocking attempt.
   void wait(Work& w, std::chrono::milliseconds timeout) override { driver_.wait(w, timeout); }
   void poll() override { driver_.poll(); }
+  void hurry() override { driver_.hurry(); }
 
   // Fails every pending op, stops the threads and releases the shared memory.
   void shutdown();

@@ -51,6 +51,7 @@ bool Work::wait(std::chrono::milliseconds timeout) {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Work::getFuture() {
+  if (!done()) waiter_->hurry();
   std::lock_guard<std::mutex> lk(mutex_);
   if (!future_) {
     future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));

@@ -24,6 +24,9 @@ class Waiter {
   virtual void wait(Work& w, std::chrono::milliseconds timeout) = 0;
   // One non-blocking progress attempt; may be called with the GIL held.
   virtual void poll() = 0;
+  // A pending op's Future was asked for: its callbacks run once something drives the op, so
+  // the background driver should look soon rather than at its next (maybe slowed) tick.
+  virtual void hurry() {}
 };
 
 class Work : public c10d::Work {
