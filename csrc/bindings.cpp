@@ -105,7 +105,6 @@ void add_to_batch(Engine& e, Batch& b, Engine::Prepared prep) {
   b.ops.push_back(std::move(prep));
 }
 
-
 // Every op's entry. inputs: all_to_all's input list; splits: all_to_all_single's (output,
 // input) split sizes. Inside a batch or plan being recorded on this thread the op is added to
 // it instead of issued.

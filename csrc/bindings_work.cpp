@@ -1,7 +1,7 @@
 #include "bindings_work.h"
 
+#include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <string>
 
 namespace py = pybind11;
