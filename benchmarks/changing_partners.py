@@ -14,7 +14,9 @@ MPI (mpi4py, when it and mpirun are installed) walks it blocking, over communica
 members make with `Comm.Create_group` for the groups the sequence uses.
 
 Per op = the slowest rank's walk time / the ops that rank took part in. Each cell is the median
-over --repeat launches (fresh processes, the libraries alternating). The first ops of each
+over --repeat launches (fresh processes, the libraries alternating). The ratios are also given
+launch by launch: each repetition runs the cells back to back, so its ratio compares runs of the
+same minutes (this VM's speed drifts by a quarter from one minute to the next). The first ops of each
 walk are checked against a reference afterwards, so a wrong result fails its cell. Usage:
 
     python benchmarks/changing_partners.py [--world 4] [--groups 20000] [--ops 2000]
@@ -100,7 +102,7 @@ def main():
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--groups", type=int, default=20000)
     ap.add_argument("--ops", type=int, default=2000)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
@@ -116,12 +118,14 @@ def main():
         cells.append(("MPI blocking", lambda: run_mpi(mpirun, args.world, args.groups, args.ops, args.seed)))
     progress = Progress(len(cells) * args.repeat)
     runs = {name: [] for name, _ in cells}
+    by_rep = [{} for _ in range(args.repeat)]  # per repetition: cell -> µs per op
     failures = []
     for rep in range(args.repeat):
         for name, launch in cells:
             progress.launch(f"{name}, launch {rep + 1}/{args.repeat}")
             try:
                 runs[name].append(launch())
+                by_rep[rep][name] = per_op(runs[name][-1]) * 1e6
             except JobError as e:
                 failures.append(f"{name}: {e}")
 
@@ -144,11 +148,19 @@ def main():
                      f"{statistics.median(setups):.2f}"])
     print_table(["run", "µs per op (median)", "each launch", "groups made in (s)"], rows, left=1)
     med = {n: statistics.median(c["us_per_op"]) for n, c in results["cells"].items()}
-    if "fastcomm blocking" in med and "fastcomm mixed" in med:
-        print(f"\nmixed / blocking: {med['fastcomm mixed'] / med['fastcomm blocking']:.2f}x (target: at most 1.2x)")
-    if "MPI blocking" in med and "fastcomm blocking" in med:
-        print(f"MPI / fastcomm blocking: {med['MPI blocking'] / med['fastcomm blocking']:.2f}x "
-              f"(how many times faster fastcomm is; target: at least 1.5x)")
+
+    def ratio(num, den, what):
+        if num not in med or den not in med:
+            return
+        each = [r[num] / r[den] for r in by_rep if num in r and den in r]
+        results[f"{num} / {den}"] = each
+        print(f"{what}: {med[num] / med[den]:.2f}x of the medians; launch by launch "
+              f"{', '.join(f'{x:.2f}' for x in each)}, median {statistics.median(each):.2f}x")
+
+    print()
+    ratio("fastcomm mixed", "fastcomm blocking", "mixed / blocking (target: at most 1.2x)")
+    ratio("MPI blocking", "fastcomm blocking",
+          "MPI / fastcomm blocking (how many times faster fastcomm is; target: at least 1.5x)")
     print("\n\"groups made in\": fastcomm makes all the groups (fc.new_groups); MPI makes a communicator "
           "for each group the walk uses (Create_group, members only).")
     return finish(results, failures, t_start, "Total benchmark time", args.json, None, None)
