@@ -14,7 +14,8 @@ MPI (mpi4py, when it and mpirun are installed) walks it blocking, over communica
 members make with `Comm.Create_group` for the groups the sequence uses.
 
 Per op = the slowest rank's walk time / the ops that rank took part in. Each cell is the median
-over --repeat launches (fresh processes, the libraries alternating). The ratios are also given
+over --repeat launches (fresh processes, the libraries alternating, each repetition starting
+one cell later than the last). The ratios are also given
 launch by launch: each repetition runs the cells back to back, so its ratio compares runs of the
 same minutes (this VM's speed drifts by a quarter from one minute to the next). The first ops of each
 walk are checked against a reference afterwards, so a wrong result fails its cell. Usage:
@@ -121,7 +122,9 @@ def main():
     by_rep = [{} for _ in range(args.repeat)]  # per repetition: cell -> µs per op
     failures = []
     for rep in range(args.repeat):
-        for name, launch in cells:
+        # Each repetition starts one cell later: the launch that follows another job ran
+        # slower in some hours, and a fixed order would charge that to the same cell each time.
+        for name, launch in cells[rep % len(cells):] + cells[:rep % len(cells)]:
             progress.launch(f"{name}, launch {rep + 1}/{args.repeat}")
             try:
                 runs[name].append(launch())
