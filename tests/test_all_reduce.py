@@ -294,6 +294,27 @@ def test_async_ops_complete_in_issue_order(tmp_path):
     harness.run(_issue_order_body, 2, str(tmp_path), timeout=60, env=RING_ENV)
 
 
+def _future_without_wait_body(rank, world):
+    g = fc.new_group([0, 1])
+    # A stretch of async ops each waited for at once (the same count on both ranks): the
+    # background thread's ticks find nothing to drive and slow down.
+    for _ in range(5000):
+        fc.all_reduce(torch.ones(4), group=g, async_op=True).wait()
+    done = threading.Event()
+    t = torch.full((4,), float(rank + 1))
+    w = fc.all_reduce(t, group=g, async_op=True)
+    w.get_future().then(lambda _f: done.set())
+    # Nobody waits on or polls the Work: only the background thread drives the op and runs the
+    # callback (asking for the Future hurries it).
+    assert done.wait(60), f"rank {rank}: the Future's callback never ran"
+    assert torch.equal(t, torch.full((4,), 3.0))
+    return True
+
+
+def test_future_completes_without_a_wait():
+    assert harness.run(_future_without_wait_body, 2, timeout=90) == [True, True]
+
+
 # ---------------------------------------------------------------------------------------------
 # Issue orders that must not deadlock
 
