@@ -79,7 +79,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
                            async_op: bool = False) -> Optional[Work]:
     e, h = _handle(group, "all_gather_into_tensor")
     return e.issue(_ALL_GATHER_INTO_TENSOR, h, input_tensor, output_tensor, None, None, -1, 0,
-                         async_op, None, None)
+                   async_op, None, None)
 
 
 def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op=ReduceOp.SUM, group=None,
@@ -127,7 +127,7 @@ def all_to_all(output_tensor_list: Sequence[torch.Tensor], input_tensor_list: Se
     ``output_tensor_list[me]``; tensors may differ in size, but each pair must agree."""
     e, h = _handle(group, "all_to_all")
     return e.issue(_ALL_TO_ALL, h, None, None, list(output_tensor_list), None, -1, 0, async_op,
-                         list(input_tensor_list), None)
+                   list(input_tensor_list), None)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Optional[List[int]] = None,
@@ -140,7 +140,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     splits = None if not output_split_sizes and not input_split_sizes else (
         output_split_sizes or None, input_split_sizes or None)
     return e.issue(_ALL_TO_ALL_SINGLE, h, input, output, None, None, -1, 0, async_op, None,
-                         splits)
+                   splits)
 
 
 def barrier(group=None, async_op: bool = False) -> Optional[Work]:
