@@ -84,7 +84,7 @@ struct Batch {
   Batch() = default;
   Batch(const Batch&) = delete;  // said outright: std::vector claims to be copyable whatever it holds
   Batch& operator=(const Batch&) = delete;
-  std::vector<Engine::Prepared> ops;
+  Engine::PreparedOps ops;
   bool posted = false;
   py::object engine;  // the engine it was begun on (begin_batch), which posts it
 };
@@ -141,7 +141,7 @@ py::object issue(Engine& e, int kind, const GroupHandle& g, const py::handle& te
   // Outlives the unlocked section: its requests hold the last C++ references to the caller's
   // tensors, and dropping such a reference releases the tensor's Python object, which without
   // the GIL means taking it again (a measurable part of a blocking op).
-  std::vector<Engine::Prepared> ops;
+  Engine::PreparedOps ops;
   {
     py::gil_scoped_release nogil;
     ops.push_back(e.prepare(std::move(r), g));

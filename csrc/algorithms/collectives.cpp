@@ -32,13 +32,24 @@ ExchangePlan blank_plan(int size) {
   return p;
 }
 
+// The tensors an op holds: one in the common case, kept inline (no allocation per op).
+using Tensors = c10::SmallVector<at::Tensor, 1>;
+
+Tensors tensors(c10::ArrayRef<at::Tensor> ts) { return Tensors(ts.begin(), ts.end()); }
+
+struct NoLocal {
+  void operator()() const {}
+};
+
 // An op that is a fixed sequence of exchanges, built lazily because piece size comes from
-// the transport. `keep` holds every tensor the op touches alive until it completes.
+// the transport. `keep` holds every tensor the op touches alive until it completes. `build`
+// and `local` are the maker's lambdas, held as themselves: as std::functions their captures
+// would cost heap blocks per op, and the op a size past malloc's per-thread cache.
+template <typename Build, typename Local>
 class PhasedOp final : public Op {
  public:
-  using Builder = std::function<ExchangePlan(int phase)>;
-  PhasedOp(OpDesc d, std::vector<at::Tensor> outputs, std::vector<at::Tensor> keep, int rank,
-           int size, int phases, size_t elem_size, Builder build, std::function<void()> local = {})
+  PhasedOp(OpDesc d, Tensors outputs, Tensors keep, int rank, int size, int phases, size_t elem_size, Build build,
+           Local local)
       : Op(d),
         outputs_(std::move(outputs)),
         keep_(std::move(keep)),
@@ -54,7 +65,7 @@ class PhasedOp final : public Op {
     for (;;) {
       if (phase_ == phases_) return any;
       if (!started_) {
-        if (phase_ == 0 && local_) local_();
+        if (phase_ == 0) local_();
         ex_.start(build_(phase_), rank_, size_, es_, c, outputs_, keep_);
         started_ = true;
         any = true;
@@ -66,7 +77,7 @@ class PhasedOp final : public Op {
     }
   }
   bool done() const override { return phase_ == phases_; }
-  std::vector<at::Tensor> outputs() const override { return outputs_; }
+  std::vector<at::Tensor> outputs() const override { return {outputs_.begin(), outputs_.end()}; }
   bool restartable() const override { return true; }
   void restart() override {
     phase_ = 0;
@@ -74,15 +85,23 @@ class PhasedOp final : public Op {
   }
 
  private:
-  std::vector<at::Tensor> outputs_, keep_;
+  Tensors outputs_, keep_;
   int rank_, size_, phases_;
   size_t es_;
-  Builder build_;
-  std::function<void()> local_;
+  Build build_;
+  Local local_;
   Exchange ex_;
   int phase_ = 0;
   bool started_ = false;
 };
+
+// `build(phase)` returns the ExchangePlan of that phase; `local()` runs before phase 0.
+template <typename Build, typename Local = NoLocal>
+std::unique_ptr<Op> phased(OpDesc d, Tensors outputs, Tensors keep, int rank, int size, int phases, size_t es,
+                           Build build, Local local = {}) {
+  return std::make_unique<PhasedOp<Build, Local>>(d, std::move(outputs), std::move(keep), rank, size, phases, es,
+                                                  std::move(build), std::move(local));
+}
 
 // Element range [begin, end) of chunk r when n elements are split over k members.
 std::pair<size_t, size_t> chunk(size_t n, int k, int r) {
@@ -127,9 +146,9 @@ std::unique_ptr<Op> make_hierarchical(OpDesc d, const at::Tensor& t, bool reduce
     p.op = rop;
     p.avg_divisor = divisor;
   };
-  std::vector<at::Tensor> outputs;
+  Tensors outputs;
   if (t.defined()) outputs.push_back(t);
-  return std::make_unique<PhasedOp>(d, outputs, std::vector<at::Tensor>{}, rank, size, phases, es,
+  return phased(d, std::move(outputs), Tensors{}, rank, size, phases, es,
       [=](int phase) {
         ExchangePlan p = blank_plan(size);
         // The form is in the tag too (members that disagree on FASTCOMM_RSAG_THRESHOLD differ
@@ -187,6 +206,7 @@ std::unique_ptr<Op> make_hierarchical(OpDesc d, const at::Tensor& t, bool reduce
 std::unique_ptr<Op> make_flat_all_reduce(OpDesc d, const at::Tensor& t, RedOp op, const GroupView& g) {
   const int rank = g.rank, size = g.size();
   const size_t es = t.element_size();
+  const c10::ScalarType dtype = t.scalar_type();  // (the lambdas hold no tensor)
   uint8_t* base = bytes(t);
   const size_t total = nbytes(t);
   if (size >= 3 && total >= g.rsag_threshold) {
@@ -195,7 +215,7 @@ std::unique_ptr<Op> make_flat_all_reduce(OpDesc d, const at::Tensor& t, RedOp op
       auto [b, e] = chunk(n, size, r);
       return Span::of(base + b * es, (e - b) * es);
     };
-    return std::make_unique<PhasedOp>(d, std::vector<at::Tensor>{t}, std::vector<at::Tensor>{}, rank, size, 2, es,
+    return phased(d, Tensors{t}, Tensors{}, rank, size, 2, es,
         [=](int phase) {
           ExchangePlan p = blank_plan(size);
           p.tag = phase;
@@ -213,14 +233,14 @@ std::unique_ptr<Op> make_flat_all_reduce(OpDesc d, const at::Tensor& t, RedOp op
             p.fold = true;
             p.out = span_of(rank);
             p.own = p.out.ptr;
-            p.dtype = t.scalar_type();
+            p.dtype = dtype;
             p.op = op;
             p.avg_divisor = size;
           }
           return p;
         });
   }
-  return std::make_unique<PhasedOp>(d, std::vector<at::Tensor>{t}, std::vector<at::Tensor>{}, rank, size, 1, es,
+  return phased(d, Tensors{t}, Tensors{}, rank, size, 1, es,
       [=](int) {
         ExchangePlan p = blank_plan(size);
         for (int q = 0; q < size; ++q) {
@@ -232,7 +252,7 @@ std::unique_ptr<Op> make_flat_all_reduce(OpDesc d, const at::Tensor& t, RedOp op
         p.out = Span::of(base, total);
         p.own = base;
         p.send_aliases_out = true;
-        p.dtype = t.scalar_type();
+        p.dtype = dtype;
         p.op = op;
         p.avg_divisor = size;
         return p;
@@ -255,7 +275,7 @@ std::unique_ptr<Op> make_broadcast(const at::Tensor& t, int root, int rank, int 
   const size_t total = nbytes(t);
   // Non-roots answer with an empty message: the root then knows every member issued the same
   // broadcast (or learns of a mismatch) before it reports completion.
-  return std::make_unique<PhasedOp>(d, std::vector<at::Tensor>{t}, std::vector<at::Tensor>{}, rank, size, 1,
+  return phased(d, Tensors{t}, Tensors{}, rank, size, 1,
       t.element_size(), [=](int) {
         ExchangePlan p = blank_plan(size);
         for (int q = 0; q < size; ++q) {
@@ -281,8 +301,7 @@ std::unique_ptr<Op> make_all_gather(const std::vector<at::Tensor>& outs, const a
   const size_t len = nbytes(in);
   std::vector<uint8_t*> dst;
   for (const auto& o : outs) dst.push_back(bytes(o));
-  std::vector<at::Tensor> keep{in};
-  return std::make_unique<PhasedOp>(d, std::move(reported), keep, rank, size, 1, in.element_size(),
+  return phased(d, tensors(reported), Tensors{in}, rank, size, 1, in.element_size(),
       [=](int) {
         ExchangePlan p = blank_plan(size);
         for (int q = 0; q < size; ++q) {
@@ -304,7 +323,7 @@ std::unique_ptr<Op> make_reduce_scatter(const at::Tensor& out, const std::vector
   for (const auto& i : ins) src.push_back(bytes(i));
   uint8_t* dst = bytes(out);
   const size_t len = nbytes(out);
-  return std::make_unique<PhasedOp>(d, std::vector<at::Tensor>{out}, ins, rank, size, 1, out.element_size(),
+  return phased(d, Tensors{out}, tensors(ins), rank, size, 1, out.element_size(),
       [=](int) {
         ExchangePlan p = blank_plan(size);
         for (int q = 0; q < size; ++q) {
@@ -326,7 +345,7 @@ std::unique_ptr<Op> make_barrier(const OpRequest&, const GroupView& g) {
   const int rank = g.rank, size = g.size();
   OpDesc d{OpKind::kBarrier, c10::ScalarType::Byte, RedOp::SUM, 0, -1};
   if (g.hosts) return make_hierarchical(d, at::Tensor(), false, RedOp::SUM, g);
-  return std::make_unique<PhasedOp>(d, std::vector<at::Tensor>{}, std::vector<at::Tensor>{}, rank, size, 1, 1,
+  return phased(d, Tensors{}, Tensors{}, rank, size, 1, 1,
       [=](int) {
         ExchangePlan p = blank_plan(size);
         for (int q = 0; q < size; ++q) {
@@ -343,7 +362,7 @@ std::unique_ptr<Op> make_p2p(const at::Tensor& t, bool sending, int peer_rank, i
   OpDesc d{OpKind::kSend, t.scalar_type(), RedOp::SUM, (uint64_t)t.numel(), -1};
   uint8_t* base = bytes(t);
   const size_t len = nbytes(t);
-  return std::make_unique<PhasedOp>(d, std::vector<at::Tensor>{t}, std::vector<at::Tensor>{}, rank, 2, 1,
+  return phased(d, Tensors{t}, Tensors{}, rank, 2, 1,
       t.element_size(), [=](int) {
         ExchangePlan p = blank_plan(2);
         p.bulk = false;
@@ -363,7 +382,7 @@ std::unique_ptr<Op> make_reduce(const at::Tensor& t, int root, RedOp op, int ran
   OpDesc d{OpKind::kReduce, t.scalar_type(), op, (uint64_t)t.numel(), root};
   uint8_t* base = bytes(t);
   const size_t total = nbytes(t);
-  return std::make_unique<PhasedOp>(d, std::vector<at::Tensor>{t}, std::vector<at::Tensor>{}, rank, size, 1,
+  return phased(d, Tensors{t}, Tensors{}, rank, size, 1,
       t.element_size(), [=](int) {
         ExchangePlan p = blank_plan(size);
         if (rank != root) {
@@ -397,7 +416,7 @@ std::unique_ptr<Op> make_rooted_copy(OpKind kind, const at::Tensor& t, const std
   for (const auto& b : blocks) blk.push_back(bytes(b));
   std::vector<at::Tensor> outputs = to_root ? blocks : std::vector<at::Tensor>{t};
   std::vector<at::Tensor> keep = to_root ? std::vector<at::Tensor>{t} : blocks;
-  return std::make_unique<PhasedOp>(d, outputs, keep, rank, size, 1, t.element_size(),
+  return phased(d, tensors(outputs), tensors(keep), rank, size, 1, t.element_size(),
       [=](int) {
         ExchangePlan p = blank_plan(size);
         const Span none = Span::of(nullptr, 0);
@@ -427,7 +446,7 @@ std::unique_ptr<Op> make_all_to_all(std::vector<Span> send, std::vector<Span> re
   const std::string label = std::string("fastcomm.") + op_kind_name(api) + ": rank " +
                             std::to_string(g.global_rank) + ", group " + g.label();
   const Span own_in = send[rank], own_out = recv[rank];
-  return std::make_unique<PhasedOp>(d, std::move(outputs), std::move(keep), rank, size, 1, es,
+  return phased(d, tensors(outputs), tensors(keep), rank, size, 1, es,
       [=](int) {
         ExchangePlan p = blank_plan(size);
         for (int q = 0; q < size; ++q) {

@@ -24,7 +24,7 @@ namespace fastcomm {
 // Arrays indexed by group rank. Inline up to 8 members, so an op in a small group allocates
 // nothing for them: a blocking small op's cost is mostly such bookkeeping.
 template <typename T>
-using PerMember = c10::SmallVector<T, 8>;
+using PerMember = c10::SmallVector<T, 4>;
 
 struct Span {
   uint8_t* ptr = nullptr;

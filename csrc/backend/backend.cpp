@@ -45,7 +45,7 @@ std::vector<at::Tensor> FastcommBackend::root_list(const std::vector<std::vector
 }
 
 c10::intrusive_ptr<c10d::Work> FastcommBackend::run(std::vector<OpRequest> reqs, bool async_op) {
-  std::vector<Engine::Prepared> ops;
+  Engine::PreparedOps ops;
   ops.reserve(reqs.size());
   const bool p2p = !reqs.empty() && (reqs[0].kind == OpKind::kSend || reqs[0].kind == OpKind::kRecv);
   for (auto& r : reqs) ops.push_back(engine_->prepare(std::move(r), group_));

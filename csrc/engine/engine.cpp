@@ -132,19 +132,19 @@ Engine::Prepared Engine::prepare(OpRequest req, const GroupHandle& g) {
                         ": a recv from any source (src None) is not supported for ", p.device,
                         " tensors on the device path; name the sender");
       p.type = c10d::OpType::RECVANYSOURCE;
-      p.group = g;
+      p.group = g.state;
       p.op = std::make_unique<UnboundRecv>(std::move(req));
       return p;
     }
     if (!sending) p.source = (int)(std::find(g.ranks.begin(), g.ranks.end(), req.peer) - g.ranks.begin());
     const int src = sending ? opts_.rank : req.peer, dst = sending ? req.peer : opts_.rank;
     std::lock_guard<std::mutex> lk(mu_);
-    p.group = groups_.channel(g, src, dst, req.tag);
+    p.group = groups_.channel(g, src, dst, req.tag).state;
   } else {
-    p.group = g;
+    p.group = g.state;
   }
   if (!p.on_device) {
-    p.op = spec.make(req, view_of(*p.group.state, opts_.rank, rsag, opts_.settings.shm_direct_bytes));
+    p.op = spec.make(req, view_of(*p.group, opts_.rank, rsag, opts_.settings.shm_direct_bytes));
     // The Work's future holds complex tensors as the caller gave them, not their real views.
     if (!complex.empty()) {
       p.outputs = p.op->outputs();
@@ -155,7 +155,7 @@ Engine::Prepared Engine::prepare(OpRequest req, const GroupHandle& g) {
   return p;
 }
 
-c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared>& ops, bool async_op, bool hidden) {
+c10::intrusive_ptr<Work> Engine::post(PreparedOps& ops, bool async_op, bool hidden) {
   if (!ops.empty() && ops[0].on_device) {
     const c10::Device dev = ops[0].device;
     std::vector<DeviceOp> dops;
@@ -163,8 +163,8 @@ c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared>& ops, bool async_op,
     for (auto& p : ops) {
       TORCH_CHECK_VALUE(p.device == dev && p.on_device, "fastcomm.batch: rank ", opts_.rank,
                         ": a batch runs on one device; it holds ops on ", dev, " and on ", p.device);
-      dops.push_back(DeviceOp{std::move(p.req), p.group.ranks, p.group.rank, p.group.id, p.group.state->timeout,
-                              p.group.label()});
+      const GroupState& g = *p.group;
+      dops.push_back(DeviceOp{std::move(p.req), g.ranks, g.rank, g.id, g.timeout, ranks_label(g.ranks)});
     }
     // A blocking op the caller gets no Work of (`hidden`: the native API) raises its own error.
     return device_engine(dev)->post(std::move(dops), async_op, /*rethrow=*/hidden);
@@ -187,7 +187,7 @@ c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared>& ops, bool async_op,
   queued.reserve(ops.size());
   for (auto& p : ops) {
     queued.emplace_back();
-    queued.back().group = p.group.state.get();
+    queued.back().group = p.group.get();
     queued.back().op = std::move(p.op);
     queued.back().any_source = p.type == c10d::OpType::RECVANYSOURCE;
     if (p.source >= 0) work->set_source(p.source);
@@ -210,7 +210,7 @@ c10::intrusive_ptr<Work> Engine::post(std::vector<Prepared>& ops, bool async_op,
   return work;
 }
 
-c10::intrusive_ptr<Work> Engine::run(std::vector<Prepared>& ops, bool async_op, bool rethrow) {
+c10::intrusive_ptr<Work> Engine::run(PreparedOps& ops, bool async_op, bool rethrow) {
   // A blocking call that raises its own error hands no Work to anyone (the native API).
   auto w = post(ops, async_op, /*hidden=*/!async_op && rethrow);
   if (!async_op && !w->on_device()) {
@@ -223,15 +223,15 @@ c10::intrusive_ptr<Work> Engine::run(std::vector<Prepared>& ops, bool async_op, 
 // ---------------------------------------------------------------------------------------------
 // Persistent plans
 
-std::shared_ptr<Plan> Engine::make_plan(std::vector<Prepared> ops) {
+std::shared_ptr<Plan> Engine::make_plan(PreparedOps ops) {
   auto plan = std::make_shared<Plan>();
   plan->engine_ = shared_from_this();
   plan->ops_.reserve(ops.size());
   for (auto& p : ops) {
-    TORCH_CHECK_VALUE(!p.on_device, "fastcomm.plan: rank ", opts_.rank, ", group ", p.group.label(),
+    TORCH_CHECK_VALUE(!p.on_device, "fastcomm.plan: rank ", opts_.rank, ", group ", ranks_label(p.group->ranks),
                       ": plans hold host ops only; this ", op_kind_name(p.req.kind), " is on ", p.device);
     TORCH_CHECK_VALUE(p.type != c10d::OpType::RECVANYSOURCE, "fastcomm.plan: rank ", opts_.rank, ", group ",
-                      p.group.label(), ": a receive from any source cannot be part of a plan (its sender is "
+                      ranks_label(p.group->ranks), ": a receive from any source cannot be part of a plan (its sender is "
                       "matched anew each time)");
     TORCH_INTERNAL_ASSERT(p.op && p.op->restartable(), "fastcomm.plan: ", op_kind_name(p.req.kind),
                           " op cannot restart");
@@ -262,7 +262,7 @@ c10::intrusive_ptr<Work> Engine::start(const std::shared_ptr<Plan>& plan, bool a
     const Plan::Entry& e = pl.ops_[i];
     for (const auto& [t, data] : e.tensors)
       TORCH_CHECK_VALUE((t.has_storage() ? t.storage().data() : nullptr) == data, "fastcomm.plan: rank ", opts_.rank,
-                        ", group ", e.group.label(), ": a tensor of op #", i, " (", op_kind_name(e.kind),
+                        ", group ", ranks_label(e.group->ranks), ": a tensor of op #", i, " (", op_kind_name(e.kind),
                         ") has other storage than when the plan was recorded (resize_ or set_?); record the "
                         "plan again");
     if (async_op)
@@ -277,7 +277,7 @@ c10::intrusive_ptr<Work> Engine::start(const std::shared_ptr<Plan>& plan, bool a
     TORCH_CHECK(!shut_down_, "fastcomm.plan: rank ", opts_.rank,
                 ": the plan was recorded before fastcomm.shutdown(); record it again after init()");
     for (const auto& e : pl.ops_)
-      TORCH_CHECK(groups_.owns(*e.group.state), "fastcomm.plan: rank ", opts_.rank, ", group ", e.group.label(),
+      TORCH_CHECK(groups_.owns(*e.group), "fastcomm.plan: rank ", opts_.rank, ", group ", ranks_label(e.group->ranks),
                   ": the plan was recorded before fastcomm.shutdown(); record it again after init()");
     TORCH_CHECK(!pl.last_ || pl.last_->done(), "fastcomm.plan: rank ", opts_.rank,
                 ": the plan's last start is still running; wait for it before starting the plan again");
@@ -291,7 +291,7 @@ c10::intrusive_ptr<Work> Engine::start(const std::shared_ptr<Plan>& plan, bool a
       for (auto& e : pl.ops_) {
         e.op->restart();
         queued.emplace_back();
-        queued.back().group = e.group.state.get();
+        queued.back().group = e.group.get();
         queued.back().op = OpPtr(e.op.get(), OpRelease(false));
         if (e.recv) queued.back().port = groups_.find_port(e.recv_group, e.tag);
       }
@@ -350,17 +350,17 @@ c10::intrusive_ptr<Work> Engine::control(OpKind kind, int peer, at::Tensor bytes
   req.tensor = std::move(bytes);
   req.peer = peer;
   req.tag = kControlTag;
-  std::vector<Prepared> ops(1);
-  Prepared& p = ops[0];
+  PreparedOps ops;
+  Prepared& p = ops.emplace_back();
   p.type = op_kind_type(kind);
   {
     std::lock_guard<std::mutex> lk(mu_);
     TORCH_CHECK(!shut_down_, "fastcomm: rank ", opts_.rank, ": fastcomm was shut down");
     GroupHandle g = control_group_;  // named by the pair in messages
     g.ranks = {std::min(opts_.rank, peer), std::max(opts_.rank, peer)};
-    p.group = groups_.channel(g, sending ? opts_.rank : peer, sending ? peer : opts_.rank, kControlTag);
+    p.group = groups_.channel(g, sending ? opts_.rank : peer, sending ? peer : opts_.rank, kControlTag).state;
   }
-  p.op = collective_spec(kind).make(req, view_of(*p.group.state, opts_.rank, 0));
+  p.op = collective_spec(kind).make(req, view_of(*p.group, opts_.rank, 0));
   if (!sending) {
     p.recv = true;
     p.recv_group = control_group_.id;

@@ -47,7 +47,7 @@ class Plan {
  private:
   friend class Engine;
   struct Entry {
-    GroupHandle group;  // for send/recv, the pair's channel
+    std::shared_ptr<GroupState> group;  // for send/recv, the pair's channel
     std::unique_ptr<Op> op;
     OpKind kind = OpKind::kNone;
     bool recv = false;  // a recv from a known source, matched after any-source receives
@@ -83,7 +83,8 @@ class Engine final : public Waiter, public HostLink, public std::enable_shared_f
 
   // A checked op, not yet issued: the host algorithm, or the request for a device engine.
   struct Prepared {
-    GroupHandle group;  // for send/recv, the pair's channel; for a recv from any source, the group
+    // For send/recv, the pair's channel; for a recv from any source, the group.
+    std::shared_ptr<GroupState> group;
     c10::Device device = c10::Device(c10::kCPU);
     // Runs on a device engine: a non-CPU device, or any op the device path takes when
     // FASTCOMM_FAKE_DEVICE routes CPU tensors through the fake device runtime (tests).
@@ -103,18 +104,20 @@ class Engine final : public Waiter, public HostLink, public std::enable_shared_f
   };
   // Every argument check, before anything is sent. Takes the lock for send/recv (channels).
   Prepared prepare(OpRequest req, const GroupHandle& g);
+  // Ops posted together; one inline (a blocking call's) costs no allocation.
+  using PreparedOps = c10::SmallVector<Prepared, 1>;
   // Issues the ops together (one pass, one write and wake-up per peer) as one Work that
   // completes when all have (its error is the first op's). All on one device.
   // `hidden`: the Work reaches no caller, so it keeps no outputs for result() or its Future.
   // Takes each op's algorithm (or device request); the rest of `ops` stays with the caller,
   // who chooses where its tensor references are dropped (bindings: with the GIL held).
-  c10::intrusive_ptr<Work> post(std::vector<Prepared>& ops, bool async_op, bool hidden = false);
+  c10::intrusive_ptr<Work> post(PreparedOps& ops, bool async_op, bool hidden = false);
   // post, and for a blocking host op, waits for it; `rethrow`: raise its error here (the torch
   // backend leaves it in the Work, which torch waits on next).
-  c10::intrusive_ptr<Work> run(std::vector<Prepared>& ops, bool async_op, bool rethrow);
+  c10::intrusive_ptr<Work> run(PreparedOps& ops, bool async_op, bool rethrow);
   // A persistent plan of host ops (a batch recorded once), and one run of all its ops. A plan
   // runs one start at a time; a blocking start raises its error here.
-  std::shared_ptr<Plan> make_plan(std::vector<Prepared> ops);
+  std::shared_ptr<Plan> make_plan(PreparedOps ops);
   c10::intrusive_ptr<Work> start(const std::shared_ptr<Plan>& plan, bool async_op);
   // Makes the device engine for `device` now rather than at its first op.
   void init_device(c10::Device device);

@@ -16,6 +16,8 @@ uint64_t mix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+}  // namespace
+
 std::string ranks_label(const std::vector<int>& ranks) {
   std::ostringstream os;
   os << "[";
@@ -23,8 +25,6 @@ std::string ranks_label(const std::vector<int>& ranks) {
   os << "]";
   return os.str();
 }
-
-}  // namespace
 
 std::string GroupHandle::label() const { return ranks_label(ranks); }
 
@@ -108,9 +108,14 @@ GroupHandle GroupRegistry::channel(const GroupHandle& g, int src, int dst, int t
   return h;
 }
 
-RecvPort* GroupRegistry::port(const GroupHandle& g, int tag) {
-  auto& slot = ports_[{g.id, tag}];
+RecvPort* GroupRegistry::port(const std::shared_ptr<GroupState>& st, int tag) {
+  auto& slot = ports_[{st->id, tag}];
   if (slot) return slot.get();
+  GroupHandle g;
+  g.ranks = st->ranks;
+  g.rank = st->rank;
+  g.id = st->id;
+  g.state = st;
   auto port = std::make_unique<RecvPort>();
   port->group = g.state;
   port->tag = tag;

@@ -89,8 +89,11 @@ struct GroupHandle {
   int rank = -1;           // this process's group rank, -1 if not a member
   uint64_t id = 0;
   std::shared_ptr<GroupState> state;
-  std::string label() const;
+  std::string label() const;  // ranks_label(ranks)
 };
+
+// "[0, 1, 2]": how messages name a group.
+std::string ranks_label(const std::vector<int>& ranks);
 
 // Every group this process is a member of, by id. Under the engine lock.
 class GroupRegistry {
@@ -108,7 +111,7 @@ class GroupRegistry {
   // times out as its group does.
   GroupHandle channel(const GroupHandle& g, int src, int dst, int tag);
   // The receive port of (group, tag), made with its channels on first use.
-  RecvPort* port(const GroupHandle& g, int tag);
+  RecvPort* port(const std::shared_ptr<GroupState>& g, int tag);
   // The port of (group id, tag) if one was made, else null.
   RecvPort* find_port(uint64_t group, int tag) const {
     if (ports_.empty()) return nullptr;

@@ -76,7 +76,7 @@ struct Fixture {
     if (any) {
       ops[0].group = g.state.get();
       ops[0].op = std::make_unique<UnboundRecv>(req);
-      ops[0].port = groups.port(g, kTag);
+      ops[0].port = groups.port(g.state, kTag);
     } else {
       GroupHandle ch = groups.channel(g, src, 0, kTag);
       ops[0].group = ch.state.get();
