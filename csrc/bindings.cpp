@@ -194,6 +194,9 @@ PyObject* issue_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
 // dropped by set_current(None, None) at shutdown.
 PyObject* g_engine = nullptr;
 PyObject* g_world = nullptr;     // the world's GroupHandle
+// The C++ objects of the two (null if either is not of its type: the wrapper takes every call).
+Engine* g_engine_cpp = nullptr;
+const GroupHandle* g_world_cpp = nullptr;
 
 void set_ref(PyObject*& slot, PyObject* v) {
   Py_XINCREF(v);
@@ -215,6 +218,9 @@ struct FastEntry {
   int default_peer;  // when neither the rank nor the group rank is given
   const char* doc;
   PyObject* fallback;  // the Python wrapper (fastcomm.collectives._<name>_py), set by set_fast_entry
+  // `params` as interned strings, made at the first call: a keyword a caller wrote in source
+  // arrives as the same interned object, so one pointer compare usually finds it.
+  PyObject* names[kMaxParams];
 };
 
 using R = Role;
@@ -251,14 +257,25 @@ FastEntry g_entries[] = {
 };
 
 // The plain case of one fast entry, or null with no error set: the wrapper takes the call.
-PyObject* fast_issue(const FastEntry& f, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
-  if (g_engine == nullptr || nargs > f.nparams) return nullptr;
+PyObject* fast_issue(FastEntry& f, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  if (g_engine_cpp == nullptr || nargs > f.nparams) return nullptr;
   PyObject* a[kMaxParams] = {};
   for (Py_ssize_t i = 0; i < nargs; ++i) a[i] = args[i];
   if (kwnames != nullptr) {
+    if (f.names[0] == nullptr) {
+      for (int j = 0; j < f.nparams; ++j) {
+        f.names[j] = PyUnicode_InternFromString(f.params[j]);  // kept for the process's life
+        if (f.names[j] == nullptr) {
+          PyErr_Clear();
+          return nullptr;
+        }
+      }
+    }
     for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(kwnames); ++k) {
       PyObject* name = PyTuple_GET_ITEM(kwnames, k);
       int slot = -1;
+      for (int j = 0; j < f.nparams && slot < 0; ++j)
+        if (name == f.names[j]) slot = j;
       for (int j = 0; j < f.nparams && slot < 0; ++j)
         if (PyUnicode_CompareWithASCIIString(name, f.params[j]) == 0) slot = j;
       if (slot < 0 || a[slot] != nullptr) return nullptr;
@@ -302,9 +319,12 @@ PyObject* fast_issue(const FastEntry& f, PyObject* const* args, Py_ssize_t nargs
   // Held for the call: another thread may shut fastcomm down (set_current(None, None)) while
   // this one waits without the GIL.
   const py::object engine = py::reinterpret_borrow<py::object>(g_engine);
+  Engine* e = g_engine_cpp;
   py::object handle;  // the group's handle, held likewise
+  const GroupHandle* g = nullptr;
   if (group == Py_None) {
     handle = py::reinterpret_borrow<py::object>(g_world);
+    g = g_world_cpp;
   } else {
     static PyObject* const attr = PyUnicode_InternFromString("_h");  // not a new string per call
     PyObject* h = PyObject_GetAttr(group, attr);
@@ -313,10 +333,9 @@ PyObject* fast_issue(const FastEntry& f, PyObject* const* args, Py_ssize_t nargs
       return nullptr;
     }
     handle = py::reinterpret_steal<py::object>(h);
+    g = registered<GroupHandle>(handle);
   }
-  const GroupHandle* g = registered<GroupHandle>(handle);
-  Engine* e = registered<Engine>(engine);
-  if (g == nullptr || e == nullptr) return nullptr;
+  if (g == nullptr) return nullptr;
   return issue(*e, (int)f.kind, *g, tensor, Py_None, list, op, peer, 0, async_op != 0, Py_None, Py_None)
       .release()
       .ptr();
@@ -324,7 +343,7 @@ PyObject* fast_issue(const FastEntry& f, PyObject* const* args, Py_ssize_t nargs
 
 template <int I>
 PyObject* fast_entry(PyObject*, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
-  const FastEntry& f = g_entries[I];
+  FastEntry& f = g_entries[I];
   try {
     if (PyObject* r = fast_issue(f, args, PyVectorcall_NARGS(nargsf), kwnames)) return r;
   } catch (...) {
@@ -699,6 +718,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](py::handle engine, py::handle world) {
         set_ref(g_engine, engine.is_none() ? nullptr : engine.ptr());
         set_ref(g_world, world.is_none() ? nullptr : world.ptr());
+        g_engine_cpp = g_engine ? registered<Engine>(g_engine) : nullptr;
+        g_world_cpp = g_world ? registered<GroupHandle>(g_world) : nullptr;
+        if (g_world_cpp == nullptr) g_engine_cpp = nullptr;
       },
       "The engine and world group handle fastcomm.all_reduce uses (None, None: not initialized)");
   m.def(

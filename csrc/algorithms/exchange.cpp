@@ -67,15 +67,7 @@ void Exchange::start(ExchangePlan plan, int rank, int size, size_t elem_size, Co
   for (auto list : {owners, more_owners})
     for (const auto& t : list)
       if (t.defined() && t.has_storage()) owners_.push_back(t.storage());
-  sent_.assign(size, 0);
-  recvd_.assign(size, 0);
-  send_total_.assign(size, 0);
-  recv_total_.assign(size, 0);
-  bulk_send_.assign(size, 0);
-  bulk_from_.assign(size, 0);
-  bsend_.assign(size, nullptr);
-  brecv_.assign(size, nullptr);
-  scratch_.assign(size, at::Tensor());
+  peer_.assign(size, Peer{});
   // An op's phases reuse one Exchange: nothing of the last phase's fold may carry over.
   folded_ = fold_total_ = 0;
   fold_next_ = 0;
@@ -84,12 +76,12 @@ void Exchange::start(ExchangePlan plan, int rank, int size, size_t elem_size, Co
     if (p == rank) continue;
     const Span& s = plan_.send[p];
     const size_t bulk_min = c.bulk_min(p);
-    bulk_from_[p] = bulk_min != SIZE_MAX;
+    peer_[p].bulk_from = bulk_min != SIZE_MAX;
     if (s.active) {
-      bulk_send_[p] = plan_.bulk && s.len > 0 && s.len >= bulk_min;
-      send_total_[p] = bulk_send_[p] ? 1 : pieces(s.len);  // a bulk span: one offer
+      peer_[p].bulk_send = plan_.bulk && s.len > 0 && s.len >= bulk_min;
+      peer_[p].send_total = peer_[p].bulk_send ? 1 : pieces(s.len);  // a bulk span: one offer
     }
-    if (plan_.recv[p].active) recv_total_[p] = pieces(plan_.fold ? plan_.out.len : plan_.recv[p].len);
+    if (plan_.recv[p].active) peer_[p].recv_total = pieces(plan_.fold ? plan_.out.len : plan_.recv[p].len);
   }
   if (plan_.fold) {
     fold_total_ = pieces(plan_.out.len);
@@ -111,31 +103,31 @@ bool Exchange::step(Comm& c) {
   size_t min_sent = SIZE_MAX;
   size_t sent_bytes = 0;
   for (int p = 0; p < size_; ++p) {
-    if (p == rank_ || send_total_[p] == 0) continue;
+    if (p == rank_ || peer_[p].send_total == 0) continue;
     const Span& s = plan_.send[p];
-    if (bulk_send_[p]) {
-      if (!bsend_[p]) {
-        bsend_[p] = c.send_bulk(p, send_tag(p), bytes_of(s.ptr, s.len));
-        if (!bsend_[p]) {
+    if (peer_[p].bulk_send) {
+      if (!peer_[p].bsend) {
+        peer_[p].bsend = c.send_bulk(p, send_tag(p), bytes_of(s.ptr, s.len));
+        if (!peer_[p].bsend) {
           min_sent = 0;
           continue;
         }
-        sent_[p] = send_total_[p];
+        peer_[p].sent = peer_[p].send_total;
         any = true;
       }
       // Nothing of the span may be overwritten until the transport has read all of it.
-      if (!bsend_[p]->done()) min_sent = 0;
+      if (!peer_[p].bsend->done()) min_sent = 0;
       continue;
     }
-    while (sent_[p] < send_total_[p]) {
-      const size_t off = sent_[p] * piece_;
+    while (peer_[p].sent < peer_[p].send_total) {
+      const size_t off = peer_[p].sent * piece_;
       const uint32_t len = (uint32_t)std::min(piece_, s.len - std::min(s.len, off));
       if (!c.send(p, off, send_tag(p), s.ptr + off, len)) break;
-      ++sent_[p];
+      ++peer_[p].sent;
       sent_bytes += len;
       any = true;
     }
-    if (sent_[p] < send_total_[p]) min_sent = std::min(min_sent, sent_[p]);
+    if (peer_[p].sent < peer_[p].send_total) min_sent = std::min(min_sent, peer_[p].sent);
   }
   if (sent_bytes >= kEarlyFlushBytes) c.flush();
   any |= post_bulk_recvs(c);
@@ -146,9 +138,9 @@ bool Exchange::step(Comm& c) {
     }
   } else {
     for (int p = 0; p < size_; ++p) {
-      if (p == rank_ || brecv_[p]) continue;
+      if (p == rank_ || peer_[p].brecv) continue;
       const Span& d = plan_.recv[p];
-      while (recvd_[p] < recv_total_[p]) {
+      while (peer_[p].recvd < peer_[p].recv_total) {
         const Message* m = c.peek(p);
         if (m == nullptr) break;
         if (m->hdr.flags & kMsgBulk) {  // arrived since this step's post_bulk_recvs
@@ -156,28 +148,28 @@ bool Exchange::step(Comm& c) {
           any = true;
           break;
         }
-        const size_t off = recvd_[p] * piece_;
+        const size_t off = peer_[p].recvd * piece_;
         // A pair_sizes plan knows the length exactly (elsewhere the header's numel decides it).
         const bool fits = plan_.pair_sizes ? m->hdr.len == std::min(piece_, d.len - std::min(d.len, off))
                                            : off + m->hdr.len <= std::max(d.len, off);
         if (!(m->hdr.tag == recv_tag(p) && m->hdr.offset == off && fits)) unexpected(c, p, *m, off);
         if (m->hdr.len) std::memcpy(d.ptr + off, m->data, m->hdr.len);
         c.pop(p);
-        ++recvd_[p];
+        ++peer_[p].recvd;
         any = true;
       }
     }
   }
   bool finished = true;
   for (int p = 0; p < size_; ++p) {
-    const bool waiting = (bsend_[p] && !bsend_[p]->done()) || (brecv_[p] && !brecv_[p]->done());
-    finished = finished && !waiting && sent_[p] == send_total_[p] &&
-               (plan_.fold || recvd_[p] == recv_total_[p]);
+    const bool waiting = (peer_[p].bsend && !peer_[p].bsend->done()) || (peer_[p].brecv && !peer_[p].brecv->done());
+    finished = finished && !waiting && peer_[p].sent == peer_[p].send_total &&
+               (plan_.fold || peer_[p].recvd == peer_[p].recv_total);
     // A peer whose op failed never posts the receive of our bulk send, nor reads the rest of a
     // span that filled its ring; it tells us in an abort message, which check_abort() turns
     // into this op's error. (No other message of this exchange comes from a peer once its
     // offer is read, and a later phase's is left alone.)
-    if (waiting || sent_[p] < send_total_[p]) c.check_abort(p);
+    if (waiting || peer_[p].sent < peer_[p].send_total) c.check_abort(p);
   }
   finished = finished && (!plan_.fold || folded_ == fold_total_);
   if (!finished && !any && plan_.watch_all) {
@@ -188,9 +180,11 @@ bool Exchange::step(Comm& c) {
   }
   if (finished) {
     done_ = true;
-    for (auto& t : scratch_) scratch_pool().put(std::move(t));
-    bsend_.assign(size_, nullptr);
-    brecv_.assign(size_, nullptr);
+    for (auto& x : peer_) {
+      scratch_pool().put(std::move(x.scratch));
+      x.bsend = nullptr;
+      x.brecv = nullptr;
+    }
   }
   return any;
 }
@@ -210,7 +204,8 @@ at::Tensor Exchange::bytes_of(uint8_t* p, size_t n) const {
 bool Exchange::post_bulk_recvs(Comm& c) {
   bool any = false;
   for (int p = 0; p < size_; ++p) {
-    if (p == rank_ || !bulk_from_[p] || brecv_[p] || recvd_[p] != 0 || recv_total_[p] == 0) continue;
+    const Peer& x = peer_[p];
+    if (p == rank_ || !x.bulk_from || x.brecv || x.recvd != 0 || x.recv_total == 0) continue;
     const Message* m = c.peek(p);
     if (m != nullptr && (m->hdr.flags & kMsgBulk) && m->hdr.tag == recv_tag(p)) {
       take_offer(c, p, *m);
@@ -273,17 +268,17 @@ void Exchange::unexpected(const Comm& c, int p, const Message& m, size_t off) co
 
 void Exchange::take_offer(Comm& c, int p, const Message& m) {
   if (!(m.hdr.tag == recv_tag(p) && m.hdr.offset == 0)) unexpected(c, p, m, 0);
-  TORCH_INTERNAL_ASSERT(!brecv_[p] && recvd_[p] == 0, "exchange: second bulk offer from group rank ", p);
+  TORCH_INTERNAL_ASSERT(!peer_[p].brecv && peer_[p].recvd == 0, "exchange: second bulk offer from group rank ", p);
   at::Tensor dst;
   if (plan_.fold) {
-    scratch_[p] = scratch_pool().get(plan_.out.len);
-    dst = scratch_[p];
+    peer_[p].scratch = scratch_pool().get(plan_.out.len);
+    dst = peer_[p].scratch;
   } else {
     dst = bytes_of(plan_.recv[p].ptr, plan_.recv[p].len);
   }
-  brecv_[p] = c.recv_bulk(p, m, std::move(dst), bsend_[p].get());
+  peer_[p].brecv = c.recv_bulk(p, m, std::move(dst), peer_[p].bsend.get());
   c.pop(p);
-  recvd_[p] = recv_total_[p];  // every piece of the span comes in this one transfer
+  peer_[p].recvd = peer_[p].recv_total;  // every piece of the span comes in this one transfer
 }
 
 void Exchange::fold_from(const uint8_t* src, uint8_t* dst, size_t n) {
@@ -311,10 +306,10 @@ bool Exchange::fold_piece(Comm& c) {
       continue;
     }
     if (!plan_.recv[r].active) continue;
-    if (brecv_[r]) {
+    if (peer_[r].brecv) {
       // A failed transfer means its peer was declared dead: the engine fails the op.
-      if (!brecv_[r]->done()) return false;
-      fold_from(scratch_[r].data_ptr<uint8_t>() + off, acc, n);
+      if (!peer_[r].brecv->done()) return false;
+      fold_from(peer_[r].scratch.data_ptr<uint8_t>() + off, acc, n);
       continue;
     }
     const Message* m = c.peek(r);
@@ -326,7 +321,7 @@ bool Exchange::fold_piece(Comm& c) {
     if (!(m->hdr.tag == recv_tag(r) && m->hdr.offset == off && m->hdr.len == len)) unexpected(c, r, *m, off);
     fold_from(m->data, acc, n);
     c.pop(r);
-    ++recvd_[r];  // (only post_bulk_recvs reads it in a fold: this peer sends pieces)
+    ++peer_[r].recvd;  // (only post_bulk_recvs reads it in a fold: this peer sends pieces)
   }
   if (acc != out) std::memcpy(out, acc, len);
   if (plan_.op == c10d::ReduceOp::AVG) divide_by(out, n, plan_.dtype, plan_.avg_divisor);

@@ -85,17 +85,21 @@ class Exchange {
   ExchangePlan plan_;
   int rank_ = 0, size_ = 1;
   size_t es_ = 1, piece_ = 1;
-  PerMember<size_t> sent_, send_total_, recvd_, recv_total_;
+  // Per group rank, in one array (one reset per phase): pieces sent and received, of how many.
+  struct Peer {
+    size_t sent = 0, send_total = 0, recvd = 0, recv_total = 0;
+    bool bulk_send = false;  // this rank's span to it travels as a bulk transfer
+    bool bulk_from = false;  // its transport has bulk transfers: it may send an offer
+    // The bulk transfers (null: that direction uses ordinary messages), and the scratch a bulk
+    // fold receives into.
+    std::shared_ptr<Bulk> bsend, brecv;
+    at::Tensor scratch;
+  };
+  PerMember<Peer> peer_;
   size_t folded_ = 0, fold_total_ = 0;
   int fold_next_ = 0;
   bool inplace_ = false, direct_ = false, acc_started_ = false, done_ = false;
   std::vector<uint8_t> tmp_;
-  // Bulk transfers by group rank (null: that direction uses ordinary messages), and the
-  // scratch a bulk fold receives into.
-  PerMember<char> bulk_send_;
-  PerMember<char> bulk_from_;  // the peer's transport has bulk transfers: it may send an offer
-  PerMember<std::shared_ptr<Bulk>> bsend_, brecv_;
-  PerMember<at::Tensor> scratch_;
   // The storages the spans point into (not the tensors: a tensor can be given new storage,
   // say by set_(), while a transfer still uses the old one).
   c10::SmallVector<c10::Storage, 2> owners_;

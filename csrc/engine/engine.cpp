@@ -231,8 +231,8 @@ std::shared_ptr<Plan> Engine::make_plan(PreparedOps ops) {
     TORCH_CHECK_VALUE(!p.on_device, "fastcomm.plan: rank ", opts_.rank, ", group ", ranks_label(p.group->ranks),
                       ": plans hold host ops only; this ", op_kind_name(p.req.kind), " is on ", p.device);
     TORCH_CHECK_VALUE(p.type != c10d::OpType::RECVANYSOURCE, "fastcomm.plan: rank ", opts_.rank, ", group ",
-                      ranks_label(p.group->ranks), ": a receive from any source cannot be part of a plan (its sender is "
-                      "matched anew each time)");
+                      ranks_label(p.group->ranks),
+                      ": a receive from any source cannot be part of a plan (its sender is matched anew each time)");
     TORCH_INTERNAL_ASSERT(p.op && p.op->restartable(), "fastcomm.plan: ", op_kind_name(p.req.kind),
                           " op cannot restart");
     Plan::Entry e;

@@ -69,7 +69,7 @@ class Progress {
   // `may_block` false: for a caller that must not wait for the lock (it holds the GIL).
   void finish(Done& done, bool may_block = true);
   // Takes the lock (or, unless `wait_lock`, gives up at once if it is held), runs a pass,
-  // finishes. True if anything moved.
+  // finishes. True if anything moved (or was set aside for the next pass).
   bool try_progress(bool may_block = true, bool wait_lock = false);
   // The pass a transport's own thread runs once it delivered something (set_delivery_hook);
   // false if another thread holds the lock (the caller rings the doorbell then).
