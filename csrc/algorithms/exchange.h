@@ -21,8 +21,9 @@
 
 namespace fastcomm {
 
-// Arrays indexed by group rank. Inline up to 8 members, so an op in a small group allocates
-// nothing for them: a blocking small op's cost is mostly such bookkeeping.
+// Arrays indexed by group rank. Inline up to 4 members (pairs, ring neighbours), so an op in
+// such a group allocates nothing for them, and an all_reduce's op stays small enough for
+// malloc's per-thread cache: a blocking small op's cost is mostly such bookkeeping.
 template <typename T>
 using PerMember = c10::SmallVector<T, 4>;
 
