@@ -41,6 +41,15 @@ class Doorbell {
               nullptr, 0);
     }
   }
+  // After publishing something to the bell's owner (a peer process): wakes it only if it
+  // sleeps, so a spinning owner's line is not taken from it per message. The fence orders the
+  // publication before the read of `sleepers`; a sleeper raises `sleepers` (a full barrier)
+  // before its last look for work, so either that look sees the publication or this read
+  // sees the sleeper.
+  void wake_if_sleeping() const {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (w_->sleepers.load(std::memory_order_seq_cst) != 0) ring();
+  }
   // For local wake-ups (another thread of this process): skip the add when nobody sleeps.
   void ring_if_sleeping() const {
     if (w_ != nullptr && w_->sleepers.load(std::memory_order_seq_cst) != 0) ring();

@@ -25,8 +25,6 @@ constexpr auto kBgTick = std::chrono::microseconds(500);
 constexpr auto kBgTickMax = std::chrono::microseconds(4000);
 constexpr int kBgSlowAfter = 4;
 constexpr auto kBgIdle = std::chrono::milliseconds(100);
-// How many times a spinning waiter looks at its doorbell between passes that found nothing.
-constexpr int kBellChecks = 16;
 
 }  // namespace
 
@@ -67,7 +65,6 @@ void Driver::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) 
     }
     const bool stalled = ran_out;
     ran_out = false;
-    const uint32_t seen = bell_.token();  // before the pass: a ring during it is not missed
     if (progress_.try_progress()) {
       if (stalled && bell_.token() == slept_on) stalled_sleeps_.fetch_add(1, std::memory_order_relaxed);
       idle = 0;
@@ -77,10 +74,7 @@ void Driver::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) 
     // A waiter that shares its core yields after every empty pass: the peer it waits for may
     // be the one that needs the core.
     if (!oversubscribed_ && (idle & 63) != 0 && idle < 4096) {
-      // Until the bell rings (every peer rings it when it publishes) the next pass would find
-      // what this one did: watch the bell instead, which sees a message a pass sooner. A few
-      // checks only: space freed in a ring, say, is not rung for.
-      for (int k = 0; k < kBellChecks && bell_.token() == seen && !(w && w->done()); ++k) cpu_relax();
+      cpu_relax();
       continue;
     }
     const auto now = Clock::now();

@@ -23,6 +23,7 @@
 
 namespace {
 
+using fastcomm::Doorbell;
 using fastcomm::Header;
 using fastcomm::Message;
 using fastcomm::ShmTransport;
@@ -178,23 +179,32 @@ TEST(shm_peek_is_stable_until_pop) {
 
 TEST(shm_invisible_until_flush) {
   with_pair([](ShmTransport& a, ShmTransport& b) {
-    const uint32_t bell0 = b.doorbell().token();
+    const Doorbell bell = b.doorbell();
+    const uint32_t bell0 = bell.token();
     for (uint64_t i = 0; i < 5; ++i) REQUIRE(send_msg(a, 1, i, 50));
     CHECK(b.peek(0) == nullptr);
-    CHECK_EQ(b.doorbell().token(), bell0);
     a.flush();
-    // One publish and one ring for the whole batch.
-    CHECK_EQ(b.doorbell().token(), bell0 + 1);
+    // Published, but nobody sleeps on b's doorbell: nobody is rung.
+    CHECK_EQ(bell.token(), bell0);
     for (uint64_t i = 0; i < 5; ++i) REQUIRE(recv_msg(b, 0, i, 50));
+    // With b asleep: one publish and one ring for the whole batch.
+    bell.begin_sleep();
+    for (uint64_t i = 5; i < 10; ++i) REQUIRE(send_msg(a, 1, i, 50));
+    CHECK(b.peek(0) == nullptr);
+    CHECK_EQ(bell.token(), bell0);
+    a.flush();
+    CHECK_EQ(bell.token(), bell0 + 1);
     // Nothing appended since: flush publishes nothing and rings nobody.
     a.flush();
-    CHECK_EQ(b.doorbell().token(), bell0 + 1);
+    CHECK_EQ(bell.token(), bell0 + 1);
+    bell.end_sleep();
+    for (uint64_t i = 5; i < 10; ++i) REQUIRE(recv_msg(b, 0, i, 50));
     CHECK(b.peek(0) == nullptr);
     // Appended after a flush: invisible again until the next one.
-    REQUIRE(send_msg(a, 1, 9, 3));
+    REQUIRE(send_msg(a, 1, 19, 3));
     CHECK(b.peek(0) == nullptr);
     a.flush();
-    CHECK(recv_msg(b, 0, 9, 3));
+    CHECK(recv_msg(b, 0, 19, 3));
   });
 }
 

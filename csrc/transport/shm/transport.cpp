@@ -239,17 +239,20 @@ bool ShmTransport::try_send(int peer, const Header& hdr, const void* payload) {
   const uint64_t need = kRecordHeader + align64(hdr.len);
   uint64_t head = o.wpos;
   uint64_t pos = head % R;
-  uint64_t tail = o.ctl->tail.load(std::memory_order_acquire);
+  // The reader's position as last read: it only grows, so while it leaves room the shared word
+  // (a line the reader writes at every pop) need not be read, nor taken from the reader's cache.
+  uint64_t tail = o.tail;
   // A record that does not fit before the ring's end goes to its start. (Not also whenever the
   // ring is empty, to reuse warm lines: the skipped bytes count as used until the reader passes
   // them, so a reader that stalls would leave the sender too little room for an abort notice.)
   const bool restart = pos != 0 && need > R - pos;
   const uint64_t total = restart ? R - pos + need : need;
+  if (head + total - tail > R) tail = o.tail = o.ctl->tail.load(std::memory_order_acquire);
   if (head + total - tail > R) {
     // Full: ask the receiver to ring us when it frees space, then look once more so a pop
     // that raced with the request is not missed.
     o.ctl->space_waiter.store(1, std::memory_order_seq_cst);
-    tail = o.ctl->tail.load(std::memory_order_seq_cst);
+    tail = o.tail = o.ctl->tail.load(std::memory_order_seq_cst);
     if (head + total - tail > R) return false;
   }
   if (restart) {
@@ -293,7 +296,7 @@ void ShmTransport::flush() {
     Outbound& o = out_[peer];
     o.ctl->head.store(o.wpos, std::memory_order_release);
     o.dirty = false;
-    o.peer_bell.ring();
+    o.peer_bell.wake_if_sleeping();
   }
   dirty_.clear();
 }

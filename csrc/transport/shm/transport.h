@@ -83,6 +83,7 @@ class ShmTransport final : public Transport {
     ShmRingCtl* ctl = nullptr;
     uint8_t* ring = nullptr;
     uint64_t wpos = 0;   // end of what we wrote; ctl->head trails it until flush()
+    uint64_t tail = 0;   // ctl->tail as last read (the reader may be further on)
     bool dirty = false;  // wpos is ahead of ctl->head
     uint64_t populated = 0;  // ring bytes backed and mapped in so far
     uint32_t stream_left = 0;  // large payloads still to copy with non-temporal stores
