@@ -51,8 +51,10 @@ void Driver::prefer_sleep() {
 }
 
 void Driver::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) {
-  auto idle_since = Clock::now();
-  auto last_health = idle_since;
+  // Clocks are read from the first pass that finds nothing on (a blocking op in a pair needs
+  // about one such pass in two; a read costs a few percent of the op).
+  Clock::time_point idle_since, last_health;
+  bool looked = false;
   uint32_t idle = 0;
   bool ran_out = false;   // the last sleep lasted its whole slice, nobody rang meanwhile
   uint32_t slept_on = 0;  // ... on this token
@@ -70,7 +72,13 @@ void Driver::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) 
       idle = 0;
       continue;
     }
-    if (idle++ == 0) idle_since = Clock::now();
+    if (idle++ == 0) {
+      idle_since = Clock::now();
+      if (!looked) {
+        last_health = idle_since;
+        looked = true;
+      }
+    }
     // A waiter that shares its core yields after every empty pass: the peer it waits for may
     // be the one that needs the core.
     if (!oversubscribed_ && (idle & 63) != 0 && idle < 4096) {
@@ -131,7 +139,7 @@ void Driver::wait(Work& w, std::chrono::milliseconds timeout) {
     ~Leave() { n.fetch_sub(1); }  // async ops left pending: the ticking background thread takes over
   } leave{fg_drivers_};
   const bool has_deadline = timeout.count() > 0;
-  drive(&w, Clock::now() + timeout, has_deadline);
+  drive(&w, has_deadline ? Clock::now() + timeout : Clock::time_point(), has_deadline);
   TORCH_INTERNAL_ASSERT(w.done(), "fastcomm: rank ", rank_, ": wait returned with the op pending");
 }
 

@@ -40,7 +40,9 @@ std::exception_ptr Work::exception() const {
 std::vector<at::Tensor> Work::result() { return outputs_; }
 
 void Work::rethrow_if_failed() const {
-  std::exception_ptr e = exception();
+  // The outcome is written before done_'s release store and never after, so once done() it is
+  // read without the lock (a lock per blocking op otherwise).
+  const std::exception_ptr e = done() ? exception_ : exception();
   if (e) std::rethrow_exception(e);
 }
 
