@@ -18,19 +18,23 @@ overlapping neighbour groups, fastcomm vs torch Gloo.
 
 Time per step = the max over ranks of each rank's mean over the timed steps (after warm-up;
 all ranks start each timed loop together after a barrier; each rank keeps the best of 3
-timed loops, since the machine may be shared). Every variant's result is checked
+timed loops, since the machine may be shared), after every rank has sent each peer enough
+messages to go twice round its shared-memory ring. (b)'s fastcomm variants run in --repeat
+launches, each starting with the next variant; their cells are the medians, and the batch's
+time over the async pair's is also given launch by launch. Every variant's result is checked
 once after its timed loop (distinct values per rank and element), so a broken op fails its
 cell instead of being timed. Ranks are local processes forked by this script; each launch
 has its own TCPStore on a free port and a hard timeout, and every child is joined or killed.
 
 Usage, from the repository root:
 
-    python benchmarks/batch_ring.py [--quick] [--plot FILE.png] [--json FILE]
+    python benchmarks/batch_ring.py [--quick] [--repeat 5] [--plot FILE.png] [--json FILE]
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -41,6 +45,10 @@ from _launch import (STORE_TIMEOUT, best_of_loops, cpu_model, finish, JobError, 
                      print_table, Progress, pyplot_or_none, run_job, save_plot)
 
 JOB_TIMEOUT_S = 120.0  # hard limit for one launch (all its ranks)
+# Messages each rank sends every peer before any variant is timed: two laps of a default
+# shared-memory ring (1 MB, 512 B per message of a 10x10 float32). On its first lap every
+# message lands on lines no core has touched yet, and the variant timed first would pay for it.
+LAP_MESSAGES = 4096
 SHAPE = (10, 10)
 KS = (1, 2, 8, 64)
 WORLDS = (2, 4)
@@ -110,6 +118,9 @@ def _scaling_body(store, rank, world, k, steps, warmup):
         def planned():
             p.start(async_op=False)
 
+        # Each step sends k messages, spread over the rank's world - 1 partners at most.
+        for _ in range(-(-LAP_MESSAGES * (world - 1) // k)):
+            planned()
         out = {}
         for name, step in (("single", single), ("batch", batched), ("plan", planned)):
             out[name] = best_of_loops(step, fc.barrier, steps, warmup)
@@ -125,7 +136,7 @@ def _scaling_body(store, rank, world, k, steps, warmup):
         fc.shutdown()
 
 
-def _ring_fastcomm_body(store, rank, world, steps, warmup):
+def _ring_fastcomm_body(store, rank, world, steps, warmup, first=0):
     import fastcomm as fc
 
     fc.init(store=store, rank=rank, world_size=world, timeout=STORE_TIMEOUT)
@@ -153,9 +164,13 @@ def _ring_fastcomm_body(store, rank, world, steps, warmup):
             wl.wait()
             wr.wait()
 
+        for _ in range(LAP_MESSAGES):  # a message to each neighbour per step
+            plan2()
         out = {}
-        for name, step in (("fastcomm batch of 2", batch2), ("fastcomm plan of 2", plan2),
-                           ("fastcomm async_op pair", async2)):
+        variants = [("fastcomm batch of 2", batch2), ("fastcomm plan of 2", plan2),
+                    ("fastcomm async_op pair", async2)]
+        # Launch by launch the order rotates (`first`), so no variant always runs first or last.
+        for name, step in variants[first:] + variants[:first]:
             out[name] = best_of_loops(step, fc.barrier, steps, warmup)
             # Slot j of a group = its lower rank, so both members agree on the values.
             tl.copy_(value(rank, lm[0]))
@@ -244,7 +259,11 @@ def main():
     ap.add_argument("--quick", action="store_true", help="short run (fewer timed steps)")
     ap.add_argument("--plot", metavar="FILE.png", help="write a plot (needs matplotlib)")
     ap.add_argument("--json", metavar="FILE", help="dump the raw numbers as JSON")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="launches of (b)'s fastcomm variants, each starting with the next variant "
+                         "(default 5; 1 with --quick)")
     args = ap.parse_args()
+    repeat = args.repeat or (1 if args.quick else 5)
     # Timed all_reduces per rank per cell of (a); steps = ops // k (at least 20).
     ops_a = 1024 if args.quick else 16384
     steps_ring = 200 if args.quick else 5000
@@ -258,7 +277,7 @@ def main():
 
     results = {"command": sys.argv, "cores": os.cpu_count(), "cpu": cpu_model(),
                "torch": torch.__version__, "scaling": {}, "ring": {}}
-    progress = Progress(len(WORLDS) * len(KS) + 2)
+    progress = Progress(len(WORLDS) * len(KS) + repeat + 1)
     for world in WORLDS:
         for k in KS:
             steps = max(20, ops_a // k)  # per timed loop
@@ -266,8 +285,13 @@ def main():
             cell = measure(_scaling_body, world, k, steps, warmup)
             cell["steps"] = steps
             results["scaling"][f"{world}/{k}"] = cell
-    progress.launch(f"(b): fastcomm, {steps_ring} steps")
-    fcr = measure(_ring_fastcomm_body, 4, steps_ring, warmup)
+    launches = []
+    for rep in range(repeat):
+        progress.launch(f"(b): fastcomm, {steps_ring} steps, launch {rep + 1}/{repeat}")
+        launches.append(measure(_ring_fastcomm_body, 4, steps_ring, warmup, rep % 3))
+    fcr = next((cell for cell in launches if "error" in cell), None) or {
+        name: statistics.median(cell[name] for cell in launches) for name in launches[0]}
+    results["ring_launches"] = launches
     progress.launch(f"(b): torch Gloo, {steps_gloo} steps")
     gl = measure(_ring_gloo_body, 4, steps_gloo, min(warmup, 20))
     for name in ("torch Gloo async_op pair", "fastcomm batch of 2", "fastcomm plan of 2", "fastcomm async_op pair"):
@@ -306,7 +330,12 @@ def main():
         speed = "n/a" if v is None or g is None else f"{g / v:,.1f}x"
         rows.append([name, str(steps_of[name]), fmt_us(v), speed])
     print_table(head, rows, left=1)
-    print("\nspeedup = Gloo's µs/step / this variant's µs/step.")
+    print(f"\nfastcomm: the median of {repeat} launch(es). speedup = Gloo's µs/step / this variant's µs/step.")
+    if "error" not in fcr:
+        ratios = [cell["fastcomm batch of 2"] / cell["fastcomm async_op pair"] for cell in launches]
+        print("batch of 2 / async_op pair (target: at most 1.0): "
+              f"{fcr['fastcomm batch of 2'] / fcr['fastcomm async_op pair']:.2f} of the medians; launch by launch "
+              + ", ".join(f"{r:.2f}" for r in ratios) + f", median {statistics.median(ratios):.2f}")
 
     failed = [f"(a) world/k {key}: {cell['error']}" for key, cell in results["scaling"].items()
               if "error" in cell]
