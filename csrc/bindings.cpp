@@ -82,7 +82,7 @@ void splits_arg(const py::handle& h, OpRequest& r) {
 // block ends.
 struct Batch {
   Batch() = default;
-  Batch(const Batch&) = delete;  // said outright: std::vector claims to be copyable whatever it holds
+  Batch(const Batch&) = delete;  // said outright: a vector type claims to be copyable whatever it holds
   Batch& operator=(const Batch&) = delete;
   Engine::PreparedOps ops;
   bool posted = false;
