@@ -2,8 +2,9 @@
 // Doorbell: the one word a process sleeps on. Peers (and local threads) ring it after they
 // make something observable for this process: a message in a ring, space freed in a ring, an
 // op completed. Ringing is one atomic add on a shared cache line; the futex syscall is paid
-// only when the sleepers count says someone is actually asleep, so the hot path of a spinning
-// receiver costs no syscall at all.
+// only when the sleepers count says someone is actually asleep. A peer publishing messages
+// skips even the add unless the owner sleeps (wake_if_sleeping), so the hot path of a
+// spinning receiver costs no syscall and loses no line to the sender.
 //
 // Lost-wakeup argument: a sleeper increments `sleepers`, reads `word` (token), re-checks for
 // work, then futex-waits on (word == token). A ringer increments `word`, then reads
