@@ -52,9 +52,8 @@ void Driver::prefer_sleep() {
 
 void Driver::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) {
   // Clocks are read from the first pass that finds nothing on (a blocking op in a pair needs
-  // about one such pass in two; a read costs a few percent of the op).
+  // about one such pass in two; a read costs a few percent of the op). Unset: the epoch.
   Clock::time_point idle_since, last_health;
-  bool looked = false;
   uint32_t idle = 0;
   bool ran_out = false;   // the last sleep lasted its whole slice, nobody rang meanwhile
   uint32_t slept_on = 0;  // ... on this token
@@ -74,10 +73,7 @@ void Driver::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) 
     }
     if (idle++ == 0) {
       idle_since = Clock::now();
-      if (!looked) {
-        last_health = idle_since;
-        looked = true;
-      }
+      if (last_health == Clock::time_point()) last_health = idle_since;
     }
     // A waiter that shares its core yields after every empty pass: the peer it waits for may
     // be the one that needs the core.
