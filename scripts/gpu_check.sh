@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The CUDA/NCCL path on a GPU machine (one GPU is enough; no network needed): builds the CUDA
-# variant of fastcomm, runs the NCCL tests (several ranks share the GPU, each with its own
-# NCCL_HOSTID) -- the cyclic-order test first, then the rest of tests/test_nccl.py -- then
-# benchmarks/nccl_pairs.py (fastcomm vs torch NCCL) and benchmarks/forum_mwe.py at 1, 2, 4 and
-# 8 pairs (the CPU scaling figure on this machine's cores), and writes a Markdown report to
-# ${OUT:-reports}/gpu_check.md (each step's command, exit code, wall time and output tail; the
-# whole logs go to gpu_check.log beside it).
+# variant of fastcomm; runs benchmarks/forum_mwe.py at 1, 2, 4 and 8 pairs (the CPU scaling
+# figure on this machine's cores; first, so that a hung test cannot take its time); runs the NCCL
+# tests (several ranks share the GPU, each with its own NCCL_HOSTID), the cyclic-order test
+# first, then the rest of tests/test_nccl.py; then benchmarks/nccl_pairs.py (fastcomm vs torch
+# NCCL). It writes a Markdown report to ${OUT:-reports}/gpu_check.md (each step's command, exit
+# code, wall time and output tail; the whole logs go to gpu_check.log beside it, the MWE's
+# numbers to forum_mwe.json).
 #
 # Exit status: non-zero if the build or a test step failed or was not run (benchmark failures
 # are reported, not counted).
@@ -189,14 +190,14 @@ RUN="set -e; cd '$PKG'; export PYTHONPATH='$PKG' FASTCOMM_REQUIRE_GPU=1"
 PYTEST="'$PY' -m pytest -q -s -rA -p no:cacheprovider --rootdir='$ROOT' '$ROOT/tests/test_nccl.py'"
 
 if [ "$BUILT" = 1 ]; then
-  # ---- 3. tests
+  # ---- 3. the CPU scaling figure first (it needs only the build), then the NCCL tests, then
+  # the NCCL benchmark: a hung test cannot take the scaling figure's time.
+  step bench "benchmarks/forum_mwe.py at 1, 2, 4, 8 pairs (CPU, this machine's cores)" 200 \
+    "$RUN; '$PY' '$ROOT/benchmarks/forum_mwe.py' --pairs 1 2 4 8 --repeat 3 --sizes 16M --json '$REPORT_DIR/forum_mwe.json'"
   step test "NCCL cyclic-order test (3 ranks, one GPU)" 150 "$RUN; $PYTEST -k cyclic"
   step test "tests/test_nccl.py (the rest)" 300 "$RUN; $PYTEST -k 'not cyclic'"
-  # ---- 4. benchmarks
   step bench "benchmarks/nccl_pairs.py: fastcomm vs torch NCCL, ranks on one GPU" 150 \
     "$RUN; '$PY' '$ROOT/benchmarks/nccl_pairs.py' --pairs 1 4 --iters 300 --job-timeout 120"
-  step bench "benchmarks/forum_mwe.py at 1, 2, 4, 8 pairs (CPU, this machine's cores)" 150 \
-    "$RUN; '$PY' '$ROOT/benchmarks/forum_mwe.py' --quick --pairs 1 2 4 8 --sizes 1M"
 else
   FAILED=$((FAILED + 2))
   echo "| - | tests and benchmarks | test | NOT RUN (no build) | - | 0 |" >> "$LOGS/summary"
