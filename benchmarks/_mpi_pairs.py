@@ -27,7 +27,8 @@ def main():
     buf = np.zeros(numel, dtype=np.float32)  # zeros: the sum never overflows, as in forum_mwe.py
     for _ in range(warmup):
         pair.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-    world.Barrier()  # all pairs enter the timed loop together
+    world.Barrier()  # all pairs enter the timed loop together; twice, as forum_mwe.py does
+    world.Barrier()
     start = time.perf_counter()
     if fresh:
         for _ in range(iters):

@@ -61,7 +61,13 @@ def _timed_all_reduce(all_reduce, group, barrier, rank, numel, iters, warmup, fr
     t = empty(numel).zero_()  # zeros: the sum stays 0, so no number of ops overflows to inf
     for _ in range(warmup):
         all_reduce(t, group=group)
-    barrier()  # all pairs enter the timed loop together and contend for the cores, as in the MWE
+    # All pairs enter the timed loop together and contend for the cores, as in the MWE. Twice:
+    # ranks that waited long in the first (for the slowest rank to start) may sleep, and each
+    # leaves it when woken, up to a millisecond apart on a VM; the second finds every rank
+    # awake and releases them together. A rank's own start skew would otherwise count in its
+    # time (1024 ops take a few milliseconds).
+    barrier()
+    barrier()
     start = time.perf_counter()
     if fresh:
         for _ in range(iters):

@@ -139,9 +139,10 @@ def _rank_main(rank, world, port, args, conn):
         kgroups = [grp for p, grp in zip(lists, fc.new_groups(lists)) if rank in p]
 
         def batched():
-            with fc.batch():
+            with fc.batch() as b:
                 for t, grp in zip(xs, kgroups):
                     fc.all_reduce(t, group=grp)
+            b.wait()  # orders the current stream after the batch, as a blocking op would
 
         batched()
         after = free_mem("fc1")

@@ -164,7 +164,9 @@ echo
 '$PY' -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available:\", torch.cuda.is_available(), \"devices:\", torch.cuda.device_count()); print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no GPU\")'
 '$PY' -c 'import pytest; print(\"pytest\", pytest.__version__)' || '$PY' -m pip install -q --disable-pip-version-check pytest pytest-timeout || true
 command -v nvcc && nvcc --version | tail -n 2
-echo \"cores: \$(nproc)\""
+echo \"cores: \$(nproc)\"
+lscpu 2>/dev/null | grep -E '^(Model name|Socket|Core|Thread|NUMA node\\(s\\)|L2|L3|Hypervisor)' || true
+lscpu -e=CPU,CORE,SOCKET,NODE 2>/dev/null || true"
 
 # ---- 2. build the CUDA variant and stage it with the package
 step test "build the CUDA/NCCL variant (${BUILD#"$ROOT"/})" 300 "set -e

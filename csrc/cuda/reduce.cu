@@ -82,7 +82,30 @@ __global__ void fused_reduce(JobBatch b) {
   }
 }
 
+template <typename T>
+__global__ void divide(T* p, int64_t numel, int32_t n) {
+  using A = typename Acc<T>::type;
+  const int64_t stride = (int64_t)blockDim.x * gridDim.x;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += stride)
+    store(p, i, load(p, i) / static_cast<A>(n));
+}
+
 }  // namespace
+
+cudaError_t launch_divide(void* p, int64_t numel, DType dtype, int32_t n, cudaStream_t stream) {
+  if (numel <= 0) return cudaSuccess;
+  constexpr int kThreads = 256;
+  const int64_t want = (numel + kThreads - 1) / kThreads;
+  const unsigned blocks = (unsigned)(want < 1024 ? want : 1024);
+  switch (dtype) {
+    case DType::F16: divide<<<blocks, kThreads, 0, stream>>>(static_cast<__half*>(p), numel, n); break;
+    case DType::BF16: divide<<<blocks, kThreads, 0, stream>>>(static_cast<__nv_bfloat16*>(p), numel, n); break;
+    case DType::F32: divide<<<blocks, kThreads, 0, stream>>>(static_cast<float*>(p), numel, n); break;
+    case DType::F64: divide<<<blocks, kThreads, 0, stream>>>(static_cast<double*>(p), numel, n); break;
+    default: return cudaErrorInvalidValue;  // AVG takes floating dtypes only
+  }
+  return cudaGetLastError();
+}
 
 cudaError_t launch_fused_reduce(const ReduceJob* jobs, int count, cudaStream_t stream) {
   constexpr int kThreads = 256;

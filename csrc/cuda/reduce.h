@@ -34,5 +34,9 @@ constexpr int kMaxJobsPerLaunch = 64;
 // Enqueues the fold of `count` jobs on `stream`; returns the launch's error.
 cudaError_t launch_fused_reduce(const ReduceJob* jobs, int count, cudaStream_t stream);
 
+// Enqueues p[i] /= n over `numel` elements of a floating `dtype` (half types in float): the end
+// of an AVG that NCCL summed.
+cudaError_t launch_divide(void* p, int64_t numel, DType dtype, int32_t n, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace fastcomm

@@ -72,9 +72,9 @@ ncclRedOp_t nccl_op(RedOp op, c10::ScalarType t) {
   switch (op) {
     case RedOp::SUM: return ncclSum;
     case RedOp::PRODUCT: return ncclProd;
-    case RedOp::AVG:
+    case RedOp::AVG:  // summed, then divided (divide_sum)
       TORCH_CHECK_VALUE(c10::isFloatingType(t), "fastcomm: AVG is not supported for integer dtype ", t);
-      return ncclAvg;
+      return ncclSum;
     default:
       TORCH_CHECK_VALUE(false, "fastcomm: NCCL reductions take SUM, AVG or PRODUCT, not ", op_name(op),
                         " (MIN and MAX run as a fold)");
@@ -484,6 +484,7 @@ class CudaRuntime final : public Runtime {
     issued(box, cs(s), [&] {
       return FASTCOMM_GPU_CHECK_COMM(ncclAllReduce(in, out, (size_t)count, dt, ro, box->comm, cs(s)), box->comm);
     });
+    if (op == RedOp::AVG) divide_sum(box, out, count, dtype, cs(s));
   }
 
   void broadcast(void* buf, size_t bytes, int root, Comm c, Stream s) override {
@@ -509,10 +510,25 @@ class CudaRuntime final : public Runtime {
       return FASTCOMM_GPU_CHECK_COMM(ncclReduceScatter(in, out, (size_t)count, dt, ro, box->comm, cs(s)),
                                      box->comm);
     });
+    if (op == RedOp::AVG) divide_sum(box, out, count, dtype, cs(s));
   }
 
  private:
   c10::DeviceIndex dev() const { return (c10::DeviceIndex)device_; }
+
+  // AVG is a sum divided once at the end, as the fold does: ncclAvg multiplies every input by
+  // 1/n before summing, which rounds differently (an average of 0 came out as 0.0117 in bf16).
+  // The kernel must follow NCCL's on the stream, so NCCL must have enqueued its call first.
+  void divide_sum(const std::shared_ptr<CommBox>& box, void* out, int64_t count, c10::ScalarType dtype,
+                  cudaStream_t s) {
+    TORCH_INTERNAL_ASSERT(tl_group.depth == 0, "fastcomm: an AVG collective inside an NCCL group");
+    if (count <= 0) return;
+    int n = 0;
+    FASTCOMM_GPU_CHECK_COMM(ncclCommCount(box->comm, &n), box->comm);
+    settle_stream(s, "all_reduce");
+    c10::cuda::CUDAGuard g(dev());
+    FASTCOMM_GPU_CHECK(cuda::launch_divide(out, count, fold_dtype(dtype), n, s));
+  }
 
   std::shared_ptr<CommBox> box_of(Comm c) {
     TORCH_INTERNAL_ASSERT(c != nullptr, "fastcomm: null communicator");
