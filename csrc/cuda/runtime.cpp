@@ -115,6 +115,7 @@ struct CommBox : std::enable_shared_from_this<CommBox> {
   std::mutex mu;                     // orders polls (ncclCommGetAsyncError) with abort and destroy
   ncclComm_t comm = nullptr;         // under mu; null once aborted or destroyed
   bool aborted = false;              // under mu
+  int nranks = 0;                    // fixed at init: a non-blocking communicator in progress takes no query
   std::shared_ptr<Pending> pending;  // under the runtime's mu_
 };
 
@@ -343,6 +344,7 @@ class CudaRuntime final : public Runtime {
     }
     auto box = std::make_shared<CommBox>();
     box->comm = comm;
+    box->nranks = nranks;
     std::lock_guard<std::mutex> lk(mu_);
     comms_[box.get()] = box;
     if (r == ncclInProgress) {
@@ -523,11 +525,9 @@ class CudaRuntime final : public Runtime {
                   cudaStream_t s) {
     TORCH_INTERNAL_ASSERT(tl_group.depth == 0, "fastcomm: an AVG collective inside an NCCL group");
     if (count <= 0) return;
-    int n = 0;
-    FASTCOMM_GPU_CHECK_COMM(ncclCommCount(box->comm, &n), box->comm);
     settle_stream(s, "all_reduce");
     c10::cuda::CUDAGuard g(dev());
-    FASTCOMM_GPU_CHECK(cuda::launch_divide(out, count, fold_dtype(dtype), n, s));
+    FASTCOMM_GPU_CHECK(cuda::launch_divide(out, count, fold_dtype(dtype), box->nranks, s));
   }
 
   std::shared_ptr<CommBox> box_of(Comm c) {
