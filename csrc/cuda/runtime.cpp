@@ -519,8 +519,8 @@ class CudaRuntime final : public Runtime {
   c10::DeviceIndex dev() const { return (c10::DeviceIndex)device_; }
 
   // AVG is a sum divided once at the end, as the fold does: ncclAvg multiplies every input by
-  // 1/n before summing, which rounds differently (an average of 0 came out as 0.0117 in bf16).
-  // The kernel must follow NCCL's on the stream, so NCCL must have enqueued its call first.
+  // 1/n before summing, which rounds differently (an exact 0 can come out nonzero). The kernel
+  // must follow NCCL's on the stream, so NCCL must have enqueued its call first.
   void divide_sum(const std::shared_ptr<CommBox>& box, void* out, int64_t count, c10::ScalarType dtype,
                   cudaStream_t s) {
     TORCH_INTERNAL_ASSERT(tl_group.depth == 0, "fastcomm: an AVG collective inside an NCCL group");
