@@ -460,6 +460,10 @@ def _group_comm_body(rank, world, numel):
             fc.reduce_scatter_tensor(o, gen(rank, 6, dt, n * numel), group=g)
             ref = fold([gen(r, 6, dt, n * numel) for r in ranks], "SUM")[me * numel:(me + 1) * numel]
             torch.testing.assert_close(o, ref, rtol=0, atol=0)
+            if dt != "int64":
+                fc.reduce_scatter_tensor(o, gen(rank, 6, dt, n * numel), op=dist.ReduceOp.AVG, group=g)
+                ref = fold([gen(r, 6, dt, n * numel) for r in ranks], "AVG")[me * numel:(me + 1) * numel]
+                torch.testing.assert_close(o, ref, rtol=0, atol=0)
             b = gen(rank, 7, dt, numel)
             fc.broadcast(b, src=ranks[1], group=g)
             torch.testing.assert_close(b, gen(ranks[1], 7, dt, numel), rtol=0, atol=0)

@@ -170,6 +170,13 @@ def _collectives_body(rank, world):
                 fc.reduce_scatter(out2, list(big.split(numel)) if numel else [big[:0]] * n, op=fc.ReduceOp.SUM,
                                   group=g)
                 _check(out2, want, "SUM", f"reduce_scatter {what}")
+                if dtype.is_floating_point:
+                    # AVG too: at 1 << 16 float32 a triple or quad runs on its own communicator,
+                    # where NCCL sums and the runtime divides once, as the fold does.
+                    out3 = torch.empty(numel, dtype=dtype, device="cuda")
+                    fc.reduce_scatter_tensor(out3, big, op=fc.ReduceOp.AVG, group=g)
+                    avg = fold([gen(r, key + 2, dt, n * numel) for r in ranks], "AVG")[me * numel:(me + 1) * numel]
+                    _check(out3, avg, "AVG", f"reduce_scatter_tensor AVG {what}")
     torch.cuda.synchronize()
     return True
 
