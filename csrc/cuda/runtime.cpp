@@ -124,10 +124,17 @@ struct CommBox : std::enable_shared_from_this<CommBox> {
 struct Pending {
   std::vector<std::shared_ptr<CommBox>> comms;
   std::vector<cudaStream_t> streams;
+  struct Divide {  // the end of an AVG that NCCL summed (CudaRuntime::divide_sum)
+    void* out = nullptr;
+    int64_t count = 0;
+    cuda::DType dtype = cuda::DType::F32;
+    int32_t n = 1;
+  };
   struct Op {
     cudaStream_t stream;
-    cudaEvent_t event;  // a record; null: a keep of `keep`
+    cudaEvent_t event;  // a record; null: a divide if divide.count > 0, else a keep of `keep`
     at::Tensor keep;
+    Divide divide;
   };
   std::vector<Op> ops;  // in call order
   bool settled = false;
@@ -520,14 +527,23 @@ class CudaRuntime final : public Runtime {
 
   // AVG is a sum divided once at the end, as the fold does: ncclAvg multiplies every input by
   // 1/n before summing, which rounds differently (an exact 0 can come out nonzero). The kernel
-  // must follow NCCL's on the stream, so NCCL must have enqueued its call first.
+  // must follow NCCL's on the stream: while NCCL is still enqueueing its call (a first contact
+  // waits for the peers), the launch is deferred like a record, never waited for here.
   void divide_sum(const std::shared_ptr<CommBox>& box, void* out, int64_t count, c10::ScalarType dtype,
                   cudaStream_t s) {
     TORCH_INTERNAL_ASSERT(tl_group.depth == 0, "fastcomm: an AVG collective inside an NCCL group");
     if (count <= 0) return;
-    settle_stream(s, "all_reduce");
+    const Pending::Divide d{out, count, fold_dtype(dtype), box->nranks};
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      auto it = stream_pending_.find(s);
+      if (it != stream_pending_.end()) {
+        it->second->ops.push_back({s, nullptr, at::Tensor(), d});
+        return;
+      }
+    }
     c10::cuda::CUDAGuard g(dev());
-    FASTCOMM_GPU_CHECK(cuda::launch_divide(out, count, fold_dtype(dtype), box->nranks, s));
+    FASTCOMM_GPU_CHECK(cuda::launch_divide(d.out, d.count, d.dtype, d.n, s));
   }
 
   std::shared_ptr<CommBox> box_of(Comm c) {
@@ -645,6 +661,9 @@ class CudaRuntime final : public Runtime {
         if (it == event_pending_.end() || it->second.get() != &p) continue;  // recorded again, or destroyed
         event_pending_.erase(it);
         FASTCOMM_GPU_CHECK(cudaEventRecord(op.event, op.stream));
+      } else if (op.divide.count > 0) {
+        const Pending::Divide& d = op.divide;
+        FASTCOMM_GPU_CHECK(cuda::launch_divide(d.out, d.count, d.dtype, d.n, op.stream));
       } else {
         record_stream(op.keep, op.stream);
       }

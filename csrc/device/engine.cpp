@@ -902,6 +902,9 @@ bool ChannelEngine::pump_group(GroupComm& g) {
         rt_->broadcast(c.in, (size_t)c.count, c.root, g.comm, g.stream);
         break;
     }
+    // The op's memory stays allocated until the stream has run its work on it: after an abort
+    // the op settles at once, while the stream may still hold the end of an AVG.
+    for (const at::Tensor& t : op->keep) rt_->keep(t, g.stream);
     g.queued.pop_front();
     g.launching = op;
     moved = true;
