@@ -82,6 +82,14 @@ __global__ void fused_reduce(JobBatch b) {
   }
 }
 
+constexpr int kThreads = 256;
+
+// Enough blocks to cover `numel` once, capped: the kernels' loops stride over the rest.
+unsigned blocks_for(int64_t numel) {
+  const int64_t want = (numel + kThreads - 1) / kThreads;
+  return (unsigned)(want < 1024 ? want : 1024);
+}
+
 template <typename T>
 __global__ void divide(T* p, int64_t numel, int32_t n) {
   using A = typename Acc<T>::type;
@@ -94,9 +102,7 @@ __global__ void divide(T* p, int64_t numel, int32_t n) {
 
 cudaError_t launch_divide(void* p, int64_t numel, DType dtype, int32_t n, cudaStream_t stream) {
   if (numel <= 0) return cudaSuccess;
-  constexpr int kThreads = 256;
-  const int64_t want = (numel + kThreads - 1) / kThreads;
-  const unsigned blocks = (unsigned)(want < 1024 ? want : 1024);
+  const unsigned blocks = blocks_for(numel);
   switch (dtype) {
     case DType::F16: divide<<<blocks, kThreads, 0, stream>>>(static_cast<__half*>(p), numel, n); break;
     case DType::BF16: divide<<<blocks, kThreads, 0, stream>>>(static_cast<__nv_bfloat16*>(p), numel, n); break;
@@ -108,7 +114,6 @@ cudaError_t launch_divide(void* p, int64_t numel, DType dtype, int32_t n, cudaSt
 }
 
 cudaError_t launch_fused_reduce(const ReduceJob* jobs, int count, cudaStream_t stream) {
-  constexpr int kThreads = 256;
   for (int base = 0; base < count; base += kMaxJobsPerLaunch) {
     JobBatch b;
     b.count = count - base < kMaxJobsPerLaunch ? count - base : kMaxJobsPerLaunch;
@@ -117,9 +122,7 @@ cudaError_t launch_fused_reduce(const ReduceJob* jobs, int count, cudaStream_t s
       b.jobs[i] = jobs[base + i];
       if (b.jobs[i].numel > most) most = b.jobs[i].numel;
     }
-    // Enough blocks to cover the largest job once, capped: the loop strides over the rest.
-    const int64_t want = (most + kThreads - 1) / kThreads;
-    dim3 grid((unsigned)(want < 1024 ? want : 1024), (unsigned)b.count);
+    dim3 grid(blocks_for(most), (unsigned)b.count);  // sized for the largest job
     fused_reduce<<<grid, kThreads, 0, stream>>>(b);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
