@@ -16,6 +16,7 @@
 #include "algorithms/direct.h"
 #include "algorithms/exchange.h"
 #include "algorithms/op.h"
+#include "algorithms/reduce.h"
 #include "algorithms/request.h"
 #include "common/errors.h"
 
@@ -259,10 +260,59 @@ std::unique_ptr<Op> make_flat_all_reduce(OpDesc d, const at::Tensor& t, RedOp op
       });
 }
 
+// A small all_reduce in a pair on one host. Its messages are the one-shot exchange's (one
+// piece each way, tag 0, offset 0), so the peer may run either; this skips the exchange's
+// bookkeeping, most of such an op's own cost. Each side folds the peer's data into its own:
+// with two members, a op b and b op a are equal bit for bit.
+class PairAllReduce final : public Op {
+ public:
+  PairAllReduce(OpDesc d, const at::Tensor& t, int rank)
+      : Op(d), t_(t), data_(bytes(t)), len_((uint32_t)nbytes(t)), peer_(1 - rank) {}
+
+  bool step(Comm& c) override {
+    if (done_) return false;
+    bool any = false;
+    if (!sent_) {
+      if (!c.send(peer_, 0, 0, data_, len_)) {
+        c.check_abort(peer_);  // a peer that failed this op may never read its ring again
+        return false;
+      }
+      sent_ = any = true;
+    }
+    const Message* m = c.peek(peer_);
+    if (m == nullptr) return any;
+    const Header& h = m->hdr;
+    if ((h.flags & kMsgBulk) || h.tag != 0 || h.offset != 0 || h.len != len_)
+      throw_comm_error("fastcomm: group rank " + std::to_string(peer_) + " sent a piece (phase tag " +
+                       std::to_string(h.tag) + ", offset " + std::to_string(h.offset) + ", " +
+                       std::to_string(h.len) + " bytes) where group rank " + std::to_string(1 - peer_) +
+                       " expects the whole tensor in one piece: the members run different algorithms for this "
+                       "op; FASTCOMM_SHM_RING_BYTES and FASTCOMM_SHM_DIRECT_BYTES must be the same on every rank");
+    const size_t n = (size_t)desc_.numel;
+    if (n) reduce_into(data_, m->data, n, desc_.dtype, desc_.redop);
+    c.pop(peer_);
+    if (desc_.redop == RedOp::AVG) divide_by(data_, n, desc_.dtype, 2);
+    done_ = true;
+    return true;
+  }
+  bool done() const override { return done_; }
+  std::vector<at::Tensor> outputs() const override { return {t_}; }
+  bool restartable() const override { return true; }
+  void restart() override { sent_ = done_ = false; }
+
+ private:
+  at::Tensor t_;
+  uint8_t* data_;
+  uint32_t len_;
+  int peer_;
+  bool sent_ = false, done_ = false;
+};
+
 std::unique_ptr<Op> make_all_reduce(const OpRequest& r, const GroupView& g) {
   const at::Tensor& t = r.tensor;
   OpDesc d{OpKind::kAllReduce, t.scalar_type(), r.redop, (uint64_t)t.numel(), -1};
   if (g.hosts) return make_hierarchical(d, t, true, r.redop, g);
+  if (g.size() == 2 && nbytes(t) <= g.pair_message_max) return std::make_unique<PairAllReduce>(d, t, g.rank);
   auto flat = make_flat_all_reduce(d, t, r.redop, g);
   if (g.size() >= 2 && nbytes(t) >= g.direct_min)
     return make_direct_all_reduce(d, t, g.rank, g.size(), std::move(flat));

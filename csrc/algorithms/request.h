@@ -47,6 +47,9 @@ struct GroupView {
   // Bytes from which a flat all_reduce first tries reading the members' shared buffers in place
   // (algorithms/direct.h).
   size_t direct_min = SIZE_MAX;
+  // Bytes up to which an all_reduce in a pair on one host travels as one message each way
+  // (SmallPairAllReduce in algorithms/collectives.cpp); 0: never.
+  size_t pair_message_max = 0;
   int size() const { return (int)ranks.size(); }
   std::string label() const;
   // Group rank of global rank `global`, an argument named `arg`; throws if not a member.

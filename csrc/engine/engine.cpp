@@ -144,7 +144,12 @@ Engine::Prepared Engine::prepare(OpRequest req, const GroupHandle& g) {
     p.group = g.state;
   }
   if (!p.on_device) {
-    p.op = spec.make(req, view_of(*p.group, opts_.rank, rsag, opts_.settings.shm_direct_bytes));
+    const GroupState& pg = *p.group;
+    // A pair on this host whose payload fits one ring record below the direct path's sizes.
+    size_t pair_max = 0;
+    if (pg.ranks.size() == 2 && transports_.is_local(pg.ranks[0]) && transports_.is_local(pg.ranks[1]))
+      pair_max = std::min(transports_.max_payload(), opts_.settings.shm_direct_bytes - 1);
+    p.op = spec.make(req, view_of(pg, opts_.rank, rsag, opts_.settings.shm_direct_bytes, pair_max));
     // The Work's future holds complex tensors as the caller gave them, not their real views.
     if (!complex.empty()) {
       p.outputs = p.op->outputs();
@@ -218,6 +223,36 @@ c10::intrusive_ptr<Work> Engine::run(PreparedOps& ops, bool async_op, bool rethr
     if (rethrow) w->rethrow_if_failed();
   }
   return w;
+}
+
+void Engine::run_blocking(PreparedOps& ops) {
+  if (ops.size() != 1 || ops[0].on_device || ops[0].recv) {
+    run(ops, /*async_op=*/false, /*rethrow=*/true);
+    return;
+  }
+  Prepared& p = ops[0];
+  c10::intrusive_ptr<Work> work;
+  std::exception_ptr err;
+  Progress::Done done;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    TORCH_CHECK(!shut_down_, "fastcomm: rank ", opts_.rank, ": fastcomm was shut down");
+    // Queued (if at all) in this same section: no other thread's op can take its seq.
+    if (progress_.step_alone_locked(*p.group, *p.op, done, err) == Progress::Alone::kQueue) {
+      work = c10::make_intrusive<Work>(shared_from_this(), opts_.rank, p.type, std::vector<at::Tensor>(), 1, false);
+      Progress::PostedOps queued;
+      queued.emplace_back();
+      queued.back().group = p.group.get();
+      queued.back().op = std::move(p.op);
+      progress_.post_locked(std::move(queued), work, done);
+    }
+  }
+  progress_.finish(done);
+  if (err) std::rethrow_exception(err);
+  if (work) {
+    driver_.wait(*work, std::chrono::milliseconds(0));
+    work->rethrow_if_failed();
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -115,6 +115,10 @@ class Engine final : public Waiter, public HostLink, public std::enable_shared_f
   // post, and for a blocking host op, waits for it; `rethrow`: raise its error here (the torch
   // backend leaves it in the Work, which torch waits on next).
   c10::intrusive_ptr<Work> run(PreparedOps& ops, bool async_op, bool rethrow);
+  // run() of a blocking call that hands no Work to anyone and raises its own error (the
+  // native API). A single host op whose group has nothing queued is stepped at once, and
+  // needs no Work when that finishes it. Not for a recv (matched in posting order on ports).
+  void run_blocking(PreparedOps& ops);
   // A persistent plan of host ops (a batch recorded once), and one run of all its ops. A plan
   // runs one start at a time; a blocking start raises its error here.
   std::shared_ptr<Plan> make_plan(PreparedOps ops);

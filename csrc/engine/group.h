@@ -141,8 +141,8 @@ class GroupRegistry {
 
 // What checks and algorithms see of a member's group.
 inline GroupView view_of(const GroupState& g, int global_rank, size_t rsag_threshold,
-                        size_t direct_min = SIZE_MAX) {
-  return GroupView{g.ranks, g.rank, global_rank, g.hosts, rsag_threshold, direct_min};
+                        size_t direct_min = SIZE_MAX, size_t pair_message_max = 0) {
+  return GroupView{g.ranks, g.rank, global_rank, g.hosts, rsag_threshold, direct_min, pair_message_max};
 }
 
 }  // namespace fastcomm

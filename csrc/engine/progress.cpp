@@ -166,6 +166,36 @@ void Progress::idle_locked(size_t i) {
   busy_.pop_back();
 }
 
+Progress::Alone Progress::step_alone_locked(GroupState& g, Op& op, Done& done, std::exception_ptr& err) {
+  if (stopped_ || !g.queue.empty()) return Alone::kQueue;
+  for (int r : g.ranks)
+    if (dead_[r]) return Alone::kQueue;
+  Pending p;
+  p.op = OpPtr(&op, OpRelease(false));
+  p.seq = g.next_seq;
+  bool finished = false;
+  try {
+    OpComm comm(router_, tr_, pending_async_.load() > 0, g, p);
+    op.step(comm);
+    finished = op.done();
+  } catch (...) {
+    err = std::current_exception();
+  }
+  if (!err && !finished) return Alone::kQueue;  // post_locked's pass publishes its sends
+  if (err) {
+    tell_peers_locked(g, p, err);
+    router_.purge(g, p.seq);
+  }
+  ++g.next_seq;
+  ++g.head_seq;
+  // Ops queued elsewhere get the eager pass post_locked would have run: they may be waiting
+  // for what this step set aside, or for a pass a transport thread was refused.
+  if (!busy_.empty() || !busy_ports_.empty()) pass_locked(done);
+  else
+    tr_.flush();
+  return err ? Alone::kFailed : Alone::kFinished;
+}
+
 bool Progress::pass_locked(Done& done) {
   if (stopped_) return false;
   // (Read first: a store on every pass would be a locked instruction for a flag rarely set.)
@@ -216,25 +246,27 @@ bool Progress::pass_locked(Done& done) {
   return any;
 }
 
+// The other members fail the op too instead of waiting for data that will not come. A full
+// ring just means a peer learns by its own timeout.
+void Progress::tell_peers_locked(const GroupState& g, const Pending& p, std::exception_ptr e) {
+  std::string why;
+  try {
+    std::rethrow_exception(e);
+  } catch (const c10::Error& ex) {
+    why = ex.what_without_backtrace();
+  } catch (const std::exception& ex) {
+    why = ex.what();
+  }
+  why.resize(std::min(why.size(), tr_.max_payload()));
+  Header h = OpComm::header_of(g, p, 0, 0, (uint32_t)why.size());
+  h.flags = kMsgAbort;
+  for (int r : g.ranks)
+    if (r != rank_ && !dead_[r]) tr_.of(r)->try_send(r, h, why.data());
+}
+
 void Progress::fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, bool tell_peers) {
   Pending& p = g.queue.front();
-  if (tell_peers) {
-    // Best effort: the other members fail this op too instead of waiting for data that will
-    // not come. A full ring just means a peer learns by its own timeout.
-    std::string why;
-    try {
-      std::rethrow_exception(e);
-    } catch (const c10::Error& ex) {
-      why = ex.what_without_backtrace();
-    } catch (const std::exception& ex) {
-      why = ex.what();
-    }
-    why.resize(std::min(why.size(), tr_.max_payload()));
-    Header h = OpComm::header_of(g, p, 0, 0, (uint32_t)why.size());
-    h.flags = kMsgAbort;
-    for (int r : g.ranks)
-      if (r != rank_ && !dead_[r]) tr_.of(r)->try_send(r, h, why.data());
-  }
+  if (tell_peers) tell_peers_locked(g, p, e);
   settle_locked(done, p.work, e);
   router_.purge(g, p.seq);
   done.gone.push_back(std::move(p));

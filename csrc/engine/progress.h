@@ -54,6 +54,13 @@ class Progress {
   using PostedOps = c10::SmallVector<Posted, 1>;
   void post_locked(PostedOps ops, const c10::intrusive_ptr<Work>& work, Done& done,
                    const std::shared_ptr<const void>& keep = nullptr);
+  // A blocking op of one group, stepped once before anything is queued for it: most small
+  // ops in small groups finish in that step, and then need no Work and no queue entry.
+  // kFinished and kFailed (`err` set, peers told) leave the group at its next op; kQueue
+  // (not finished, or not tried: the group has queued ops, a member died, progress stopped)
+  // leaves it for post_locked() in the same locked section, which gives it this same seq.
+  enum class Alone { kFinished, kFailed, kQueue };
+  Alone step_alone_locked(GroupState& g, Op& op, Done& done, std::exception_ptr& err);
   // One pass over the busy groups; true if anything moved.
   bool pass_locked(Done& done);
   // Slow path, run while waiting: peers that exited, ops past their deadline.
@@ -85,6 +92,8 @@ class Progress {
  private:
   void settle_locked(Done& done, const c10::intrusive_ptr<Work>& w, std::exception_ptr e);
   void fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, bool tell_peers);
+  // Best effort: an abort notice of op `p` with `e`'s message to the group's live members.
+  void tell_peers_locked(const GroupState& g, const Pending& p, std::exception_ptr e);
   void idle_locked(size_t i);  // drops busy_[i], whose queue is empty
   void idle_port_locked(size_t i);  // drops busy_ports_[i], with no receive waiting
   void enqueue_locked(GroupState& g, Pending p);
