@@ -26,6 +26,9 @@ class Driver {
   // Peers on other hosts answer through transport threads, which a spinning or yielding
   // waiter starves of CPU: sleep almost at once, unless the user chose the policy.
   void prefer_sleep();
+  // How many steps a blocking op may spin through before it is queued
+  // (Progress::step_alone_locked): none when waiters should not spin.
+  int alone_spins() const { return spin_ns_ > 0 ? kAloneSpins : 0; }
   // One pass for Work.is_completed(). One that finds nothing to do yields the core when the
   // local ranks outnumber the cores: a caller looping on is_completed() would otherwise keep
   // it for a whole time slice while the peers it waits for cannot run.
@@ -46,6 +49,7 @@ class Driver {
   void drive(Work* w, Clock::time_point user_deadline, bool has_deadline);
   void bg_main();
 
+  static constexpr int kAloneSpins = 128;
   Progress& progress_;
   const Doorbell bell_;
   const int rank_;

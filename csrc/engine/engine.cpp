@@ -238,7 +238,7 @@ void Engine::run_blocking(PreparedOps& ops) {
     std::lock_guard<std::mutex> lk(mu_);
     TORCH_CHECK(!shut_down_, "fastcomm: rank ", opts_.rank, ": fastcomm was shut down");
     // Queued (if at all) in this same section: no other thread's op can take its seq.
-    if (progress_.step_alone_locked(*p.group, *p.op, done, err) == Progress::Alone::kQueue) {
+    if (progress_.step_alone_locked(*p.group, *p.op, driver_.alone_spins(), done, err) == Progress::Alone::kQueue) {
       work = c10::make_intrusive<Work>(shared_from_this(), opts_.rank, p.type, std::vector<at::Tensor>(), 1, false);
       Progress::PostedOps queued;
       queued.emplace_back();

@@ -166,7 +166,7 @@ void Progress::idle_locked(size_t i) {
   busy_.pop_back();
 }
 
-Progress::Alone Progress::step_alone_locked(GroupState& g, Op& op, Done& done, std::exception_ptr& err) {
+Progress::Alone Progress::step_alone_locked(GroupState& g, Op& op, int spins, Done& done, std::exception_ptr& err) {
   if (stopped_ || !g.queue.empty()) return Alone::kQueue;
   for (int r : g.ranks)
     if (dead_[r]) return Alone::kQueue;
@@ -178,6 +178,14 @@ Progress::Alone Progress::step_alone_locked(GroupState& g, Op& op, Done& done, s
     OpComm comm(router_, tr_, pending_async_.load() > 0, g, p);
     op.step(comm);
     finished = op.done();
+    if (!finished && spins > 0) {
+      tr_.flush();
+      do {
+        cpu_relax();
+        op.step(comm);
+        finished = op.done();
+      } while (!finished && --spins > 0);
+    }
   } catch (...) {
     err = std::current_exception();
   }

@@ -59,8 +59,11 @@ class Progress {
   // kFinished and kFailed (`err` set, peers told) leave the group at its next op; kQueue
   // (not finished, or not tried: the group has queued ops, a member died, progress stopped)
   // leaves it for post_locked() in the same locked section, which gives it this same seq.
+  // `spins`: further steps it may take, with a pause between them, while only the peers'
+  // answer is missing (a peer a little behind answers within a microsecond, and queueing
+  // costs more than that).
   enum class Alone { kFinished, kFailed, kQueue };
-  Alone step_alone_locked(GroupState& g, Op& op, Done& done, std::exception_ptr& err);
+  Alone step_alone_locked(GroupState& g, Op& op, int spins, Done& done, std::exception_ptr& err);
   // One pass over the busy groups; true if anything moved.
   bool pass_locked(Done& done);
   // Slow path, run while waiting: peers that exited, ops past their deadline.
