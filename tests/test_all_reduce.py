@@ -425,6 +425,39 @@ def test_threads_on_both_ranks_same_list_groups():
     harness.run(_threads_both_body, 2, 60, timeout=90, env=RING_ENV)
 
 
+def _blocking_among_queued_body(rank, world, iters):
+    """A blocking op usually runs before anything is queued for it; it must still go behind an
+    async op of its own group, and other groups' messages it reads past (here an async op's on
+    `ga`, sent before the blocking op's on `gb`) must reach their ops."""
+    ga = fc.new_group([0, 1])
+    gb = fc.new_group([0, 1])
+    for it in range(iters):
+        n = (1, 64, 5000)[it % 3]
+        a = torch.full((n,), float(rank + 1))       # ga, first op: 3
+        b = torch.full((n,), float(10 * (rank + 1)))  # gb: 30
+        c = torch.full((n,), float(100 * (rank + 1)))  # ga, second op: 300
+        if rank == 0:
+            wa = fc.all_reduce(a, group=ga, async_op=True)
+            fc.all_reduce(b, group=gb)
+            fc.all_reduce(c, group=ga)  # behind `a` whenever `a` is still queued
+            wa.wait()
+        else:
+            if it % 2:  # gb's op before or after ga's async one
+                fc.all_reduce(b, group=gb)
+            wa = fc.all_reduce(a, group=ga, async_op=True)
+            if it % 2 == 0:
+                fc.all_reduce(b, group=gb)
+            fc.all_reduce(c, group=ga)
+            wa.wait()
+        for t, v, name in ((a, 3.0, "a"), (b, 30.0, "b"), (c, 300.0, "c")):
+            assert torch.equal(t, torch.full((n,), v)), f"rank {rank} iter {it} {name}: {t[:3]}"
+    return True
+
+
+def test_blocking_ops_among_queued_ones():
+    harness.run(_blocking_among_queued_body, 2, 300, timeout=60, env=RING_ENV)
+
+
 def _same_list_body(rank, world, iters):
     ga = fc.new_group([0, 1])
     gb = fc.new_group([0, 1])  # a second, distinct group over the same ranks
