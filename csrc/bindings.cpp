@@ -142,14 +142,6 @@ py::object issue(Engine& e, int kind, const GroupHandle& g, const py::handle& te
   // tensors, and dropping such a reference releases the tensor's Python object, which without
   // the GIL means taking it again (a measurable part of a blocking op).
   Engine::PreparedOps ops;
-  if (!async_op && k != OpKind::kRecv) {
-    {
-      py::gil_scoped_release nogil;
-      ops.push_back(e.prepare(std::move(r), g));
-      e.run_blocking(ops);
-    }
-    return py::none();
-  }
   {
     py::gil_scoped_release nogil;
     ops.push_back(e.prepare(std::move(r), g));

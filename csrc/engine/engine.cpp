@@ -217,7 +217,9 @@ c10::intrusive_ptr<Work> Engine::post(PreparedOps& ops, bool async_op, bool hidd
 
 c10::intrusive_ptr<Work> Engine::run(PreparedOps& ops, bool async_op, bool rethrow) {
   // A blocking call that raises its own error hands no Work to anyone (the native API).
-  auto w = post(ops, async_op, /*hidden=*/!async_op && rethrow);
+  const bool hidden = !async_op && rethrow;
+  if (!async_op && ops.size() == 1 && !ops[0].on_device && !ops[0].recv) return run_alone(ops[0], hidden);
+  auto w = post(ops, async_op, hidden);
   if (!async_op && !w->on_device()) {
     driver_.wait(*w, std::chrono::milliseconds(0));
     if (rethrow) w->rethrow_if_failed();
@@ -225,34 +227,43 @@ c10::intrusive_ptr<Work> Engine::run(PreparedOps& ops, bool async_op, bool rethr
   return w;
 }
 
-void Engine::run_blocking(PreparedOps& ops) {
-  if (ops.size() != 1 || ops[0].on_device || ops[0].recv) {
-    run(ops, /*async_op=*/false, /*rethrow=*/true);
-    return;
-  }
-  Prepared& p = ops[0];
+c10::intrusive_ptr<Work> Engine::run_alone(Prepared& p, bool hidden) {
   c10::intrusive_ptr<Work> work;
   std::exception_ptr err;
   Progress::Done done;
+  auto make_work = [&] {
+    std::vector<at::Tensor> outputs;
+    if (!hidden) outputs = p.outputs.empty() ? p.op->outputs() : p.outputs;
+    return c10::make_intrusive<Work>(shared_from_this(), opts_.rank, p.type, std::move(outputs), 1, false);
+  };
+  bool queued = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     TORCH_CHECK(!shut_down_, "fastcomm: rank ", opts_.rank, ": fastcomm was shut down");
     // Queued (if at all) in this same section: no other thread's op can take its seq.
     if (progress_.step_alone_locked(*p.group, *p.op, driver_.alone_spins(), done, err) == Progress::Alone::kQueue) {
-      work = c10::make_intrusive<Work>(shared_from_this(), opts_.rank, p.type, std::vector<at::Tensor>(), 1, false);
-      Progress::PostedOps queued;
-      queued.emplace_back();
-      queued.back().group = p.group.get();
-      queued.back().op = std::move(p.op);
-      progress_.post_locked(std::move(queued), work, done);
+      work = make_work();
+      Progress::PostedOps q;
+      q.emplace_back();
+      q.back().group = p.group.get();
+      q.back().op = std::move(p.op);
+      progress_.post_locked(std::move(q), work, done);
+      queued = true;
     }
   }
   progress_.finish(done);
-  if (err) std::rethrow_exception(err);
-  if (work) {
+  if (queued) {
     driver_.wait(*work, std::chrono::milliseconds(0));
-    work->rethrow_if_failed();
+    if (hidden) work->rethrow_if_failed();
+    return work;
   }
+  if (hidden) {
+    if (err) std::rethrow_exception(err);
+    return work;  // null: nobody takes it
+  }
+  work = make_work();
+  work->settle(err, true);
+  return work;
 }
 
 // ---------------------------------------------------------------------------------------------

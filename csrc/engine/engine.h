@@ -113,12 +113,11 @@ class Engine final : public Waiter, public HostLink, public std::enable_shared_f
   // who chooses where its tensor references are dropped (bindings: with the GIL held).
   c10::intrusive_ptr<Work> post(PreparedOps& ops, bool async_op, bool hidden = false);
   // post, and for a blocking host op, waits for it; `rethrow`: raise its error here (the torch
-  // backend leaves it in the Work, which torch waits on next).
+  // backend leaves it in the Work, which torch waits on next). A blocking single host op (not
+  // a recv, which is matched in posting order on ports) whose group has nothing queued is
+  // stepped before it is queued (Progress::step_alone_locked); when that finishes it, a caller
+  // that raises its own error gets a null Work, and nothing was queued or waited for.
   c10::intrusive_ptr<Work> run(PreparedOps& ops, bool async_op, bool rethrow);
-  // run() of a blocking call that hands no Work to anyone and raises its own error (the
-  // native API). A single host op whose group has nothing queued is stepped at once, and
-  // needs no Work when that finishes it. Not for a recv (matched in posting order on ports).
-  void run_blocking(PreparedOps& ops);
   // A persistent plan of host ops (a batch recorded once), and one run of all its ops. A plan
   // runs one start at a time; a blocking start raises its error here.
   std::shared_ptr<Plan> make_plan(PreparedOps ops);
@@ -153,6 +152,7 @@ class Engine final : public Waiter, public HostLink, public std::enable_shared_f
 
  private:
   void check_member(const GroupHandle& g, OpKind k) const;
+  c10::intrusive_ptr<Work> run_alone(Prepared& p, bool hidden);
   std::shared_ptr<DeviceEngine> device_engine(c10::Device device);
   c10::intrusive_ptr<Work> control(OpKind kind, int peer, at::Tensor bytes);
 
