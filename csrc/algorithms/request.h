@@ -48,7 +48,7 @@ struct GroupView {
   // (algorithms/direct.h).
   size_t direct_min = SIZE_MAX;
   // Bytes up to which an all_reduce in a pair on one host travels as one message each way
-  // (SmallPairAllReduce in algorithms/collectives.cpp); 0: never.
+  // (PairAllReduce in algorithms/collectives.cpp); 0: never.
   size_t pair_message_max = 0;
   int size() const { return (int)ranks.size(); }
   std::string label() const;

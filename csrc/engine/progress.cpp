@@ -198,9 +198,11 @@ Progress::Alone Progress::step_alone_locked(GroupState& g, Op& op, int spins, Do
   ++g.head_seq;
   // Ops queued elsewhere get the eager pass post_locked would have run: they may be waiting
   // for what this step set aside, or for a pass a transport thread was refused.
-  if (!busy_.empty() || !busy_ports_.empty()) pass_locked(done);
-  else
+  if (!busy_.empty() || !busy_ports_.empty()) {
+    pass_locked(done);  // (which publishes this op's sends too)
+  } else {
     tr_.flush();
+  }
   return err ? Alone::kFailed : Alone::kFinished;
 }
 
