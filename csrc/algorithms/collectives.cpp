@@ -262,8 +262,9 @@ std::unique_ptr<Op> make_flat_all_reduce(OpDesc d, const at::Tensor& t, RedOp op
 
 // A small all_reduce in a pair on one host. Its messages are the one-shot exchange's (one
 // piece each way, tag 0, offset 0), so the peer may run either; this skips the exchange's
-// bookkeeping, most of such an op's own cost. Each side folds the peer's data into its own:
-// with two members, a op b and b op a are equal bit for bit.
+// bookkeeping, most of such an op's own cost. Each side folds the peer's data into its own,
+// as the exchange does in a pair (the sides can differ only where op is not symmetric bit for
+// bit: MIN or MAX of -0.0 and +0.0, NaN payloads).
 class PairAllReduce final : public Op {
  public:
   PairAllReduce(OpDesc d, const at::Tensor& t, int rank)

@@ -182,7 +182,7 @@ Progress::Alone Progress::step_alone_locked(GroupState& g, Op& op, int spins, Do
       tr_.flush();
       do {
         cpu_relax();
-        op.step(comm);
+        if (op.step(comm)) tr_.flush();  // an op with more round trips than one sends anew
         finished = op.done();
       } while (!finished && --spins > 0);
     }
@@ -199,7 +199,10 @@ Progress::Alone Progress::step_alone_locked(GroupState& g, Op& op, int spins, Do
   // Ops queued elsewhere get the eager pass post_locked would have run: they may be waiting
   // for what this step set aside, or for a pass a transport thread was refused.
   if (!busy_.empty() || !busy_ports_.empty()) {
-    pass_locked(done);  // (which publishes this op's sends too)
+    // (Which publishes this op's sends too.) Once more on post_locked's grounds.
+    const size_t stashed = router_.stashed();
+    pass_locked(done);
+    if (rerun_.load() || router_.stashed() > stashed) pass_locked(done);
   } else {
     tr_.flush();
   }
