@@ -13,7 +13,7 @@ import torch
 from torch.distributed import ReduceOp
 
 import harness
-from _helpers import all_reduce_ref, digest, expect, gen
+from _helpers import all_reduce_ref, digest, expect, gen, wait_dead
 
 import fastcomm as fc
 
@@ -210,19 +210,29 @@ def test_groups_across_hosts():
     assert res == [[(True, 0), (True, 1), (True, 0)]] * 4
 
 
-def _dead_member_body(rank, world):
+def _dead_member_body(rank, world, pid_dir, late):
     # A member exits without taking part: the others fail naming it instead of waiting on it.
+    # `late`: rank 2 starts only once rank 0 has failed and exited too, so it finds two members
+    # gone, and must still name rank 1.
     g = fc.new_group(range(world))
     fc.barrier()
     if rank == 1:
         os._exit(0)
+    if rank == 0:
+        with open(os.path.join(pid_dir, "pid.tmp"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(os.path.join(pid_dir, "pid.tmp"), os.path.join(pid_dir, "pid"))
+    elif late:
+        wait_dead(os.path.join(pid_dir, "pid"))
     t = fc.empty(100_000).fill_(1.0)
     expect(RuntimeError, lambda: fc.all_reduce(t, group=g), "rank 1")
     return True
 
 
-def test_dead_member_fails_the_others():
-    res = harness.run(_dead_member_body, 3, timeout=60, init_timeout=10, allow_fail=(1,))
+@pytest.mark.parametrize("late", [False, True], ids=["together", "after_rank_0_exited"])
+def test_dead_member_fails_the_others(late, tmp_path):
+    res = harness.run(_dead_member_body, 3, str(tmp_path), late, timeout=60, init_timeout=10,
+                      allow_fail=(1,))
     assert res == [True, None, True]
 
 

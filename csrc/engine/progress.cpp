@@ -49,21 +49,31 @@ std::string Progress::failure_prefix(const GroupState& g, const Pending& p) cons
          " (op #" + std::to_string(p.seq) + ")";
 }
 
+std::string Progress::exited_locked(const std::vector<int>& ranks) const {
+  std::string who;
+  int n = 0;
+  for (int r : ranks) {
+    if (r == rank_ || !dead_[r]) continue;
+    who += std::string(n++ ? " and " : "") + "rank " + std::to_string(r) + " (pid " + std::to_string(pids_[r]) + ")";
+    const std::string why = tr_.of(r)->death_reason(r);
+    if (!why.empty()) who += " (" + why + ")";
+  }
+  return n == 0 ? who : who + (n == 1 ? " has exited" : " have exited");
+}
+
 void Progress::post_locked(PostedOps ops, const c10::intrusive_ptr<Work>& work, Done& done,
                            const std::shared_ptr<const void>& keep) {
   if (work->is_async()) pending_async_.fetch_add(1);
   const auto now = deadline_base();
   for (auto& x : ops) {
     GroupState& g = *x.group;
-    int dead = -1;
-    for (int r : g.ranks)
-      if (dead_[r]) dead = r;
-    if (dead >= 0) {
+    const std::string exited = exited_locked(g.ranks);
+    if (!exited.empty()) {
       settle_locked(done, work,
                     backend_error("fastcomm: rank " + std::to_string(rank_) + ", group " + g.label + ": " +
                                   (x.any_source ? "recv from any source (tag " + std::to_string(x.port->tag) + ")"
                                                 : describe(x.op->desc())) +
-                                  " cannot run: rank " + std::to_string(dead) + " has exited"));
+                                  " cannot run: " + exited));
       continue;
     }
     Pending p;
@@ -319,20 +329,12 @@ void Progress::health_locked(Done& done) {
   const auto now = Clock::now();
   for (size_t i = 0; i < busy_.size();) {
     GroupState& g = *busy_[i];
-    int dead = -1;
-    for (int r : g.ranks) {
-      if (r != rank_ && dead_[r]) {
-        dead = r;
-        break;
-      }
-    }
+    const std::string exited = exited_locked(g.ranks);
+    const bool dead = !exited.empty();
     Pending& p = g.queue.front();
     std::string msg;
-    if (dead >= 0) {
-      msg = failure_prefix(g, p) + " failed: rank " + std::to_string(dead) + " (pid " +
-            std::to_string(pids_[dead]) + ") has exited";
-      const std::string why = tr_.of(dead)->death_reason(dead);
-      if (!why.empty()) msg += " (" + why + ")";
+    if (dead) {
+      msg = failure_prefix(g, p) + " failed: " + exited;
     } else if (now >= p.deadline) {
       // Names the timeout that ran out (and keeps the word "timeout", which torch's own
       // suite and users' handlers match, as they match Gloo's "Timed out").
@@ -349,8 +351,8 @@ void Progress::health_locked(Done& done) {
     // Other members are not told of a death: each finds out itself (the look above covers
     // every member of a busy group), and a notice could reach one before its own look did.
     do {
-      fail_front_locked(g, e, done, dead < 0);
-    } while (dead >= 0 && !g.queue.empty());
+      fail_front_locked(g, e, done, !dead);
+    } while (dead && !g.queue.empty());
     if (g.queue.empty()) idle_locked(i);
     else ++i;
   }
@@ -358,17 +360,9 @@ void Progress::health_locked(Done& done) {
   // its sender), or at its deadline; specific ones reach their channels and fail there.
   for (size_t i = 0; i < busy_ports_.size();) {
     RecvPort& port = *busy_ports_[i];
-    int dead = -1;
-    for (int r : port.group->ranks)
-      if (r != rank_ && dead_[r]) {
-        dead = r;
-        break;
-      }
-    if (dead >= 0) {
-      std::string msg = " failed: rank " + std::to_string(dead) + " (pid " + std::to_string(pids_[dead]) +
-                        ") has exited, and may have been the sender";
-      const std::string why = tr_.of(dead)->death_reason(dead);
-      if (!why.empty()) msg += " (" + why + ")";
+    const std::string exited = exited_locked(port.group->ranks);
+    if (!exited.empty()) {
+      const std::string msg = " failed: " + exited + ", and may have been the sender";
       fail_any_source_locked(port, msg, done);
     } else {
       while (!port.waiting.empty() && port.waiting.front().channel == nullptr &&

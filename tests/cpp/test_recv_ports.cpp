@@ -239,7 +239,18 @@ TEST(ports_a_dead_member_fails_any_source_receives_after_its_messages_are_used) 
   CHECK(r.w->done() && error_of(*r.w).empty());
   auto c = f.post(kAnySource);
   REQUIRE(c.w->done());
-  CHECK(error_of(*c.w).find("cannot run: rank 2 has exited") != std::string::npos);
+  CHECK(error_of(*c.w).find("cannot run: rank 2 (pid 102) has exited") != std::string::npos);
+}
+
+// Which of several exited members a rank notices first is a race; the message names them all.
+TEST(ports_every_exited_member_is_named) {
+  Fixture f;
+  auto a = f.post(kAnySource);
+  f.fake->alive[1] = 0;
+  f.fake->alive[2] = 0;
+  f.health();
+  REQUIRE(a.w->done());
+  CHECK(error_of(*a.w).find("rank 1 (pid 101) and rank 2 (pid 102) have exited") != std::string::npos);
 }
 
 TEST(ports_stop_fails_every_waiting_receive) {
