@@ -170,10 +170,14 @@ void Progress::idle_port_locked(size_t i) {
   busy_ports_.pop_back();
 }
 
-void Progress::idle_locked(size_t i) {
-  busy_[i]->busy = false;
-  busy_[i] = busy_.back();
-  busy_.pop_back();
+void Progress::drop_idle_locked() {
+  busy_.erase(std::remove_if(busy_.begin(), busy_.end(),
+                             [](GroupState* g) {
+                               if (!g->queue.empty()) return false;
+                               g->busy = false;
+                               return true;
+                             }),
+              busy_.end());
 }
 
 Progress::Alone Progress::step_alone_locked(GroupState& g, Op& op, int spins, Done& done, std::exception_ptr& err) {
@@ -232,6 +236,7 @@ bool Progress::pass_locked(Done& done) {
     if (port.waiting.empty()) idle_port_locked(i);
     else ++i;
   }
+  bool emptied = false;
   for (size_t i = 0; i < busy_.size();) {
     GroupState& g = *busy_[i];
     Pending& p = g.queue.front();
@@ -262,9 +267,11 @@ bool Progress::pass_locked(Done& done) {
       ++i;
       continue;
     }
-    if (g.queue.empty()) idle_locked(i);
-    // else: the group's next op is now at the front; step it at the same index.
+    if (!g.queue.empty()) continue;  // its next op is now at the front: stepped at the same index
+    emptied = true;
+    ++i;
   }
+  if (emptied) drop_idle_locked();
   tr_.flush();
   return any;
 }
@@ -327,6 +334,7 @@ void Progress::health_locked(Done& done) {
     for (int r : newly_dead) tr_.of(r)->release_peer(r);
   }
   const auto now = Clock::now();
+  bool emptied = false;
   for (size_t i = 0; i < busy_.size();) {
     GroupState& g = *busy_[i];
     const std::string exited = exited_locked(g.ranks);
@@ -353,9 +361,10 @@ void Progress::health_locked(Done& done) {
     do {
       fail_front_locked(g, e, done, !dead);
     } while (dead && !g.queue.empty());
-    if (g.queue.empty()) idle_locked(i);
-    else ++i;
+    emptied |= g.queue.empty();
+    ++i;
   }
+  if (emptied) drop_idle_locked();
   // Waiting receives: an any-source one fails once any member is gone (that one may have been
   // its sender), or at its deadline; specific ones reach their channels and fail there.
   for (size_t i = 0; i < busy_ports_.size();) {

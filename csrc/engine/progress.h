@@ -97,7 +97,10 @@ class Progress {
   void fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, bool tell_peers);
   // Best effort: an abort notice of op `p` with `e`'s message to the group's live members.
   void tell_peers_locked(const GroupState& g, const Pending& p, std::exception_ptr e);
-  void idle_locked(size_t i);  // drops busy_[i], whose queue is empty
+  // Drops the groups whose queues emptied, keeping the others in the order they became busy:
+  // passes step them in that order, the order their peers' messages come in, so a pass does
+  // not set aside (stash) the messages of groups it has yet to reach.
+  void drop_idle_locked();
   void idle_port_locked(size_t i);  // drops busy_ports_[i], with no receive waiting
   void enqueue_locked(GroupState& g, Pending p);
   // Binds the port's waiting receives, front first, to the channels their messages came on;
