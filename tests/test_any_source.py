@@ -411,6 +411,7 @@ def _timeout_body(rank, world):
     fc.barrier()  # rank 1 sends only once rank 0's receives have failed
     if rank == 1:
         fc.send(torch.full((3,), 7.0), dst=0, group=g)
+    fc.barrier()  # and rank 0 receives once it was sent: a stalled rank 1 cannot outlast the 0.5 s
     if rank == 0:
         t = torch.zeros(3)
         out["after"] = (fc.recv(t, group=g), t.tolist())

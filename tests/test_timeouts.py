@@ -46,6 +46,7 @@ def _api_body(rank, world):
     g = fc.new_group([0, 1], timeout=1)
     (h,) = fc.new_groups([[0, 1]], timeout=timedelta(seconds=1))
     t = torch.full((4,), float(rank + 1))
+    fc.barrier()  # (init's timeout) so that a rank slow to reach the store cannot time out the next op
     fc.all_reduce(t, group=g)  # both there once
     assert torch.equal(t, torch.full((4,), 3.0))
     if rank == 0:
