@@ -355,22 +355,31 @@ def test_a_stalled_peer_times_out_and_others_go_on():
     assert res[0][1] == [3.0, 3.0] and res[1][1] == [3.0, 3.0]
 
 
-def _shutdown_inflight_body(rank, world):
+def _shutdown_inflight_body(rank, world, flag_dir):
     g = fc.new_group([0, 1])
+    done = os.path.join(flag_dir, "done")
     if rank == 1:
-        time.sleep(1.0)  # issues nothing: rank 0's op stays in flight
-        return None
-    w = fc.all_reduce(torch.ones(8), group=g, async_op=True)
-    time.sleep(0.2)
-    t0 = time.monotonic()
-    fc.shutdown()
-    took = time.monotonic() - t0
-    msg = expect(dist.DistBackendError, w.wait, "shut down")
-    return took, msg
+        # Issues nothing, and stays alive until rank 0 is through: its op stays in flight and
+        # fails for the shutdown, not for a peer that exited.
+        for _ in range(6000):
+            if os.path.exists(done):
+                return None
+            time.sleep(0.01)
+        raise AssertionError("rank 0 never finished")
+    try:
+        w = fc.all_reduce(torch.ones(8), group=g, async_op=True)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        fc.shutdown()
+        took = time.monotonic() - t0
+        msg = expect(dist.DistBackendError, w.wait, "shut down")
+        return took, msg
+    finally:
+        open(done, "w").close()
 
 
-def test_shutdown_with_ops_in_flight_does_not_hang():
-    res = harness.run(_shutdown_inflight_body, 2, timeout=60, env=FAKE, init_timeout=30)
+def test_shutdown_with_ops_in_flight_does_not_hang(tmp_path):
+    res = harness.run(_shutdown_inflight_body, 2, str(tmp_path), timeout=60, env=FAKE, init_timeout=30)
     took, _ = res[0]
     assert took < 5, took
 
