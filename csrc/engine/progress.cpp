@@ -54,9 +54,9 @@ std::string Progress::exited_locked(const std::vector<int>& ranks) const {
   int n = 0;
   for (int r : ranks) {
     if (r == rank_ || !dead_[r]) continue;
-    who += std::string(n++ ? " and " : "") + "rank " + std::to_string(r) + " (pid " + std::to_string(pids_[r]) + ")";
     const std::string why = tr_.of(r)->death_reason(r);
-    if (!why.empty()) who += " (" + why + ")";
+    who += std::string(n++ ? " and " : "") + "rank " + std::to_string(r) + " (pid " + std::to_string(pids_[r]) +
+           (why.empty() ? "" : ", " + why) + ")";
   }
   return n == 0 ? who : who + (n == 1 ? " has exited" : " have exited");
 }
@@ -239,6 +239,11 @@ bool Progress::pass_locked(Done& done) {
   bool emptied = false;
   for (size_t i = 0; i < busy_.size();) {
     GroupState& g = *busy_[i];
+    if (g.queue.empty()) {  // (left by a loop that threw before its sweep)
+      emptied = true;
+      ++i;
+      continue;
+    }
     Pending& p = g.queue.front();
     bool finished = false;
     std::exception_ptr err;
@@ -337,6 +342,11 @@ void Progress::health_locked(Done& done) {
   bool emptied = false;
   for (size_t i = 0; i < busy_.size();) {
     GroupState& g = *busy_[i];
+    if (g.queue.empty()) {  // (left by a loop that threw before its sweep)
+      emptied = true;
+      ++i;
+      continue;
+    }
     const std::string exited = exited_locked(g.ranks);
     const bool dead = !exited.empty();
     Pending& p = g.queue.front();

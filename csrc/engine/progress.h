@@ -110,7 +110,7 @@ class Progress {
   void fail_any_source_locked(RecvPort& port, const std::string& msg, Done& done);
   std::string port_prefix(const RecvPort& port, const Pending& p) const;
   std::string failure_prefix(const GroupState& g, const Pending& p) const;
-  // "rank 1 (pid 7) has exited", naming every member of `ranks` known dead ("" if none): when
+  // "rank 1 (pid 7) has exited" (with the transport's reason, if any, after the pid), naming every member of `ranks` known dead ("" if none): when
   // several exit, which one a rank notices first is a race, so none is singled out.
   std::string exited_locked(const std::vector<int>& ranks) const;
 
