@@ -92,9 +92,13 @@ void Progress::post_locked(PostedOps ops, const c10::intrusive_ptr<Work>& work, 
     enqueue_locked(g, std::move(p));
   }
   posting_batch_ = ops.size() > 1;
+  eager_pass_locked(done);
+  posting_batch_ = false;
+}
+
+void Progress::eager_pass_locked(Done& done) {
   const size_t stashed = router_.stashed();
   pass_locked(done);
-  posting_batch_ = false;
   // Once more if a transport thread was refused meanwhile, or if the pass stashed messages
   // (maybe of an op it had already stepped, which nobody would ring for).
   if (rerun_.load() || router_.stashed() > stashed) pass_locked(done);
@@ -213,10 +217,7 @@ Progress::Alone Progress::step_alone_locked(GroupState& g, Op& op, int spins, Do
   // Ops queued elsewhere get the eager pass post_locked would have run: they may be waiting
   // for what this step set aside, or for a pass a transport thread was refused.
   if (!busy_.empty() || !busy_ports_.empty()) {
-    // (Which publishes this op's sends too.) Once more on post_locked's grounds.
-    const size_t stashed = router_.stashed();
-    pass_locked(done);
-    if (rerun_.load() || router_.stashed() > stashed) pass_locked(done);
+    eager_pass_locked(done);  // (which publishes this op's sends too)
   } else {
     tr_.flush();
   }

@@ -103,6 +103,8 @@ class Progress {
   void drop_idle_locked();
   void idle_port_locked(size_t i);  // drops busy_ports_[i], with no receive waiting
   void enqueue_locked(GroupState& g, Pending p);
+  // The pass a post runs at once, and a second one when the first may have left work for it.
+  void eager_pass_locked(Done& done);
   // Binds the port's waiting receives, front first, to the channels their messages came on;
   // stops at an any-source one no member has sent to yet. True if any was bound.
   bool match_locked(RecvPort& port);
@@ -110,8 +112,9 @@ class Progress {
   void fail_any_source_locked(RecvPort& port, const std::string& msg, Done& done);
   std::string port_prefix(const RecvPort& port, const Pending& p) const;
   std::string failure_prefix(const GroupState& g, const Pending& p) const;
-  // "rank 1 (pid 7) has exited" (with the transport's reason, if any, after the pid), naming every member of `ranks` known dead ("" if none): when
-  // several exit, which one a rank notices first is a race, so none is singled out.
+  // "rank 1 (pid 7) has exited" (a transport's reason, if any, after the pid), naming every
+  // member of `ranks` known dead ("" if none): when several exit, which one a rank notices
+  // first is a race, so none is singled out.
   std::string exited_locked(const std::vector<int>& ranks) const;
 
   std::mutex& mu_;
