@@ -51,6 +51,7 @@ std::string Progress::failure_prefix(const GroupState& g, const Pending& p) cons
 
 std::string Progress::exited_locked(const std::vector<int>& ranks) const {
   std::string who;
+  if (n_dead_ == 0) return who;
   int n = 0;
   for (int r : ranks) {
     if (r == rank_ || !dead_[r]) continue;
@@ -186,8 +187,9 @@ void Progress::drop_idle_locked() {
 
 Progress::Alone Progress::step_alone_locked(GroupState& g, Op& op, int spins, Done& done, std::exception_ptr& err) {
   if (stopped_ || !g.queue.empty()) return Alone::kQueue;
-  for (int r : g.ranks)
-    if (dead_[r]) return Alone::kQueue;
+  if (n_dead_ != 0)
+    for (int r : g.ranks)
+      if (dead_[r]) return Alone::kQueue;
   Pending p;
   p.op = OpPtr(&op, OpRelease(false));
   p.seq = g.next_seq;
@@ -328,6 +330,7 @@ void Progress::health_locked(Done& done) {
       tr->connect(r);
       if (!tr->peer_alive(r)) {
         dead_[r] = 1;
+        ++n_dead_;
         newly_dead.push_back(r);
       }
     }

@@ -128,6 +128,7 @@ class Progress {
   std::vector<GroupState*> busy_;  // groups with queued ops
   std::vector<RecvPort*> busy_ports_;  // ports with waiting receives
   std::vector<char> dead_;         // peers known to have exited
+  int n_dead_ = 0;                 // how many: while 0, posts and steps skip the per-member look
   Works publish_q_;                // settled Works whose Futures await completion
   bool publishing_ = false;        // a thread is completing publish_q_'s Futures
   bool posting_batch_ = false;     // the eager pass of a post() of several ops is running
