@@ -665,6 +665,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "init_cuda", [](Engine& e, int device) { e.init_device(c10::Device(c10::kCUDA, (c10::DeviceIndex)device)); },
           py::arg("device"), py::call_guard<py::gil_scoped_release>())
+      // Device tests: the device as a string ("cpu" is the fake device runtime).
+      .def(
+          "device_synchronize", [](Engine& e, const std::string& device) { e.device_synchronize(c10::Device(device)); },
+          py::arg("device"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "device_debug",
+          [](Engine& e, const std::string& device, const std::string& what, int64_t arg) {
+            return e.device_debug(c10::Device(device), what, arg);
+          },
+          py::arg("device"), py::arg("what"), py::arg("arg") = 0, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world_size", &Engine::world_size)
       .def_property_readonly("timeout_ms", &Engine::timeout_ms)

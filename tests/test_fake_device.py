@@ -24,6 +24,22 @@ import fastcomm as fc
 FAKE = {"FASTCOMM_FAKE_DEVICE": "1"}
 
 
+def dsync():
+    """What reading a CUDA tensor on the host does first: wait for the caller's stream. The
+    fake's runs asynchronously, as a GPU's does, so a result is read only after this."""
+    fc._state._engine.device_synchronize("cpu")
+
+
+def assert_close(*args, **kwargs):
+    dsync()
+    torch.testing.assert_close(*args, **kwargs)
+
+
+def equal(a, b):
+    dsync()
+    return torch.equal(a, b)
+
+
 def _groups_of(world, rank):
     """Pairs, a triple and the world, every rank making them in the same order."""
     lists = [[a, b] for a in range(world) for b in range(a + 1, world)]
@@ -53,31 +69,31 @@ def _collectives_body(rank, world, sizes, dtypes, ops):
                     t = gen(rank, seed, dt, numel, op)
                     fc.all_reduce(t, op=getattr(dist.ReduceOp, op), group=g)
                     ref = fold([gen(r, seed, dt, numel, op) for r in ranks], op)
-                    torch.testing.assert_close(t, ref, rtol=0, atol=0)
+                    assert_close(t, ref, rtol=0, atol=0)
                     checked += 1
                 # broadcast from the last member
                 seed = numel * 7 + 1
                 t = gen(rank, seed, dt, numel)
                 fc.broadcast(t, src=ranks[-1], group=g)
-                torch.testing.assert_close(t, gen(ranks[-1], seed, dt, numel), rtol=0, atol=0)
+                assert_close(t, gen(ranks[-1], seed, dt, numel), rtol=0, atol=0)
                 # all_gather, list and flat
                 outs = [torch.empty(numel, dtype=t.dtype) for _ in ranks]
                 fc.all_gather(outs, gen(rank, seed, dt, numel), group=g)
                 for r, o in zip(ranks, outs):
-                    torch.testing.assert_close(o, gen(r, seed, dt, numel), rtol=0, atol=0)
+                    assert_close(o, gen(r, seed, dt, numel), rtol=0, atol=0)
                 flat = torch.empty(n * numel, dtype=t.dtype)
                 fc.all_gather_into_tensor(flat, gen(rank, seed, dt, numel), group=g)
-                torch.testing.assert_close(flat, torch.cat([gen(r, seed, dt, numel) for r in ranks]), rtol=0, atol=0)
+                assert_close(flat, torch.cat([gen(r, seed, dt, numel) for r in ranks]), rtol=0, atol=0)
                 # reduce_scatter, flat and list
                 out = torch.empty(numel, dtype=t.dtype)
                 fc.reduce_scatter_tensor(out, gen(rank, seed, dt, n * numel), group=g)
                 ref = fold([gen(r, seed, dt, n * numel) for r in ranks], "SUM")[me * numel:(me + 1) * numel]
-                torch.testing.assert_close(out, ref, rtol=0, atol=0)
+                assert_close(out, ref, rtol=0, atol=0)
                 ins = list(gen(rank, seed + 1, dt, n * numel).chunk(n)) if numel else [
                     torch.empty(0, dtype=t.dtype) for _ in ranks]
                 fc.reduce_scatter(out, ins, group=g)
                 ref = fold([gen(r, seed + 1, dt, n * numel) for r in ranks], "SUM")[me * numel:(me + 1) * numel]
-                torch.testing.assert_close(out, ref, rtol=0, atol=0)
+                assert_close(out, ref, rtol=0, atol=0)
                 checked += 5
     # send/recv around the world ring
     for numel in sizes:
@@ -90,7 +106,7 @@ def _collectives_body(rank, world, sizes, dtypes, ops):
         else:
             fc.recv(got, src)
             fc.send(t, dst)
-        torch.testing.assert_close(got, gen(src, 99, "float32", numel), rtol=0, atol=0)
+        assert_close(got, gen(src, 99, "float32", numel), rtol=0, atol=0)
     return checked
 
 
@@ -108,6 +124,7 @@ def _nan_body(rank, world):
     for op in ("MAX", "MIN"):
         t = torch.tensor([1.0, 2.0, float("nan")]) if rank == 0 else torch.tensor([float("nan"), 5.0, 0.0])
         fc.all_reduce(t, op=getattr(dist.ReduceOp, op), group=g)
+        dsync()
         out[op] = t.tolist()
     return out
 
@@ -135,8 +152,12 @@ def _cyclic_body(rank, world):
     try:
         w1.wait()
         w2.wait()
-    except dist.DistBackendError as e:
+        # wait() returns once the ops are enqueued; their Futures complete once they have run.
+        w1.get_future().wait()
+        w2.get_future().wait()
+    except (dist.DistBackendError, RuntimeError) as e:
         return ("error", str(e))
+    dsync()
     return ("ok", a.tolist(), b.tolist())
 
 
@@ -178,7 +199,7 @@ def _random_order_body(rank, world, seed, rounds):
         issued.append((ranks, k, t, fc.all_reduce(t, group=g, async_op=True)))
     for ranks, k, t, w in issued:
         w.wait()
-        assert torch.equal(t, torch.full((3 + k,), float(sum(r + 1 for r in ranks)) * (k + 1))), (ranks, k, t)
+        assert equal(t, torch.full((3 + k,), float(sum(r + 1 for r in ranks)) * (k + 1))), (ranks, k, t)
     return len(issued)
 
 
@@ -200,9 +221,11 @@ def _pipelined_body(rank, world):
         works = [fc.all_reduce(t, group=g, async_op=True) for _ in range(6)]
         for w in works:
             w.wait()
+        dsync()
         out.append((n, t[0].item()))
         time.sleep(0.05)
         fc.all_reduce(t, group=g, async_op=True).wait()
+        dsync()
         out.append((n, t[0].item()))
     return out
 
@@ -223,6 +246,7 @@ def _future_body(rank, world):
         return b.clone()
 
     out = fc.all_reduce(a, group=g, async_op=True).get_future().then(then).wait()
+    dsync()
     return a.tolist(), out.tolist()
 
 
@@ -242,7 +266,7 @@ def _batch_body(rank, world, count):
                 fc.all_reduce(ts[i], group=g)
     b.wait()
     for i, t in ts.items():
-        assert torch.equal(t, torch.full((4,), float(sum(r * 1000 + i for r in lists[i])))), i
+        assert equal(t, torch.full((4,), float(sum(r * 1000 + i for r in lists[i])))), i
     return len(ts)
 
 
@@ -262,7 +286,7 @@ def _threads_body(rank, world):
                 for ranks, g in part:
                     t = torch.full((6,), float(rank + k))
                     fc.all_reduce(t, group=g)
-                    assert torch.equal(t, torch.full((6,), float(sum(r + k for r in ranks))))
+                    assert equal(t, torch.full((6,), float(sum(r + k for r in ranks))))
         except BaseException as e:  # noqa: BLE001
             errors.append(repr(e))
 
@@ -298,6 +322,7 @@ def _mismatch_body(rank, world):
     # The pair goes on working after a mismatch.
     ok = torch.full((3,), float(rank + 1))
     fc.all_reduce(ok, group=g)
+    dsync()
     return msg, msg2, ok.tolist()
 
 
@@ -323,6 +348,7 @@ def _dead_peer_body(rank, world, when):
     took = time.monotonic() - t0
     ok = torch.full((2,), float(rank + 1))
     fc.all_reduce(ok, group=g01)
+    dsync()
     return msg, took, ok.tolist()
 
 
@@ -347,6 +373,7 @@ def _stalled_peer_body(rank, world):
     ok = torch.full((2,), float(rank + 1))
     fc.all_reduce(ok, group=g01)
     msg = expect(dist.DistBackendError, stalled.wait, "timeout", "rank 2") if rank == 0 else ""
+    dsync()
     return msg, ok.tolist()
 
 
@@ -395,6 +422,7 @@ def _reinit_body(rank, world):
     g = fc.new_group([0, 1])
     t = torch.full((4,), float(rank + 1))
     fc.all_reduce(t, group=g)
+    dsync()
     return t.tolist()
 
 
@@ -420,12 +448,14 @@ def _backend_body(rank, world):
         w.wait()
         fut_t = torch.full((2,), float(rank))
         fut = dist.all_reduce(fut_t, op=dist.ReduceOp.MAX, async_op=True).get_future()
+        dsync()
         fut_val = fut.wait()[0].tolist()
         p = torch.full((4,), float(rank * 10))
         if rank in (0, 1):
             dist.all_reduce(p, group=pair)
         b = torch.full((2,), float(rank))
         dist.broadcast(b, src=world - 1)
+        dsync()
         return t.tolist(), [o.tolist() for o in outs], fut_val, p.tolist(), b.tolist()
     finally:
         dist.destroy_process_group()
@@ -461,21 +491,21 @@ def _group_comm_body(rank, world, numel):
                 t = gen(rank, seed, dt, numel, op)
                 fc.all_reduce(t, op=getattr(dist.ReduceOp, op), group=g)
                 ref = fold([gen(r, seed, dt, numel, op) for r in ranks], op)
-                torch.testing.assert_close(t, ref, rtol=0, atol=0)
+                assert_close(t, ref, rtol=0, atol=0)
             flat = torch.empty(n * numel, dtype=t.dtype)
             fc.all_gather_into_tensor(flat, gen(rank, 5, dt, numel), group=g)
-            torch.testing.assert_close(flat, torch.cat([gen(r, 5, dt, numel) for r in ranks]), rtol=0, atol=0)
+            assert_close(flat, torch.cat([gen(r, 5, dt, numel) for r in ranks]), rtol=0, atol=0)
             o = torch.empty(numel, dtype=t.dtype)
             fc.reduce_scatter_tensor(o, gen(rank, 6, dt, n * numel), group=g)
             ref = fold([gen(r, 6, dt, n * numel) for r in ranks], "SUM")[me * numel:(me + 1) * numel]
-            torch.testing.assert_close(o, ref, rtol=0, atol=0)
+            assert_close(o, ref, rtol=0, atol=0)
             if dt != "int64":
                 fc.reduce_scatter_tensor(o, gen(rank, 6, dt, n * numel), op=dist.ReduceOp.AVG, group=g)
                 ref = fold([gen(r, 6, dt, n * numel) for r in ranks], "AVG")[me * numel:(me + 1) * numel]
-                torch.testing.assert_close(o, ref, rtol=0, atol=0)
+                assert_close(o, ref, rtol=0, atol=0)
             b = gen(rank, 7, dt, numel)
             fc.broadcast(b, src=ranks[1], group=g)
-            torch.testing.assert_close(b, gen(ranks[1], 7, dt, numel), rtol=0, atol=0)
+            assert_close(b, gen(ranks[1], 7, dt, numel), rtol=0, atol=0)
             out.append(len(ranks))
     return out
 
@@ -494,6 +524,7 @@ def _group_mismatch_body(rank, world):
     msg = expect(dist.DistBackendError, lambda: fc.all_reduce(torch.ones(numel), group=g), "rank")
     ok = torch.full((2048,), float(rank + 1))
     fc.all_reduce(ok, group=g)
+    dsync()
     return msg, ok[0].item()
 
 

@@ -215,6 +215,11 @@ class CudaRuntime final : public Runtime {
     return st != cudaStreamCaptureStatusNone;
   }
 
+  void relax_capture_mode() override {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    FASTCOMM_GPU_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+  }
+
   Event new_event() override {
     c10::cuda::CUDAGuard g(dev());
     cudaEvent_t e = nullptr;

@@ -12,10 +12,13 @@
 //   commits the proposals it has a matching op for, in the order they become ready here, and
 //   both launch in commit order. The proposal carries the op's signature, so a member that
 //   issued something else fails the op on both sides instead of mixing data.
-// - Nothing waits on the unissued. An op is ready once the previous op of its group is over
-//   on the host's side (its transfers seen done, its fold enqueued), and its end work (folds,
-//   local copies) goes onto a join stream only after its transfers are done. So a stream waits
-//   only on work that needs no peer, and each channel is a FIFO both sides fill alike.
+// - Nothing waits on work enqueued after it. An op is ready once the previous op of its group
+//   is enqueued (pipelined, not run); its transfers wait for its inputs and that op's end, both
+//   enqueued before it was committed, and its end work follows its own transfers. So every
+//   cross-stream wait points at work committed or enqueued earlier, and each channel is a FIFO
+//   both sides fill alike (docs/design.md has the argument).
+// - Stream semantics. A blocking call and Work.wait() return once the op is enqueued, with the
+//   caller's stream ordered after it; the host never waits for the device.
 // - Faults. Every runtime call on a communicator is made by the engine's one thread, so an
 //   abort never races another call. A deadline per op, the host's liveness of peers, a failed
 //   control message or the communicator's asynchronous error abort that peer's channel only

@@ -3,8 +3,9 @@
 // whole logic without a GPU.
 //
 // - "Device" memory is host memory (CPU tensors).
-// - A stream is a worker thread running its tasks in FIFO order; current_stream() is the host
-//   stream, whose work runs at once on the calling thread.
+// - A stream is a worker thread running its tasks in FIFO order. current_stream() is the caller's
+//   stream (torch's current CUDA stream): a worker too, so the host runs ahead of it as it runs
+//   ahead of a GPU, and an event recorded behind queued work is not complete.
 // - An event's record is a marker task; query/synchronize/wait look at the marker of the latest
 //   record at the time of the call (a wait enqueued earlier keeps waiting for its own marker).
 // - A communicator is a set of abstract-namespace Unix sockets, one per pair of ranks, made by a
@@ -26,6 +27,16 @@
 // - Destroying the Runtime aborts its live communicators (their peers see the connection lost),
 //   then drains and joins its streams; a communicator's sockets close when the last queued work
 //   holding it has run.
+// - NCCL's dtype set: its reductions refuse int16 (the fold takes it).
+// - A non-blocking NCCL launch: for a while after group_end() (kEnqueueMicros) the communicators
+//   it used say kPending and refuse calls, as ncclInProgress does.
+// - Capture: debug("begin_capture", mode) captures the caller's stream; in the global mode
+//   (0) an event query or synchronize from a thread not in the relaxed mode invalidates the
+//   capture and fails, as CUDA's "potentially unsafe" calls do.
+// - Abort races a transfer that already has its data: a receive whose message has arrived still
+//   writes it after comm_abort. Scratch memory is poisoned when freed, and a stream that writes
+//   into freed scratch is counted (debug("late_writes")): memory must outlive every stream that
+//   may still write it.
 #include "device/runtime.h"
 
 #include <ATen/ATen.h>
@@ -85,6 +96,15 @@ void check_reduction(const char* call, c10::ScalarType dtype, RedOp op) {
     call_error(call, std::string("AVG needs a floating dtype, got ") + c10::toString(dtype));
 }
 
+// NCCL's reductions take no int16 (ncclDataType_t has none); the fold does.
+void check_nccl_reduction(const char* call, c10::ScalarType dtype, RedOp op) {
+  if (dtype == c10::kShort) call_error(call, "NCCL has no int16 dtype (ncclInvalidArgument)");
+  check_reduction(call, dtype, op);
+}
+
+// How long a launch keeps its communicators busy (ncclInProgress) by default.
+constexpr int64_t kEnqueueMicros = 20;
+
 bool overlaps(const void* a, const void* b, size_t n) {
   const auto pa = reinterpret_cast<uintptr_t>(a), pb = reinterpret_cast<uintptr_t>(b);
   return n != 0 && pa < pb + n && pb < pa + n;
@@ -119,6 +139,70 @@ void fold_job(const FoldJob& j) {
   const auto* scratch = static_cast<const uint8_t*>(j.scratch);
   for (int i = 0, k = 0; i < j.n; ++i) parts[i] = i == j.me ? j.own : scratch + static_cast<size_t>(k++) * bytes;
   fold_parts(j.dst, std::move(parts), j.numel, j.dtype, j.op);
+}
+
+// ------------------------------------------------------------------------------------------
+// Freed scratch and capture: process-wide, as a device's memory and CUDA's capture mode are.
+
+// Freed scratch blocks, poisoned and kept (up to a bound) so a late write into one is seen.
+struct Quarantine {
+  std::mutex mu;
+  std::deque<std::pair<uint8_t*, size_t>> blocks;
+  size_t bytes = 0;
+  std::atomic<int64_t> late_writes{0};
+  static constexpr size_t kMaxBytes = size_t(64) << 20;
+
+  void add(void* p, size_t n) {
+    std::memset(p, 0xa5, n);
+    std::lock_guard<std::mutex> lk(mu);
+    blocks.emplace_back(static_cast<uint8_t*>(p), n);
+    bytes += n;
+    while (bytes > kMaxBytes && !blocks.empty()) {
+      bytes -= blocks.front().second;
+      ::free(blocks.front().first);
+      blocks.pop_front();
+    }
+  }
+  // A stream is about to write [p, p + n).
+  void check(const void* p, size_t n) {
+    if (n == 0) return;
+    const auto* b = static_cast<const uint8_t*>(p);
+    std::lock_guard<std::mutex> lk(mu);
+    for (auto& [q, m] : blocks) {
+      if (b < q + m && q < b + n) {
+        ++late_writes;
+        std::fprintf(stderr, "fastcomm fake runtime: a stream wrote %zu bytes into freed scratch\n", n);
+        return;
+      }
+    }
+  }
+};
+Quarantine& quarantine() {
+  static Quarantine* q = new Quarantine();  // never destroyed: streams may write at exit
+  return *q;
+}
+
+struct Capture {
+  std::mutex mu;
+  const void* stream = nullptr;  // the stream being captured, or null
+  bool global = false;
+  bool invalidated = false;
+};
+Capture& capture() {
+  static Capture* c = new Capture();
+  return *c;
+}
+thread_local bool tl_relaxed = false;
+
+// A call CUDA calls potentially unsafe during a global-mode capture (an event query or sync).
+void unsafe_call(const char* call) {
+  if (tl_relaxed) return;
+  Capture& c = capture();
+  std::lock_guard<std::mutex> lk(c.mu);
+  if (c.stream == nullptr || !c.global) return;
+  c.invalidated = true;
+  call_error(call, "operation not permitted when stream is capturing (a graph is captured in the global mode "
+                   "and this thread is not in the relaxed mode); the capture is invalidated");
 }
 
 // ------------------------------------------------------------------------------------------
@@ -383,7 +467,15 @@ class CommImpl {
   State state(std::string* why) {
     std::lock_guard<std::mutex> lk(mu_);
     if (why && state_ == State::kFailed) *why = why_;
+    if (state_ == State::kReady && busy()) return State::kPending;
     return state_;
+  }
+
+  // A launch is still being enqueued (ncclInProgress): the communicator takes no call.
+  bool busy() const { return Clock::now().time_since_epoch().count() < busy_until_.load(); }
+  void set_busy(int64_t micros) {
+    if (micros <= 0) return;
+    busy_until_ = (Clock::now() + std::chrono::microseconds(micros)).time_since_epoch().count();
   }
 
   // Ends the communicator's work: what waits on it completes without moving data. Any thread.
@@ -445,8 +537,10 @@ class CommImpl {
   bool take_recv(uint16_t code, RecvPart& r) {
     std::unique_lock<std::mutex> lk(mu_);
     Peer& p = *peers_[r.peer];
-    if (!hold(lk, [&] { return p.inbox.count(r.seq) != 0; })) return false;
+    // Abort races a transfer that already has its data: that one still lands.
+    cv_.wait(lk, [&] { return aborted_ || p.inbox.count(r.seq) != 0; });
     auto it = p.inbox.find(r.seq);
+    if (it == p.inbox.end()) return false;
     Msg m = std::move(it->second);
     p.inbox.erase(it);
     if (m.op != code || m.bytes != r.bytes) {
@@ -476,12 +570,15 @@ class CommImpl {
       cv_.notify_all();
     }
     const int fd = p.fd;
+    const bool aborted = aborted_;
     lk.unlock();
     if (r.dst) {
+      quarantine().check(r.dst, r.bytes);
       if (r.bytes) std::memcpy(r.dst, m.data.get(), r.bytes);
     } else {
       r.msg = std::move(m);
     }
+    if (aborted) return true;
     if (r.peer != rank_) {
       const FrameHdr h{kMagic, kAck, 0, r.seq, 0};
       const int e = write_to(p, fd, h, nullptr);
@@ -798,6 +895,7 @@ class CommImpl {
   State state_ = State::kPending;
   std::string why_;
   std::atomic<bool> aborted_{false};
+  std::atomic<int64_t> busy_until_{0};  // steady-clock ticks
   int listen_fd_ = -1;
   int wake_fd_ = -1;
   std::thread progress_;
@@ -826,8 +924,9 @@ void run_ops(std::vector<Op>& ops) {
   for (auto& op : ops)
     if (!op.dead && op.before_recvs) op.before_recvs(op);
   for (auto& op : ops) {
+    // Even after an abort: a receive whose message has arrived still lands (take_recv).
     for (auto& r : op.recvs)
-      if (!op.dead && !op.comm->take_recv(op.code, r)) op.dead = true;
+      if (!op.comm->take_recv(op.code, r)) op.dead = true;
     if (!op.dead && op.after_recvs) op.after_recvs(op);
   }
   for (auto& op : ops)
@@ -845,7 +944,7 @@ class FakeRuntime final : public Runtime {
   };
 
  public:
-  FakeRuntime() : host_(std::make_shared<StreamCore>(true)) {}
+  FakeRuntime() : caller_(std::make_shared<StreamCore>(false)) {}
 
   ~FakeRuntime() override {
     std::vector<std::shared_ptr<CommImpl>> comms;
@@ -866,6 +965,8 @@ class FakeRuntime final : public Runtime {
     for (auto& c : comms) c->abort();
     for (auto& c : comms) c->shutdown();
     for (auto& s : streams) s->stop();
+    for (auto& m : holds_) m->set();
+    caller_->stop();
   }
 
   const char* name() const override { return "fake"; }
@@ -884,15 +985,70 @@ class FakeRuntime final : public Runtime {
       std::lock_guard<std::mutex> lk(mu_);
       auto it = streams_.find(s);
       if (it == streams_.end())
-        call_error("destroy_stream", s == host_.get() ? "the host stream is not owned" : "unknown stream");
+        call_error("destroy_stream", s == caller_.get() ? "the caller's stream is not owned" : "unknown stream");
       core = std::move(it->second);
       streams_.erase(it);
     }
     core->stop();  // runs what is left (work on aborted communicators completes)
   }
 
-  Stream current_stream() override { return host_.get(); }
-  bool capturing(Stream s) override { return false; }
+  Stream current_stream() override { return caller_.get(); }
+  bool capturing(Stream s) override {
+    Capture& c = capture();
+    std::lock_guard<std::mutex> lk(c.mu);
+    return c.stream != nullptr && c.stream == s;
+  }
+  void relax_capture_mode() override { tl_relaxed = true; }
+
+  // Test hooks: "spin" queues `arg` ms of busy work on the caller's stream (a long kernel),
+  // "hold" one that runs until "release";
+  // "begin_capture" captures the caller's stream (arg 0: the global mode, 1: thread-local) and
+  // "end_capture" ends it (1: the graph is valid, 0: it was invalidated); "late_writes" counts
+  // writes into freed scratch; "enqueue_us" sets how long a launch keeps its communicators busy.
+  int64_t debug(const std::string& what, int64_t arg) override {
+    if (what == "spin") {
+      run_on(*caller_, [arg] { std::this_thread::sleep_for(std::chrono::milliseconds(arg)); });
+      return 0;
+    }
+    if (what == "hold") {  // a kernel that runs until "release"
+      auto m = std::make_shared<Marker>();
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        holds_.push_back(m);
+      }
+      run_on(*caller_, [m] { m->wait(); });
+      return 0;
+    }
+    if (what == "release") {
+      std::vector<std::shared_ptr<Marker>> held;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        held.swap(holds_);
+      }
+      for (auto& m : held) m->set();
+      return (int64_t)held.size();
+    }
+    if (what == "begin_capture" || what == "end_capture") {
+      Capture& c = capture();
+      std::lock_guard<std::mutex> lk(c.mu);
+      if (what == "begin_capture") {
+        if (c.stream != nullptr) call_error("debug", "a capture is under way");
+        c.stream = caller_.get();
+        c.global = arg == 0;
+        c.invalidated = false;
+        return 0;
+      }
+      if (c.stream != caller_.get()) call_error("debug", "no capture of this runtime's caller stream");
+      c.stream = nullptr;
+      return c.invalidated ? 0 : 1;
+    }
+    if (what == "late_writes") return quarantine().late_writes.load();
+    if (what == "enqueue_us") {
+      enqueue_us_ = arg;
+      return 0;
+    }
+    return Runtime::debug(what, arg);
+  }
 
   Event new_event() override {
     auto e = std::make_unique<EventImpl>();
@@ -931,11 +1087,13 @@ class FakeRuntime final : public Runtime {
   }
 
   State query(Event e) override {
+    unsafe_call("query");
     auto m = event_of(e, "query")->get();
     return !m || m->ready() ? State::kReady : State::kPending;
   }
 
   void synchronize(Event e) override {
+    unsafe_call("synchronize");
     auto m = event_of(e, "synchronize")->get();
     if (m) m->wait();
   }
@@ -944,7 +1102,10 @@ class FakeRuntime final : public Runtime {
     auto st = stream_of(s, "copy");
     if (bytes == 0) return;
     if (!dst || !src) call_error("copy", "null pointer");
-    run_on(*st, [=] { std::memmove(dst, src, bytes); });
+    run_on(*st, [=] {
+      quarantine().check(dst, bytes);
+      std::memmove(dst, src, bytes);
+    });
   }
 
   void fold(const FoldJob* jobs, int count, Stream s) override {
@@ -959,7 +1120,10 @@ class FakeRuntime final : public Runtime {
       if (j.numel > 0 && (!j.dst || !j.own || (j.n > 1 && !j.scratch))) call_error("fold", "null pointer");
     }
     run_on(*st, [js = std::move(js)] {
-      for (const auto& j : js) fold_job(j);
+      for (const auto& j : js) {
+        quarantine().check(j.dst, static_cast<size_t>(j.numel) * c10::elementSize(j.dtype));
+        fold_job(j);
+      }
     });
   }
 
@@ -974,10 +1138,10 @@ class FakeRuntime final : public Runtime {
     // caching allocator's reuse rule on a side stream).
     std::weak_ptr<StreamCore> weak;
     if (!st->host) weak = st;
-    auto deleter = [weak](void* ptr) {
+    auto deleter = [weak, bytes](void* ptr) {
       auto core = weak.lock();
-      std::function<void()> f = [ptr] { ::free(ptr); };
-      if (!core || !core->push(f)) ::free(ptr);
+      std::function<void()> f = [ptr, bytes] { quarantine().add(ptr, std::max<size_t>(bytes, 1)); };
+      if (!core || !core->push(f)) f();
     };
     return at::from_blob(p, {numel}, deleter, like.options().device(at::kCPU));
   }
@@ -1050,7 +1214,7 @@ class FakeRuntime final : public Runtime {
   }
 
   void send(const void* buf, size_t bytes, int peer, Comm c, Stream s) override {
-    auto comm = comm_of(c, "send");
+    auto comm = usable(c, "send");
     auto st = stream_of(s, "send");
     check_peer("send", *comm, peer, "peer");
     if (bytes && !buf) call_error("send", "null buffer");
@@ -1064,7 +1228,7 @@ class FakeRuntime final : public Runtime {
   }
 
   void recv(void* buf, size_t bytes, int peer, Comm c, Stream s) override {
-    auto comm = comm_of(c, "recv");
+    auto comm = usable(c, "recv");
     auto st = stream_of(s, "recv");
     check_peer("recv", *comm, peer, "peer");
     if (bytes && !buf) call_error("recv", "null buffer");
@@ -1079,9 +1243,9 @@ class FakeRuntime final : public Runtime {
 
   void all_reduce(const void* in, void* out, int64_t count, c10::ScalarType dtype, RedOp redop, Comm c,
                   Stream s) override {
-    auto comm = comm_of(c, "all_reduce");
+    auto comm = usable(c, "all_reduce");
     auto st = stream_of(s, "all_reduce");
-    check_reduction("all_reduce", dtype, redop);
+    check_nccl_reduction("all_reduce", dtype, redop);
     if (count < 0) call_error("all_reduce", "negative count");
     if (count > 0 && (!in || !out)) call_error("all_reduce", "null buffer");
     const size_t bytes = static_cast<size_t>(count) * c10::elementSize(dtype);
@@ -1093,13 +1257,14 @@ class FakeRuntime final : public Runtime {
     op.after_recvs = [=](Op& o) {
       std::vector<const void*> parts(n);
       for (int i = 0, k = 0; i < n; ++i) parts[i] = i == me ? in : o.recvs[k++].msg.data.get();
+      quarantine().check(out, bytes);
       fold_parts(out, std::move(parts), count, dtype, redop);
     };
     submit(std::move(op), st);
   }
 
   void broadcast(void* buf, size_t bytes, int root, Comm c, Stream s) override {
-    auto comm = comm_of(c, "broadcast");
+    auto comm = usable(c, "broadcast");
     auto st = stream_of(s, "broadcast");
     check_peer("broadcast", *comm, root, "root");
     if (bytes && !buf) call_error("broadcast", "null buffer");
@@ -1119,7 +1284,7 @@ class FakeRuntime final : public Runtime {
   }
 
   void all_gather(const void* in, void* out, size_t bytes, Comm c, Stream s) override {
-    auto comm = comm_of(c, "all_gather");
+    auto comm = usable(c, "all_gather");
     auto st = stream_of(s, "all_gather");
     if (bytes && (!in || !out)) call_error("all_gather", "null buffer");
     const int me = comm->rank();
@@ -1139,9 +1304,9 @@ class FakeRuntime final : public Runtime {
 
   void reduce_scatter(const void* in, void* out, int64_t count, c10::ScalarType dtype, RedOp redop, Comm c,
                       Stream s) override {
-    auto comm = comm_of(c, "reduce_scatter");
+    auto comm = usable(c, "reduce_scatter");
     auto st = stream_of(s, "reduce_scatter");
-    check_reduction("reduce_scatter", dtype, redop);
+    check_nccl_reduction("reduce_scatter", dtype, redop);
     if (count < 0) call_error("reduce_scatter", "negative count");
     if (count > 0 && (!in || !out)) call_error("reduce_scatter", "null buffer");
     const size_t bytes = static_cast<size_t>(count) * c10::elementSize(dtype);
@@ -1162,7 +1327,7 @@ class FakeRuntime final : public Runtime {
 
  private:
   std::shared_ptr<StreamCore> stream_of(Stream s, const char* call) {
-    if (s == host_.get()) return host_;
+    if (s == caller_.get()) return caller_;
     std::lock_guard<std::mutex> lk(mu_);
     auto it = streams_.find(s);
     if (it == streams_.end()) call_error(call, "unknown stream");
@@ -1181,6 +1346,15 @@ class FakeRuntime final : public Runtime {
     auto it = comms_.find(c);
     if (it == comms_.end()) call_error(call, "unknown communicator");
     return it->second;
+  }
+
+  // A communicator a new operation may be issued on.
+  std::shared_ptr<CommImpl> usable(Comm c, const char* call) {
+    auto comm = comm_of(c, call);
+    if (comm->busy())
+      call_error(call, "the communicator is still enqueueing its last launch (ncclInProgress): wait until "
+                       "comm_state() is no longer kPending");
+    return comm;
   }
 
   static void check_peer(const char* call, const CommImpl& c, int peer, const char* what) {
@@ -1221,13 +1395,16 @@ class FakeRuntime final : public Runtime {
     launch(*st, std::move(ops));
   }
 
-  static void launch(StreamCore& st, std::vector<Op> ops) {
+  void launch(StreamCore& st, std::vector<Op> ops) {
+    for (auto& op : ops) op.comm->set_busy(enqueue_us_.load());
     auto shared = std::make_shared<std::vector<Op>>(std::move(ops));
     run_on(st, [shared] { run_ops(*shared); });
   }
 
   std::mutex mu_;
-  const std::shared_ptr<StreamCore> host_;
+  const std::shared_ptr<StreamCore> caller_;
+  std::atomic<int64_t> enqueue_us_{kEnqueueMicros};
+  std::vector<std::shared_ptr<Marker>> holds_;  // "hold" kernels not released yet
   std::unordered_map<void*, std::shared_ptr<StreamCore>> streams_;
   std::unordered_map<void*, std::unique_ptr<EventImpl>> events_;
   std::unordered_map<void*, std::shared_ptr<CommImpl>> comms_;
@@ -1235,6 +1412,10 @@ class FakeRuntime final : public Runtime {
 };
 
 }  // namespace
+
+int64_t Runtime::debug(const std::string& what, int64_t) {
+  TORCH_CHECK_VALUE(false, "fastcomm: the ", name(), " device runtime has no test hook '", what, "'");
+}
 
 std::unique_ptr<Runtime> make_fake_runtime() { return std::make_unique<FakeRuntime>(); }
 

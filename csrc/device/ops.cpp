@@ -20,6 +20,17 @@ bool folds(c10::ScalarType t) {
   }
 }
 
+// The dtypes NCCL reduces (ncclDataType_t): no int16, so those ops stay on the fold.
+bool nccl_reduces(c10::ScalarType t) {
+  switch (t) {
+    case c10::kHalf: case c10::kBFloat16: case c10::kFloat: case c10::kDouble: case c10::kChar:
+    case c10::kByte: case c10::kInt: case c10::kLong:
+      return true;
+    default:
+      return false;
+  }
+}
+
 }  // namespace
 
 }  // namespace device
@@ -96,10 +107,17 @@ std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, c
     return p;
   };
   auto slot = [&](int j) { return (size_t)(j < me ? j : j - 1); };
+  // A zero-size op moves nothing but is still agreed with every peer it would exchange with,
+  // so a member that issued a non-empty op gets a mismatch, not a timeout.
+  auto agree_with_all = [&] {
+    for (int j = 0; j < n; ++j)
+      if (j != me) add_part(d.ranks[j]);
+  };
   // Large ops of groups of 3+: one collective on the group's communicator (GroupComm).
   const bool nccl_op = r.redop == R::SUM || r.redop == R::AVG || r.redop == R::PRODUCT;
   const bool collective = r.kind == OpKind::kBroadcast || r.kind == OpKind::kAllGatherIntoTensor ||
-                          ((r.kind == OpKind::kAllReduce || r.kind == OpKind::kReduceScatterTensor) && nccl_op);
+                          ((r.kind == OpKind::kAllReduce || r.kind == OpKind::kReduceScatterTensor) && nccl_op &&
+                           nccl_reduces(typed.scalar_type()));
   const size_t per_member =
       !collective ? 0 : r.kind == OpKind::kReduceScatterTensor ? r.output.nbytes() : r.tensor.nbytes();
   if (how.group_comms && n >= 3 && per_member > 0 && per_member >= how.group_comm_bytes) {
@@ -126,7 +144,7 @@ std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, c
       add_part(d.ranks[j]).agree_only = true;
     }
     for (auto& p : op->parts) p->sig = sig;
-    op->parts_left = (int)op->parts.size();
+    op->parts_left = op->parts_unlaunched = (int)op->parts.size();
     return op;
   }
   switch (r.kind) {
@@ -134,7 +152,11 @@ std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, c
       op->keep = {r.tensor};
       const size_t bytes = r.tensor.nbytes();
       sig.bytes = bytes;
-      if (n == 1 || bytes == 0) break;
+      if (n == 1) break;
+      if (bytes == 0) {
+        agree_with_all();
+        break;
+      }
       op->scratch = rt.scratch((int64_t)(n - 1) * r.tensor.numel(), r.tensor, how.join);
       auto* s = (uint8_t*)op->scratch.data_ptr();
       for (int j = 0; j < n; ++j) {
@@ -153,12 +175,16 @@ std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, c
       const size_t bytes = r.tensor.nbytes();
       sig.bytes = bytes;
       sig.root = root;
-      if (n == 1 || bytes == 0) break;
+      if (n == 1) break;
       if (me == root) {
         for (int j = 0; j < n; ++j)
-          if (j != me) add_part(d.ranks[j]).sends.emplace_back(r.tensor.data_ptr(), bytes);
+          if (j != me) {
+            Part& p = add_part(d.ranks[j]);
+            if (bytes) p.sends.emplace_back(r.tensor.data_ptr(), bytes);
+          }
       } else {
-        add_part(d.ranks[root]).recvs.emplace_back(r.tensor.data_ptr(), bytes);
+        Part& p = add_part(d.ranks[root]);
+        if (bytes) p.recvs.emplace_back(r.tensor.data_ptr(), bytes);
       }
       break;
     }
@@ -172,7 +198,10 @@ std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, c
       auto block = [&](int j) -> void* {
         return flat ? (uint8_t*)r.output.data_ptr() + (size_t)j * bytes : r.list[j].data_ptr();
       };
-      if (bytes == 0) break;
+      if (bytes == 0) {
+        agree_with_all();
+        break;
+      }
       if (block(me) != r.tensor.data_ptr()) op->copies.emplace_back(block(me), r.tensor.data_ptr(), bytes);
       for (int j = 0; j < n; ++j) {
         if (j == me) continue;
@@ -192,7 +221,10 @@ std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, c
       auto block = [&](int j) -> void* {
         return flat ? (uint8_t*)r.tensor.data_ptr() + (size_t)j * bytes : r.list[j].data_ptr();
       };
-      if (bytes == 0) break;
+      if (bytes == 0) {
+        agree_with_all();
+        break;
+      }
       if (n == 1) {
         if (block(0) != r.output.data_ptr()) op->copies.emplace_back(r.output.data_ptr(), block(0), bytes);
         break;
@@ -213,8 +245,8 @@ std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, c
     case OpKind::kRecv: {
       op->keep = {r.tensor};
       sig.bytes = r.tensor.nbytes();
-      if (sig.bytes == 0) break;
       Part& p = add_part(r.peer);
+      if (sig.bytes == 0) break;
       if (r.kind == OpKind::kSend) p.sends.emplace_back(r.tensor.data_ptr(), sig.bytes);
       else p.recvs.emplace_back(r.tensor.data_ptr(), sig.bytes);
       break;
@@ -224,7 +256,7 @@ std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, c
                         dev.type(), " tensors");
   }
   for (auto& p : op->parts) p->sig = sig;  // sig.bytes/root were filled in after the parts
-  op->parts_left = (int)op->parts.size();
+  op->parts_left = op->parts_unlaunched = (int)op->parts.size();
   return op;
 }
 

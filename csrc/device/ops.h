@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "device/events.h"
 #include "device/runtime.h"
 #include "device/work.h"
 #include "engine/device.h"
@@ -78,14 +79,6 @@ bool compatible(const Sig& leader, const Sig& follower);
 
 struct Batch;
 
-struct EventRef {
-  EventRef(Runtime& r, Event e) : rt(r), ev(e) {}
-  ~EventRef() { rt.destroy_event(ev); }
-  Runtime& rt;
-  Event ev;
-};
-using EventPtr = std::shared_ptr<EventRef>;
-
 struct DevOp;
 
 // One op's transfers with one peer: all sent and received in one group of the pair's channel.
@@ -96,7 +89,9 @@ struct Part {
   std::vector<std::pair<const void*, size_t>> sends;
   std::vector<std::pair<void*, size_t>> recvs;
   enum State { kWaiting, kProposed, kCommitted, kLaunched, kDone } state = kWaiting;
-  EventPtr done_event;  // recorded after the channel group holding this part
+  bool launched = false;  // on its channel's stream (or failed before): counted in parts_unlaunched
+  EventPtr done_event;    // recorded after the channel group holding this part
+  Stream stream = nullptr;  // its channel's stream, once launched
   bool agree_only = false;  // a group-communicator op's agreement with one member: no data
   bool agreed = false;      // group leader: that member committed
 };
@@ -123,15 +118,22 @@ struct DevOp {
   std::vector<FoldJob> folds;
   std::vector<std::tuple<void*, const void*, size_t>> copies;  // local copies at the end
   std::vector<std::unique_ptr<Part>> parts;
-  int parts_left = 0;
-  bool ready = false;     // its group's previous op is over on the host's side
-  bool finished = false;  // its transfers are over and its end work enqueued (or it failed)
+  int parts_left = 0;        // parts whose transfers are not seen done (or failed) yet
+  int parts_unlaunched = 0;  // parts not on their channel's stream yet (nor failed)
+  bool ready = false;     // its group's previous op is enqueued: its parts may be agreed
+  bool launched = false;  // every part and its end work are enqueued (or it failed before)
+  bool finished = false;  // launched, and its transfers seen done (or failed)
   std::exception_ptr error;
   Clock::time_point deadline;
   std::chrono::milliseconds timeout{0};
-  EventPtr input;  // the caller's stream at issue
-  EventPtr pred_end;  // the previous op of the group's end (its fold), if it had device work
-  EventPtr end;       // this op's end, if it has device work after its transfers
+  EventPtr input;     // the caller's stream at issue
+  EventPtr pred_end;  // the end of the group's previous op, if it put work on a device stream
+  Stream pred_stream = nullptr;  // ... and the stream it is on
+  EventPtr end;       // this op's end: after its transfers and end work, on end_stream
+  Stream end_stream = nullptr;
+  // Every stream this op's work went to, with an event after it: its memory is held until
+  // each has run (after an abort too, when a stream may still run a part of it).
+  std::vector<std::pair<Stream, EventPtr>> streams;
   bool group_op = false;    // the op runs as `coll` on its group's communicator
   GroupComm* gc = nullptr;  // that communicator (set by the engine thread)
   std::vector<int> ranks;   // group_op: the group, and this rank's place in it
@@ -145,11 +147,16 @@ struct DevOp {
 // The ops of one post (one Work).
 struct Batch {
   c10::intrusive_ptr<DeviceWork> work;
-  int left = 0;
-  bool device_work = false;  // some op enqueued work after its transfers: wait for the end event
+  int left = 0;          // ops not finished
+  int unlaunched = 0;    // ops not launched
+  bool returned = false;
+  bool failed_early = false;  // an op failed before it was enqueued: waiters wait for the settle  // a blocking call returned before it settled: a later error is the group's
   std::exception_ptr error;
-  std::vector<at::Tensor> keep;  // what the end work reads and writes, held until it has run
-  EventPtr end;                  // after the batch's end work (set when it has some)
+  std::vector<at::Tensor> keep;  // every tensor the ops' device work touches, held until it has run
+  // The last event of the ops' work on each stream it went to: the Work orders the caller after
+  // these, and settles once they have run.
+  std::vector<std::pair<Stream, EventPtr>> ends;
+  std::vector<uint64_t> groups;  // the ops' group ids (deferred errors)
 };
 
 // How ops are lowered on this engine.

@@ -73,6 +73,10 @@ class Runtime {
   virtual Stream current_stream() = 0;
   // Whether `s` is being captured into a CUDA graph (work enqueued then runs at replay).
   virtual bool capturing(Stream s) = 0;
+  // Puts the calling thread in the relaxed capture mode (cudaThreadExchangeStreamCaptureMode):
+  // its event queries and syncs never invalidate a graph that another thread captures in the
+  // global mode. The device engine's thread calls it once.
+  virtual void relax_capture_mode() = 0;
   virtual Event new_event() = 0;
   virtual void destroy_event(Event e) = 0;
   virtual void record(Event e, Stream s) = 0;
@@ -113,6 +117,9 @@ class Runtime {
   // `in` holds nranks blocks of `count` elements; rank i gets the reduction of block i.
   virtual void reduce_scatter(const void* in, void* out, int64_t count, c10::ScalarType dtype,
                               c10d::ReduceOp::RedOpType op, Comm c, Stream s) = 0;
+
+  // Test hooks (the fake's; see fake_runtime.cpp): raises for a hook this runtime lacks.
+  virtual int64_t debug(const std::string& what, int64_t arg);
 };
 
 // The fake (device/fake_runtime.cpp): "device" memory is host memory (CPU tensors), each

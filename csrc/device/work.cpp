@@ -9,20 +9,22 @@ DeviceWork::DeviceWork(std::shared_ptr<WorkOwner> owner, int rank, c10d::OpType 
                        std::vector<at::Tensor> outputs, int parts, bool async_op)
     : Work(owner, rank, type, std::move(outputs), parts, async_op), owner_(std::move(owner)) {}
 
-DeviceWork::~DeviceWork() {
-  if (Event e = end()) owner_->runtime().destroy_event(e);
+DeviceWork::~DeviceWork() = default;
+
+void DeviceWork::order_after(Stream s) {
+  Runtime& rt = owner_->runtime();
+  for (const EventPtr& e : ends_) rt.wait(s, e->ev);
 }
 
 bool DeviceWork::wait(std::chrono::milliseconds timeout) {
-  // The end event exists once the op's transfers have run: until then there is nothing on the
-  // device to order the caller's stream after, so the host waits for it.
-  owner_->wait_end(*this, timeout == kNoTimeout ? std::chrono::milliseconds(0) : timeout);
+  // Until the peers agreed on the op nothing of it is on the device to order the caller's
+  // stream after, so the host waits for that (never for the device itself).
+  owner_->wait_launched(*this, timeout == kNoTimeout ? std::chrono::milliseconds(0) : timeout);
   if (done()) {
     rethrow_if_failed();
     return true;
   }
-  Runtime& rt = owner_->runtime();
-  rt.wait(rt.current_stream(), end());
+  order_after(owner_->runtime().current_stream());
   if (timeout != kNoTimeout) {
     owner_->wait(*this, timeout);
     rethrow_if_failed();

@@ -1,12 +1,14 @@
 #pragma once
 // The Work of a device op, with torch's stream semantics as ProcessGroupNCCL has them: wait()
-// orders the caller's current stream after the op, synchronize() host-blocks until it has run,
-// and the Future holds device tensors. The device engine (device/engine.cpp) settles it once
-// it has seen the op's end on the device, or its failure.
+// host-waits only until the op is enqueued, then orders the caller's current stream after it;
+// synchronize() host-blocks until it has run; the Future holds device tensors and completes
+// when the device has run the op. The device engine (device/engine.cpp) settles it once it has
+// seen the op's end on the device, or its failure.
 #include <atomic>
 #include <memory>
 #include <vector>
 
+#include "device/events.h"
 #include "device/runtime.h"
 #include "engine/work.h"
 
@@ -17,8 +19,8 @@ namespace device {
 class WorkOwner : public Waiter {
  public:
   virtual Runtime& runtime() = 0;
-  // Returns once `w` is done or its end event is enqueued (see DeviceWork::end).
-  virtual void wait_end(Work& w, std::chrono::milliseconds timeout) = 0;
+  // Returns once `w` is done or its ops are enqueued (DeviceWork::launched).
+  virtual void wait_launched(Work& w, std::chrono::milliseconds timeout) = 0;
   // The device engine's error once it is shut down or broken, else null.
   virtual std::exception_ptr broken() const = 0;
 };
@@ -29,21 +31,27 @@ class DeviceWork final : public Work {
              int parts, bool async_op);
   ~DeviceWork() override;
 
-  // Orders the caller's current stream after the op (once its end is enqueued, which may need
-  // a host wait until the op's transfers have run); with a timeout, host-blocks up to it.
+  // Orders the caller's current stream after the op once it is enqueued (a host wait until its
+  // peers agreed on it, never for the device); with a timeout, host-blocks until it has run.
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   void synchronize() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   bool on_device() const override { return true; }
 
-  // Engine side: the event recorded after the op's last device work (its fold), once it is
-  // enqueued; the Work then settles when it has run. Owned by the Work from then on.
-  void set_end(Event e) { end_.store(e, std::memory_order_release); }
-  Event end() const { return end_.load(std::memory_order_acquire); }
+  // Engine side, under the engine's lock: the events after the ops' last device work, one per
+  // stream they end on, once every op is enqueued; the Work settles when they have run.
+  void set_launched(std::vector<EventPtr> ends) {
+    ends_ = std::move(ends);
+    launched_.store(true, std::memory_order_release);
+  }
+  bool launched() const { return launched_.load(std::memory_order_acquire); }
+  // Orders `s` after the ops (launched() must be true).
+  void order_after(Stream s);
 
  private:
   std::shared_ptr<WorkOwner> owner_;
-  std::atomic<Event> end_{nullptr};
+  std::vector<EventPtr> ends_;  // set once, before launched_
+  std::atomic<bool> launched_{false};
 };
 
 }  // namespace device

@@ -34,6 +34,11 @@ class DeviceEngine {
   virtual c10::intrusive_ptr<Work> post(std::vector<DeviceOp> ops, bool async_op, bool rethrow) = 0;
   // Fails what is pending; later posts raise. Never blocks on a peer.
   virtual void shutdown() = 0;
+  // Host-blocks until the work enqueued so far on the caller's current stream has run (as
+  // torch.cuda.synchronize() does for one stream).
+  virtual void synchronize() = 0;
+  // Test hooks of the runtime under the engine (the fake's; see device/runtime.h).
+  virtual int64_t debug(const std::string& what, int64_t arg) = 0;
 };
 
 // What a device engine uses of the host engine: ordered control messages to any peer over the

@@ -381,6 +381,12 @@ std::shared_ptr<DeviceEngine> Engine::device_engine(c10::Device device) {
 
 void Engine::init_device(c10::Device device) { device_engine(device); }
 
+void Engine::device_synchronize(c10::Device device) { device_engine(device)->synchronize(); }
+
+int64_t Engine::device_debug(c10::Device device, const std::string& what, int64_t arg) {
+  return device_engine(device)->debug(what, arg);
+}
+
 c10::intrusive_ptr<Work> Engine::control_send(int peer, at::Tensor bytes) {
   return control(OpKind::kSend, peer, std::move(bytes));
 }

@@ -124,6 +124,9 @@ class Engine final : public Waiter, public HostLink, public std::enable_shared_f
   c10::intrusive_ptr<Work> start(const std::shared_ptr<Plan>& plan, bool async_op);
   // Makes the device engine for `device` now rather than at its first op.
   void init_device(c10::Device device);
+  // The device engine of `device` (made if need be): see DeviceEngine::synchronize and debug.
+  void device_synchronize(c10::Device device);
+  int64_t device_debug(c10::Device device, const std::string& what, int64_t arg);
 
   // HostLink: the device engines' control messages, on a tag and channels of their own that
   // never time out (a device engine keeps a receive posted while it waits for a peer, and

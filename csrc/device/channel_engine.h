@@ -1,0 +1,189 @@
+#pragma once
+// The device engine of device/engine.h, one class over a few files, each one job:
+//   engine.cpp     issue (the caller's side), the engine thread, an op's life (ready, launched,
+//                  its end work, finished, settled)
+//   channel.cpp    a pair's channel: the agreement frames, launches in agreed order, harvest,
+//                  faults
+//   group_comm.cpp large ops of groups of 3+ on the group's own communicator
+//   health.cpp     deadlines, peers gone, teardown
+// Every runtime call on a communicator or an engine stream is made by the engine thread, so an
+// abort never races another call on the same communicator.
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "device/engine.h"
+#include "device/ops.h"
+#include "device/publisher.h"
+
+namespace fastcomm {
+namespace device {
+
+// This rank's side of the pair with `peer`: a two-rank communicator on a stream of its own,
+// made at the pair's first op. The lower rank leads: it proposes each op once it is ready; the
+// other commits the proposals it has a matching ready op for, in whatever order they become
+// ready, and both launch in commit order. So the channel's order is one both sides agreed on,
+// and no op waits behind one its peer has not issued.
+struct Channel {
+  int peer = -1;
+  bool leader = false;
+  Comm comm = nullptr;
+  bool id_sent = false;
+  UniqueId id;
+  Stream stream = nullptr;
+  std::exception_ptr failed;  // set: the channel was aborted; every op on it fails
+  // The peer looks gone (the host says so, a control message or the communicator failed):
+  // transfers already done on the device are still harvested until `doomed_at`, then the
+  // channel is aborted with `doomed_why`.
+  std::string doomed_why;
+  Clock::time_point doomed_at;
+  std::unordered_map<Key, Part*, KeyHash> open;  // ready, not yet committed
+  std::deque<Part*> to_propose;                  // leader: ready, not yet proposed
+  std::deque<Entry> proposals;                   // follower: proposed, no matching ready op yet
+  std::vector<Entry> commits, mismatches;        // follower: to tell the leader
+  std::deque<Part*> committed;                   // agreed, not yet launched
+  std::vector<Part*> launching;                  // launched; their event not yet recorded
+  std::deque<Part*> in_flight;                   // launched and recorded, not yet seen done
+  c10::intrusive_ptr<Work> rx;
+  at::Tensor rx_buf;
+  std::deque<c10::intrusive_ptr<Work>> tx;
+  std::unordered_map<Key, Part*, KeyHash> awaiting;  // committed agreement parts: the leader's word
+  bool wants_comm = false;  // single-stream scheme: parts wait for the communicator
+  bool busy() const {
+    return !open.empty() || !to_propose.empty() || !committed.empty() || !launching.empty() || !in_flight.empty() ||
+           !awaiting.empty();
+  }
+};
+
+// A large op of a group of three or more (FASTCOMM_RSAG_THRESHOLD bytes and up) runs as one
+// NCCL collective on a communicator of the group's own, made at its first such op: no member
+// moves (n - 1)x its data. The group's rank 0 proposes the op to every member over their pair
+// channels; once all have committed it tells each to go (or, after a mismatch, refuses), so no
+// member launches a collective another will not join. Ops reach the communicator in the
+// group's issue order (an op is ready once the previous one is enqueued).
+struct GroupComm {
+  std::vector<int> ranks;
+  int me = 0;
+  Comm comm = nullptr;
+  Stream stream = nullptr;
+  UniqueId id;
+  bool id_sent = false;
+  std::exception_ptr failed;
+  std::string doomed_why;  // as Channel's: a member looks gone, collectives that ran are harvested first
+  Clock::time_point doomed_at;
+  std::deque<DevOp*> queued;  // agreed, waiting for the communicator
+  DevOp* launching = nullptr;  // launched; its end not yet recorded (a non-blocking launch)
+  std::deque<std::pair<DevOp*, EventPtr>> in_flight;
+  bool busy() const { return !queued.empty() || launching != nullptr || !in_flight.empty(); }
+};
+
+class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::enable_shared_from_this<ChannelEngine> {
+ public:
+  ChannelEngine(const EngineOptions& opts, HostLink& host, std::unique_ptr<Runtime> rt);
+  ~ChannelEngine() override { shutdown(); }
+
+  c10::intrusive_ptr<Work> post(std::vector<DeviceOp> ops, bool async_op, bool rethrow) override;
+  void shutdown() override;
+  void synchronize() override;
+  int64_t debug(const std::string& what, int64_t arg) override;
+
+  // WorkOwner
+  Runtime& runtime() override { return *rt_; }
+  std::exception_ptr broken() const override {
+    std::lock_guard<std::mutex> lk(mu_);
+    return broken_;
+  }
+  void wait(Work& w, std::chrono::milliseconds timeout) override { wait_until(w, false, timeout); }
+  void wait_launched(Work& w, std::chrono::milliseconds timeout) override { wait_until(w, true, timeout); }
+  void poll() override {}
+
+ private:
+  void wait_until(Work& w, bool launched_enough, std::chrono::milliseconds timeout);
+
+  // ---- the engine thread (engine.cpp)
+  void main();
+  bool pass();
+  void admit(std::unique_ptr<DevOp> op);
+  void make_ready(DevOp* op);
+  void part_launched(Part* p);
+  void part_done(Part* p);
+  // Ops whose parts are all enqueued: their end work, their end event, their group's next op.
+  void flush_ends();
+  void ended(DevOp* op, Stream s, const EventPtr& end);
+  // An op that will never be launched (it failed before): launched and finished as it is.
+  void abandon(DevOp* op);
+  void op_finished(DevOp* op);
+  bool settle_ended();
+  void settle(Batch& b, std::exception_ptr e);
+  void fail_op(DevOp* op, std::exception_ptr e);
+  Stream join_stream(uint64_t group);
+
+  // ---- channels (channel.cpp)
+  Channel& channel(int peer);
+  bool pump(Channel& c);
+  bool exchange(Channel& c);
+  void handle_frame(Channel& c, const uint8_t* data);
+  // `id`: a communicator id the frame carries (the pair's, or with kGo the group's), or null.
+  void send_frame(Channel& c, FrameType type, const std::vector<Entry>& entries, const UniqueId* id);
+  bool launch(Channel& c);
+  bool launch_single();
+  void fault(Channel& c, const std::string& why);
+  void doom(Channel& c, const std::string& why);
+
+  // ---- group communicators (group_comm.cpp)
+  void agreed(DevOp* op);
+  bool pump_group(GroupComm& g);
+  void fault_group(GroupComm& g, const std::string& why);
+
+  // ---- health and teardown (health.cpp)
+  bool check_health();
+  void teardown();
+
+  const int rank_;
+  // The scheme this engine replaced, kept to show the fake runtime is faithful (tests): every
+  // channel on one stream, parts launched in issue order with no agreement.
+  const bool single_;
+  Stream shared_ = nullptr;
+  std::deque<Part*> single_queue_;  // its parts in issue order, launched strictly in that order
+  HostLink& host_;
+  std::unique_ptr<Runtime> rt_;
+  std::shared_ptr<EventPool> events_;
+  Stream alloc_ = nullptr;  // the stream scratch is allocated on (freed only once its ops settled)
+
+  mutable std::mutex mu_;  // guards the fields up to the thread's own state below
+  std::condition_variable cv_;       // wakes the engine thread
+  std::condition_variable done_cv_;  // wakes waiters
+  std::vector<std::unique_ptr<DevOp>> incoming_;
+  std::unordered_map<uint64_t, uint64_t> next_seq_;
+  // A blocking call returns once its op is enqueued; an error found after that is raised by the
+  // group's next op.
+  std::unordered_map<uint64_t, std::string> deferred_;
+  std::exception_ptr broken_;
+  std::unordered_set<int> failed_peers_;  // peers whose channel was aborted (test hook)
+  bool stop_ = false;
+  std::thread thread_;
+
+  // The engine thread's own state.
+  std::unordered_map<uint64_t, DevOp*> tail_;  // last op of each group id
+  std::vector<std::unique_ptr<DevOp>> live_;
+  std::unordered_map<int, std::unique_ptr<Channel>> channels_;
+  std::unordered_map<uint64_t, std::unique_ptr<GroupComm>> groups_;
+  std::unordered_map<uint64_t, Stream> joins_;  // the end work of ops of 3+ on channels, per group
+  std::vector<Channel*> pass_channels_;  // pass()'s snapshots, kept to reuse their memory
+  std::vector<GroupComm*> pass_groups_;
+  std::vector<DevOp*> to_end_;  // launched on every channel, end work not enqueued yet
+  const size_t group_comm_bytes_;
+  std::vector<std::shared_ptr<Batch>> ending_;  // every op finished, ends not yet seen run
+  // The end of the last launched op of each group id, while it may not have run: the group's
+  // next op waits for it even when the op itself is gone.
+  std::unordered_map<uint64_t, std::pair<Stream, EventPtr>> last_end_;
+  Publisher publisher_;
+  Clock::time_point last_health_ = Clock::now();
+};
+
+}  // namespace device
+}  // namespace fastcomm

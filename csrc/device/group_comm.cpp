@@ -1,0 +1,169 @@
+// Large ops of groups of 3+ on the group's own communicator (device/channel_engine.h, GroupComm).
+#include "common/errors.h"
+#include "device/channel_engine.h"
+
+namespace fastcomm {
+namespace device {
+
+namespace {
+
+std::exception_ptr comm_error_ptr(const std::string& msg) {
+  try {
+    throw_comm_error(msg);
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+}  // namespace
+
+// Every agreement part of a group-communicator op has its answer.
+void ChannelEngine::agreed(DevOp* op) {
+  GroupComm& g = *op->gc;
+  if (op->leads) {
+    // The leader's word to every member that committed; the first op carries the id.
+    bool go = !op->error && !g.failed;
+    for (auto& p : op->parts) {
+      const Channel& c = channel(p->peer);
+      if (c.failed || !c.doomed_why.empty()) go = false;  // a member that cannot be told to go
+    }
+    if (!op->error && !go) {
+      fail_op(op, comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ", group " + op->label + ": " +
+                                 op_kind_name(op->kind) + " refused: a member's channel failed"));
+    }
+    if (go && g.comm == nullptr) {
+      try {
+        g.id = rt_->new_id();
+        g.comm = rt_->comm_init(g.id, (int)g.ranks.size(), 0);
+        g.stream = rt_->new_stream();
+      } catch (const std::exception& e) {
+        fault_group(g, e.what());
+        go = false;
+      }
+    }
+    for (auto& p : op->parts) {
+      if (!p->agreed) continue;
+      Channel& c = channel(p->peer);
+      if (c.failed) continue;
+      try {
+        send_frame(c, go ? kGo : kRefuse, {Entry{op->key, p->sig}}, go && !g.id_sent ? &g.id : nullptr);
+      } catch (const std::exception& ex) {
+        doom(c, ex.what());
+      }
+    }
+    if (go) g.id_sent = true;
+  }
+  if (op->error || g.failed) {
+    if (!op->error) fail_op(op, g.failed);
+    abandon(op);
+    return;
+  }
+  g.queued.push_back(op);
+}
+
+// Launches the group's agreed ops in order, each waiting for its inputs and the group's previous
+// op (enqueued before it), and harvests those that ran.
+bool ChannelEngine::pump_group(GroupComm& g) {
+  bool moved = false;
+  while (!g.in_flight.empty() && rt_->query(g.in_flight.front().second->ev) == State::kReady) {
+    DevOp* op = g.in_flight.front().first;
+    g.in_flight.pop_front();
+    op_finished(op);
+    moved = true;
+  }
+  if (!g.doomed_why.empty()) {
+    if (g.in_flight.empty() || Clock::now() > g.doomed_at) {
+      fault_group(g, g.doomed_why);
+      return true;
+    }
+    return moved;
+  }
+  if (g.comm == nullptr || (g.queued.empty() && g.launching == nullptr)) return moved;
+  std::string why;
+  State state = rt_->comm_state(g.comm, &why);
+  while (state == State::kReady && g.launching == nullptr && !g.queued.empty()) {
+    DevOp* op = g.queued.front();
+    rt_->wait(g.stream, op->input->ev);
+    if (op->pred_end && op->pred_stream != g.stream) rt_->wait(g.stream, op->pred_end->ev);
+    const Collective& c = op->coll;
+    switch (c.kind) {
+      case OpKind::kAllReduce:
+        rt_->all_reduce(c.in, c.out, c.count, c.dtype, c.op, g.comm, g.stream);
+        break;
+      case OpKind::kReduceScatterTensor:
+        rt_->reduce_scatter(c.in, c.out, c.count, c.dtype, c.op, g.comm, g.stream);
+        break;
+      case OpKind::kAllGatherIntoTensor:
+        rt_->all_gather(c.in, c.out, (size_t)c.count, g.comm, g.stream);
+        break;
+      default:
+        rt_->broadcast(c.in, (size_t)c.count, c.root, g.comm, g.stream);
+        break;
+    }
+    g.queued.pop_front();
+    g.launching = op;
+    moved = true;
+    state = rt_->comm_state(g.comm, &why);
+    if (state != State::kPending) {
+      EventPtr ev = events_->record(g.stream);
+      g.in_flight.emplace_back(op, ev);
+      g.launching = nullptr;
+      ended(op, g.stream, ev);
+    }
+  }
+  if (state != State::kPending && g.launching != nullptr) {
+    DevOp* op = g.launching;
+    EventPtr ev = events_->record(g.stream);
+    g.in_flight.emplace_back(op, ev);
+    g.launching = nullptr;
+    ended(op, g.stream, ev);
+    moved = true;
+  }
+  if (state == State::kFailed) {
+    g.doomed_why = why;
+    g.doomed_at = Clock::now() + std::chrono::milliseconds(100);
+    return true;
+  }
+  return moved;
+}
+
+// Aborts a group's communicator: its ops fail; the group's later large ops fail at once.
+void ChannelEngine::fault_group(GroupComm& g, const std::string& why) {
+  if (!g.failed) {
+    std::string label = "[";
+    for (size_t i = 0; i < g.ranks.size(); ++i) label += (i ? ", " : "") + std::to_string(g.ranks[i]);
+    label += "]";
+    g.failed = comm_error_ptr(why.rfind("fastcomm:", 0) == 0
+                                  ? why
+                                  : "fastcomm: rank " + std::to_string(rank_) + ", group " + label +
+                                        ": the group's communicator failed: " + why);
+  }
+  if (g.comm != nullptr) {
+    try {
+      rt_->comm_abort(g.comm);
+    } catch (const std::exception&) {
+    }
+  }
+  std::vector<DevOp*> ops(g.queued.begin(), g.queued.end());
+  if (g.launching) {
+    // On the stream (the abort drains it): its memory is held until the stream passes it.
+    DevOp* op = g.launching;
+    try {
+      EventPtr ev = events_->record(g.stream);
+      ended(op, g.stream, ev);
+    } catch (const std::exception&) {
+    }
+    ops.push_back(op);
+  }
+  for (auto& [op, ev] : g.in_flight) ops.push_back(op);
+  g.queued.clear();
+  g.launching = nullptr;
+  g.in_flight.clear();
+  for (DevOp* op : ops) {
+    fail_op(op, g.failed);
+    abandon(op);
+  }
+}
+
+}  // namespace device
+}  // namespace fastcomm

@@ -1,0 +1,141 @@
+// Deadlines, peers gone, and teardown (device/channel_engine.h).
+#include "common/errors.h"
+#include "device/channel_engine.h"
+
+namespace fastcomm {
+namespace device {
+
+// Deadlines, and peers the host knows are gone.
+bool ChannelEngine::check_health() {
+  const auto now = Clock::now();
+  bool moved = false;
+  for (auto& op : live_) {
+    if (op->finished || !op->ready || now <= op->deadline) continue;
+    if (op->gc != nullptr && op->parts_left == 0) {
+      fault_group(*op->gc, "fastcomm: rank " + std::to_string(rank_) + ", group " + op->label + ": " +
+                               op_kind_name(op->kind) + " did not finish within the group's timeout (" +
+                               std::to_string(op->timeout.count()) + " ms); the group's communicator was aborted");
+      moved = true;
+      continue;
+    }
+    for (auto& p : op->parts) {
+      if (p->state == Part::kDone) continue;
+      Channel& c = channel(p->peer);
+      fault(c, "fastcomm: rank " + std::to_string(rank_) + ", group " + op->label + ": " + op_kind_name(op->kind) +
+                   " did not finish within the group's timeout (" + std::to_string(op->timeout.count()) +
+                   " ms) waiting for rank " + std::to_string(p->peer) + "; the channel to rank " +
+                   std::to_string(p->peer) + " was aborted");
+      moved = true;
+    }
+  }
+  if (now - last_health_ < std::chrono::milliseconds(50)) return moved;
+  last_health_ = now;
+  for (auto it = last_end_.begin(); it != last_end_.end();) {
+    if (rt_->query(it->second.second->ev) == State::kReady) it = last_end_.erase(it);
+    else ++it;
+  }
+  for (auto& [id, g] : groups_) {
+    if (g->failed || !g->busy()) continue;
+    for (int r : g->ranks) {
+      if (r == rank_ || host_.peer_alive(r)) continue;
+      if (g->doomed_why.empty()) {
+        g->doomed_why = "fastcomm: rank " + std::to_string(rank_) + ": peer rank " + std::to_string(r) +
+                        " exited; the communicator of its group was aborted";
+        g->doomed_at = now + std::chrono::milliseconds(100);
+      }
+      moved = true;
+      break;
+    }
+  }
+  std::vector<Channel*> chans;
+  for (auto& [peer, c] : channels_) chans.push_back(c.get());
+  for (Channel* c : chans) {
+    const int peer = c->peer;
+    if (c->failed || !c->busy()) continue;
+    if (!host_.peer_alive(peer)) {
+      doom(*c, "fastcomm: rank " + std::to_string(rank_) + ": peer rank " + std::to_string(peer) +
+                   " exited; its channel was aborted");
+      moved = true;
+    }
+  }
+  return moved;
+}
+
+void ChannelEngine::teardown() {
+  std::exception_ptr why = broken();
+  // Ops posted before the engine stopped, not yet taken in: they fail with the rest.
+  std::vector<std::unique_ptr<DevOp>> in;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    in.swap(incoming_);
+  }
+  for (auto& op : in) {
+    DevOp* o = op.get();
+    live_.push_back(std::move(op));
+    fail_op(o, why);
+    abandon(o);
+  }
+  // Ops still open may wait on a peer for good: their channels are aborted, so every stream
+  // drains, and their Works fail.
+  const std::string down = "fastcomm: rank " + std::to_string(rank_) + ": fastcomm was shut down";
+  std::vector<Channel*> chans;
+  for (auto& [peer, c] : channels_) chans.push_back(c.get());
+  for (Channel* c : chans)
+    if (c->busy()) fault(*c, down);
+  for (auto& [id, g] : groups_)
+    if (g->busy()) fault_group(*g, down);
+  flush_ends();
+  for (auto& op : live_) {
+    if (!op->finished) {
+      fail_op(op.get(), why);
+      abandon(op.get());
+    }
+  }
+  flush_ends();
+  for (auto& b : ending_) {
+    // What is left on the streams drains (its communicators are aborted): wait so its memory
+    // outlives it.
+    try {
+      for (auto& [s, e] : b->ends) rt_->synchronize(e->ev);
+      settle(*b, b->error);
+    } catch (const std::exception&) {
+      settle(*b, why);
+    }
+  }
+  ending_.clear();
+  live_.clear();
+  tail_.clear();
+  last_end_.clear();
+  publisher_.stop();
+  for (auto& [peer, c] : channels_) {
+    try {
+      if (c->comm != nullptr) rt_->comm_destroy(c->comm);
+      if (c->stream != nullptr && c->stream != shared_) rt_->destroy_stream(c->stream);
+    } catch (const std::exception&) {
+    }
+  }
+  channels_.clear();
+  for (auto& [id, g] : groups_) {
+    try {
+      if (g->comm != nullptr) rt_->comm_destroy(g->comm);
+      if (g->stream != nullptr) rt_->destroy_stream(g->stream);
+    } catch (const std::exception&) {
+    }
+  }
+  groups_.clear();
+  for (auto& [id, s] : joins_) {
+    try {
+      rt_->destroy_stream(s);
+    } catch (const std::exception&) {
+    }
+  }
+  joins_.clear();
+  try {
+    if (shared_ != nullptr) rt_->destroy_stream(shared_);
+    rt_->destroy_stream(alloc_);
+  } catch (const std::exception&) {
+  }
+}
+
+}  // namespace device
+}  // namespace fastcomm

@@ -1,0 +1,233 @@
+"""torch's stream semantics on the device path, and the hazards of running ahead, on the fake
+device runtime (FASTCOMM_FAKE_DEVICE=1). The fake's caller stream runs asynchronously, as a
+GPU's does: "hold" queues a kernel that runs until "release", so a check that the host got
+control back while the device had not run an op asserts an order, not a duration.
+
+- a blocking call and Work.wait() return once the op is enqueued, the caller's stream ordered
+  after it; the host runs ahead of a long kernel, through 1,000 ops of one group (pipelined:
+  each is enqueued while the previous has not run); is_completed/synchronize/get_future follow
+  the device;
+- events are pooled (flat over a long run);
+- an error found after a blocking call returned is raised by the group's next op;
+- H2: a zero-size op is agreed like any other (a mismatch, not a timeout);
+- H3: int16 never reaches NCCL's reductions (the fake refuses it, as NCCL does);
+- H4: an op's memory outlives every stream that may still write it, after an abort too;
+- H5: the engine's event queries do not invalidate a graph the caller captures in the global mode.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import harness
+from _helpers import expect
+
+import fastcomm as fc
+
+FAKE = {"FASTCOMM_FAKE_DEVICE": "1"}
+
+
+def dbg(what, arg=0):
+    return fc._state._engine.device_debug("cpu", what, arg)
+
+
+def dsync():
+    """What reading a CUDA tensor on the host does first: wait for the caller's stream."""
+    fc._state._engine.device_synchronize("cpu")
+
+
+def _until(pred, what, limit=60.0):
+    """Waits for an event another process or thread causes; the limit only bounds a hang."""
+    end = time.monotonic() + limit
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"never happened: {what}")
+        time.sleep(0.005)
+
+
+# ---------------------------------------------------------------------------------------------
+# Run-ahead and pipelining
+
+
+def _run_ahead_body(rank, world, n):
+    g = fc.new_group([0, 1])
+    t = torch.full((33,), 2.0 ** -900, dtype=torch.float64)
+    dbg("hold")  # a long kernel on the caller's stream: nothing after it runs until "release"
+    for _ in range(n):
+        fc.all_reduce(t, group=g)  # returns once enqueued, behind the previous op
+    w = fc.all_reduce(t, group=g, async_op=True)
+    w.wait()  # orders the caller's stream; never waits for the device
+    pending = not w.is_completed()
+    dbg("release")
+    w.synchronize()  # host-blocks until the device has run it
+    done = w.is_completed()
+    fut = fc.all_reduce(t, group=g, async_op=True).get_future()
+    fut.wait()  # completes once the device has run the op
+    dsync()
+    return pending, done, t[0].item() == 2.0 ** (-900 + n + 2), bool(t.eq(t[0]).all())
+
+
+def test_the_host_runs_ahead_of_the_device_through_1000_pipelined_ops():
+    for r in harness.run(_run_ahead_body, 2, 1000, timeout=120, env=FAKE, init_timeout=60):
+        assert r == (True, True, True, True), r
+
+
+def _ahead_three_body(rank, world):
+    """The same with a group of three (its folds on the group's own join stream) and a batch."""
+    lists = [[0, 1, 2], [0, 1], [1, 2]]
+    groups = fc.new_groups(lists)
+    tri = groups[0]
+    t = torch.full((7,), float(rank + 1))
+    dbg("hold")
+    for _ in range(5):
+        fc.all_reduce(t, group=tri)
+    mine = [(r, g) for r, g in zip(lists[1:], groups[1:]) if rank in r]
+    ts = [torch.full((3,), float(rank * 10)) for _ in mine]
+    with fc.batch() as b:
+        for (ranks, g), x in zip(mine, ts):
+            fc.all_reduce(x, group=g)
+    b.wait()
+    pending = not b.is_completed()
+    dbg("release")
+    dsync()
+    return pending, t.tolist(), [(ranks, x.tolist()) for (ranks, _), x in zip(mine, ts)]
+
+
+def test_a_group_of_three_and_a_batch_run_ahead():
+    for rank, (pending, t, pairs) in enumerate(harness.run(_ahead_three_body, 3, timeout=90, env=FAKE,
+                                                            init_timeout=30)):
+        assert pending
+        assert t == [6.0 * 3 ** 4] * 7
+        for ranks, x in pairs:
+            assert x == [float(sum(10 * r for r in ranks))] * 3
+
+
+def _pool_body(rank, world):
+    g = fc.new_group([0, 1])
+    t = torch.ones(10)
+
+    def step():
+        fc.all_reduce(t, group=g, async_op=True).get_future().wait()
+
+    for _ in range(20):
+        step()
+    c1 = dbg("events_created")
+    for _ in range(300):
+        step()
+    return c1, dbg("events_created")
+
+
+def test_events_are_pooled():
+    for c1, c2 in harness.run(_pool_body, 2, timeout=90, env=FAKE, init_timeout=30):
+        assert c2 - c1 <= 10, (c1, c2)
+
+
+def _late_error_body(rank, world):
+    g = fc.new_group([0, 1])
+    if rank == 1:
+        dbg("hold")  # its side of the op never runs
+        w = fc.all_reduce(torch.ones(4), group=g, async_op=True)
+        w.wait()  # enqueued on both sides
+        os._exit(0)
+    fc.all_reduce(torch.ones(4), group=g)  # returns once enqueued
+    msg = expect(dist.DistBackendError, lambda: fc.all_reduce(torch.ones(4), group=g), "rank 1")
+    return msg
+
+
+def test_an_error_after_a_blocking_call_returned_is_raised_by_the_next_op():
+    res = harness.run(_late_error_body, 2, timeout=60, env=FAKE, init_timeout=5, allow_fail=(1,))
+    assert "rank 1" in res[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Hazards
+
+
+def _zero_body(rank, world):
+    g = fc.new_group([0, 1])
+    t = torch.ones(0 if rank == 0 else 4)
+    msg = expect(dist.DistBackendError, lambda: fc.all_reduce(t, group=g), "mismatched op")
+    z = torch.ones(0)
+    fc.all_reduce(z, group=g)  # empty on both: agreed, nothing moves
+    outs = [torch.empty(0) for _ in range(2)]
+    fc.all_gather(outs, torch.empty(0), group=g)
+    ok = torch.full((3,), float(rank + 1))
+    fc.all_reduce(ok, group=g)
+    dsync()
+    return msg, ok.tolist()
+
+
+def test_a_zero_size_op_against_a_non_empty_one_is_a_mismatch():
+    # The group's timeout (60 s) is past the harness's: a timeout instead of the mismatch fails.
+    for msg, ok in harness.run(_zero_body, 2, timeout=40, env=FAKE, init_timeout=60):
+        assert "0 bytes" in msg, msg
+        assert ok == [3.0] * 3
+
+
+def _int16_body(rank, world):
+    g = fc.new_group([0, 1, 2])
+    t = torch.full((100,), rank + 1, dtype=torch.int16)
+    fc.all_reduce(t, group=g)  # 200 bytes, past the threshold, but NCCL has no int16: the fold
+    f = torch.full((100,), float(rank + 1))
+    fc.all_reduce(f, group=g)  # the group's communicator
+    m = torch.full((100,), rank + 1, dtype=torch.int16)
+    fc.all_reduce(m, op=dist.ReduceOp.MAX, group=g)
+    dsync()
+    return t[0].item(), f[0].item(), m[0].item()
+
+
+def test_int16_never_reaches_nccl_reductions():
+    env = dict(FAKE, FASTCOMM_RSAG_THRESHOLD="64")
+    assert harness.run(_int16_body, 3, timeout=60, env=env, init_timeout=30) == [(6, 6.0, 3)] * 3
+
+
+def _late_write_body(rank, world):
+    g = fc.new_group([0, 1])
+    before = dbg("late_writes")
+    if rank == 0:
+        dbg("hold")  # its transfers wait behind the caller's stream
+    w = fc.all_reduce(torch.ones(256), group=g, async_op=True)
+    if rank == 0:
+        # Its deadline passes and the channel is aborted while the receive still waits; the
+        # peer's data has arrived, so the receive writes when the stream moves on.
+        _until(lambda: dbg("channel_failed", 1) == 1, "the channel to rank 1 aborted")
+        dbg("release")
+    msg = expect(Exception, lambda: w.get_future().wait(), "timeout")
+    dsync()
+    return msg, dbg("late_writes") - before
+
+
+def test_memory_outlives_the_streams_that_may_write_it():
+    for msg, late in harness.run(_late_write_body, 2, timeout=60, env=FAKE, init_timeout=2):
+        assert late == 0, msg
+
+
+def _capture_body(rank, world):
+    pair, cpu = fc.new_groups([[0, 1], [0, 1]])
+    t = torch.full((5,), float(rank + 1))
+    if rank == 1:
+        dbg("hold")  # rank 0's transfer stays in flight: its engine polls the device meanwhile
+    w = fc.all_reduce(t, group=pair, async_op=True)
+    w.wait()
+    valid = None
+    if rank == 0:
+        dbg("begin_capture", 0)  # the caller captures unrelated work in the global mode
+        seen = dbg("events_created")
+        _until(lambda: not w.is_completed() and dbg("events_created") >= seen, "the op in flight")
+        time.sleep(0.1)  # the engine thread polls its events meanwhile
+        valid = dbg("end_capture")
+    fc.barrier(group=cpu)  # a host op: rank 1 releases only after rank 0's capture ended
+    if rank == 1:
+        dbg("release")
+    w.synchronize()
+    dsync()
+    return valid, t.tolist()
+
+
+def test_the_engine_does_not_invalidate_a_graph_captured_meanwhile():
+    res = harness.run(_capture_body, 2, timeout=60, env=FAKE, init_timeout=30)
+    assert res[0] == (1, [3.0] * 5), res[0]
+    assert res[1][1] == [3.0] * 5
