@@ -231,3 +231,27 @@ def test_the_engine_does_not_invalidate_a_graph_captured_meanwhile():
     res = harness.run(_capture_body, 2, timeout=60, env=FAKE, init_timeout=30)
     assert res[0] == (1, [3.0] * 5), res[0]
     assert res[1][1] == [3.0] * 5
+
+
+def _recovery_body(rank, world):
+    """H1: an op that times out resets its channel; the peer is told (its side of the op fails
+    as cancelled, without a timeout of its own), and the pair goes on, that group included."""
+    g1, g2, cpu = fc.new_groups([[0, 1], [0, 1], [0, 1]])
+    first = None
+    if rank == 0:
+        first = expect(dist.DistBackendError, lambda: fc.all_reduce(torch.ones(3), group=g1), "timeout", "rank 1")
+    fc.barrier(group=cpu)  # a host op: rank 1 issues g1's first op only after rank 0's failed
+    if rank == 1:
+        first = expect(dist.DistBackendError, lambda: fc.all_reduce(torch.ones(3), group=g1), "cancelled", "rank 0")
+    a = torch.full((4,), float(rank + 1))
+    fc.all_reduce(a, group=g2)
+    b = torch.full((4,), float(rank + 10))
+    fc.all_reduce(b, group=g1)  # the group's next op runs in the channel's new epoch
+    dsync()
+    return first, a.tolist(), b.tolist()
+
+
+def test_a_timed_out_channel_recovers():
+    # A 2 s group timeout; rank 1 would need a timeout of its own to fail without the reset.
+    for first, a, b in harness.run(_recovery_body, 2, timeout=60, env=FAKE, init_timeout=2):
+        assert a == [3.0] * 4 and b == [21.0] * 4, (first, a, b)

@@ -24,19 +24,32 @@ std::exception_ptr comm_error_ptr(const std::string& msg) {
 Channel& ChannelEngine::channel(int peer) {
   auto& c = channels_[peer];
   if (!c) {
-    c = std::make_unique<Channel>();
-    c->peer = peer;
-    c->leader = rank_ < peer;
+    c = std::make_unique<Channel>(peer, rank_ < peer);
     c->stream = shared_;
   }
   return *c;
 }
 
+void ChannelEngine::fail_part(Part* p, std::exception_ptr e) {
+  fail_op(p->op, std::move(e));
+  p->state = Part::kDone;
+  part_launched(p);
+  part_done(p);
+}
+
 bool ChannelEngine::pump(Channel& c) {
   bool moved = false;
   if (c.doomed_why.empty()) {
-    moved |= exchange(c);
-    moved |= launch(c);
+    moved |= exchange(c);  // a control path that fails dooms the channel (the caller)
+    try {
+      moved |= launch(c);
+    } catch (const std::exception& e) {
+      // The communicator failed (the peer aborted it in a reset of its own, or exited): what
+      // ran is harvested first, then a new epoch; a peer that is gone is found by the health
+      // check, which fails the channel for good.
+      doom(c, e.what(), /*for_good=*/false);
+      moved = true;
+    }
   }
   // Transfers seen done, in launch order (a channel's stream runs them in that order).
   while (!c.in_flight.empty()) {
@@ -48,27 +61,35 @@ bool ChannelEngine::pump(Channel& c) {
     moved = true;
   }
   if (!c.doomed_why.empty() && (c.in_flight.empty() || Clock::now() > c.doomed_at)) {
-    fault(c, c.doomed_why);
+    const std::string why = std::move(c.doomed_why);
     c.doomed_why.clear();
+    if (c.doomed_for_good) fault(c, why);
+    else reset(c, why);
     moved = true;
   }
   return moved;
 }
 
-void ChannelEngine::doom(Channel& c, const std::string& why) {
-  if (c.failed || !c.doomed_why.empty()) return;
+void ChannelEngine::doom(Channel& c, const std::string& why, bool for_good) {
+  if (c.failed) return;
+  if (!c.doomed_why.empty()) {
+    c.doomed_for_good = c.doomed_for_good || for_good;
+    if (for_good) c.doomed_why = why;
+    return;
+  }
   c.doomed_why = why;
+  c.doomed_for_good = for_good;
   c.doomed_at = Clock::now() + std::chrono::milliseconds(100);
 }
 
-// The control messages of the pair: proposals out (leader), commits and mismatches out
-// (follower), and whatever the peer sent in.
+// The control messages of the pair: what the agreement sends, and whatever the peer sent in.
 bool ChannelEngine::exchange(Channel& c) {
   bool moved = false;
-  while (!c.tx.empty() && c.tx.front()->isCompleted()) {
-    auto w = c.tx.front();
+  while (!c.tx.empty() && c.tx.front().first->isCompleted()) {
+    auto [w, buf] = std::move(c.tx.front());
     c.tx.pop_front();
     if (auto e = w->exception()) std::rethrow_exception(e);
+    frame_pool_.push_back(std::move(buf));
     moved = true;
   }
   if (single_ && c.leader && c.comm == nullptr && c.wants_comm) {
@@ -77,27 +98,17 @@ bool ChannelEngine::exchange(Channel& c) {
     send_frame(c, kPropose, {}, &c.id);
     c.id_sent = true;
   }
-  if (c.leader && !c.to_propose.empty()) {
-    if (c.comm == nullptr) {
-      c.id = rt_->new_id();
-      c.comm = rt_->comm_init(c.id, 2, 0);
-      if (c.stream == nullptr) c.stream = rt_->new_stream();
-    }
-    std::vector<Entry> entries;
-    for (Part* p : c.to_propose) {
-      p->state = Part::kProposed;
-      entries.push_back(Entry{p->op->key, p->sig});
-    }
-    c.to_propose.clear();
-    send_frame(c, kPropose, entries, c.id_sent ? nullptr : &c.id);
-    c.id_sent = true;
+  if (c.agree.has_proposals_to_send()) {
+    PairAgreement::Out out;
+    c.agree.flush(out);
+    apply(c, out);
     moved = true;
   }
-  // A receive is kept posted while anything here waits for the peer's word.
+  // A receive is kept posted while anything here waits for the peer's word, or runs on the
+  // device (a reset of the peer's may cancel it).
   auto needs_word = [&] {
-    if (c.leader)
-      return std::any_of(c.open.begin(), c.open.end(), [](const auto& kv) { return kv.second->state == Part::kProposed; });
-    return !c.open.empty() || !c.awaiting.empty() || (c.comm == nullptr && c.wants_comm);
+    return c.agree.waiting() || (!single_ && (!c.committed.empty() || !c.launching.empty() || !c.in_flight.empty())) ||
+           (single_ && c.comm == nullptr && c.wants_comm);
   };
   for (;;) {
     if (!c.rx) {
@@ -111,59 +122,30 @@ bool ChannelEngine::exchange(Channel& c) {
     handle_frame(c, (const uint8_t*)c.rx_buf.data_ptr());
     moved = true;
   }
-  if (!c.leader) {
-    // Match the proposals to this rank's ready ops, in proposal order; one not issued here
-    // yet waits without holding back those after it.
-    for (auto it = c.proposals.begin(); it != c.proposals.end();) {
-      auto f = c.open.find(it->key);
-      if (f == c.open.end()) {
-        ++it;
-        continue;
-      }
-      Part* p = f->second;
-      c.open.erase(f);
-      if (compatible(it->sig, p->sig)) {
-        p->state = Part::kCommitted;
-        if (p->agree_only) c.awaiting[p->op->key] = p;
-        else c.committed.push_back(p);
-        c.commits.push_back(*it);
-      } else {
-        fail_op(p->op, comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ", group " + p->op->label +
-                                      ": mismatched op: this rank issued " + sig_str(p->sig) + " where rank " +
-                                      std::to_string(c.peer) + " issued " + sig_str(it->sig)));
-        c.mismatches.push_back(Entry{it->key, p->sig});
-        p->state = Part::kDone;
-        part_launched(p);
-        part_done(p);
-      }
-      it = c.proposals.erase(it);
-      moved = true;
-    }
-    if (!c.commits.empty()) {
-      send_frame(c, kCommit, c.commits, nullptr);
-      c.commits.clear();
-    }
-    if (!c.mismatches.empty()) {
-      send_frame(c, kMismatch, c.mismatches, nullptr);
-      c.mismatches.clear();
-    }
-  }
   return moved;
 }
 
 void ChannelEngine::send_frame(Channel& c, FrameType type, const std::vector<Entry>& entries, const UniqueId* id) {
   for (size_t at = 0; at < entries.size() || (at == 0 && id != nullptr); at += kMaxEntries) {
-    at::Tensor buf = at::empty({(int64_t)kFrameBytes}, at::kByte);
+    at::Tensor buf;
+    if (!frame_pool_.empty()) {
+      buf = std::move(frame_pool_.back());
+      frame_pool_.pop_back();
+    } else {
+      buf = at::empty({(int64_t)kFrameBytes}, at::kByte);
+    }
     auto* d = (uint8_t*)buf.data_ptr();
     FrameHead h;
     h.type = type;
     h.count = (uint32_t)std::min(kMaxEntries, entries.size() - at);
     h.has_id = id != nullptr && at == 0;
+    h.epoch = c.agree.epoch();
     std::memcpy(d, &h, sizeof(h));
     if (h.has_id) std::memcpy(d + sizeof(h), id, sizeof(UniqueId));
     else std::memset(d + sizeof(h), 0, sizeof(UniqueId));
     std::memcpy(d + sizeof(h) + sizeof(UniqueId), entries.data() + at, h.count * sizeof(Entry));
-    c.tx.push_back(host_.control_send(c.peer, buf));
+    auto w = host_.control_send(c.peer, buf);
+    c.tx.emplace_back(std::move(w), std::move(buf));
     if (entries.empty()) break;
   }
 }
@@ -171,64 +153,96 @@ void ChannelEngine::send_frame(Channel& c, FrameType type, const std::vector<Ent
 void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
   FrameHead h;
   std::memcpy(&h, d, sizeof(h));
-  TORCH_INTERNAL_ASSERT(h.count <= kMaxEntries && h.type >= kPropose && h.type <= kRefuse, "bad control frame");
-  const auto* e = reinterpret_cast<const Entry*>(d + sizeof(h) + sizeof(UniqueId));
-  if (h.type == kGo || h.type == kRefuse) {
-    for (uint32_t i = 0; i < h.count; ++i) {
-      Entry en;
-      std::memcpy(&en, e + i, sizeof(en));
-      auto f = c.awaiting.find(en.key);
-      TORCH_INTERNAL_ASSERT(f != c.awaiting.end(), "rank ", c.peer, " decided on an op this rank did not commit");
-      Part* p = f->second;
-      GroupComm& g = *p->op->gc;
-      if (h.has_id && g.comm == nullptr) {
-        std::memcpy(&g.id, d + sizeof(h), sizeof(UniqueId));
-        g.comm = rt_->comm_init(g.id, (int)g.ranks.size(), g.me);
-        g.stream = rt_->new_stream();
-      }
-      c.awaiting.erase(f);
-      if (h.type == kRefuse)
-        fail_op(p->op, comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ", group " + p->op->label + ": " +
-                                      op_kind_name(p->op->kind) + " refused by the group's rank 0 (rank " +
-                                      std::to_string(c.peer) + "): another member issued a mismatched op"));
-      p->state = Part::kDone;
-      part_done(p);
-    }
-    return;
+  TORCH_INTERNAL_ASSERT(h.count <= kMaxEntries && h.type >= kPropose && h.type <= kResetAck, "bad control frame");
+  Frame f;
+  f.type = (FrameType)h.type;
+  f.epoch = h.epoch;
+  f.entries.resize(h.count);
+  std::memcpy(f.entries.data(), d + sizeof(h) + sizeof(UniqueId), h.count * sizeof(Entry));
+  UniqueId id;
+  if (h.has_id) std::memcpy(&id, d + sizeof(h), sizeof(UniqueId));
+  if (f.type == kReset && f.epoch > c.agree.epoch()) {
+    // Everything launched in the old epoch fails with what the peer cancelled.
+    drop_epoch(c, comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ": cancelled: rank " +
+                                 std::to_string(c.peer) + " reset the channel between the two (an op timed out there)"));
   }
-  if (h.has_id) {
-    TORCH_INTERNAL_ASSERT(h.type == kPropose && !c.leader && c.comm == nullptr,
-                          "unexpected communicator id from rank ", c.peer);
-    std::memcpy(&c.id, d + sizeof(h), sizeof(UniqueId));
+  if (h.has_id && f.type == kPropose && !c.leader && f.epoch >= c.agree.epoch()) {
+    // The pair's communicator for this epoch, made at its first proposal.
+    TORCH_INTERNAL_ASSERT(c.comm == nullptr, "rank ", c.peer, " sent a second communicator id in epoch ", f.epoch);
+    c.id = id;
     c.comm = rt_->comm_init(c.id, 2, 1);
     if (c.stream == nullptr) c.stream = rt_->new_stream();
   }
-  for (uint32_t i = 0; i < h.count; ++i) {
-    Entry en;
-    std::memcpy(&en, e + i, sizeof(en));
-    if (h.type == kPropose) {
-      c.proposals.push_back(en);
-      continue;
+  if (single_) return;  // the single-stream scheme agrees on nothing
+  PairAgreement::Out out;
+  c.agree.receive(f, out);
+  apply(c, out, h.has_id && f.type == kGo ? &id : nullptr);
+}
+
+void ChannelEngine::apply(Channel& c, PairAgreement::Out& out, const UniqueId* go_id) {
+  const std::string me = "fastcomm: rank " + std::to_string(rank_);
+  for (auto& fl : out.failed) {
+    Part* p = static_cast<Part*>(fl.token);
+    std::string why;
+    switch (fl.why) {
+      case PairAgreement::Why::kMismatch:
+        why = me + ", group " + p->op->label + ": mismatched op: this rank issued " + sig_str(p->sig) + " where rank " +
+              std::to_string(c.peer) + " issued " + sig_str(fl.theirs);
+        break;
+      case PairAgreement::Why::kCancelled:
+        why = me + ", group " + p->op->label + ": " + op_kind_name(p->op->kind) + " cancelled: the channel to rank " +
+              std::to_string(c.peer) + " was reset after an op timed out" +
+              (c.reset_why.empty() ? std::string(" on rank ") + std::to_string(c.peer) : ": " + c.reset_why);
+        break;
+      case PairAgreement::Why::kReset:
+        why = c.reset_why.empty() ? me + ", group " + p->op->label + ": " + op_kind_name(p->op->kind) +
+                                        " cancelled: rank " + std::to_string(c.peer) +
+                                        " reset the channel between the two (an op timed out there)"
+                                  : c.reset_why;
+        break;
     }
-    auto f = c.open.find(en.key);
-    TORCH_INTERNAL_ASSERT(f != c.open.end(), "rank ", c.peer, " answered an op this rank did not propose");
-    Part* p = f->second;
-    c.open.erase(f);
-    if (h.type == kCommit && p->agree_only) {
-      p->agreed = true;
-      p->state = Part::kDone;
-      part_done(p);
-    } else if (h.type == kCommit) {
-      p->state = Part::kCommitted;
-      c.committed.push_back(p);
-    } else {
-      fail_op(p->op, comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ", group " + p->op->label +
-                                    ": mismatched op: this rank issued " + sig_str(p->sig) + " where rank " +
-                                    std::to_string(c.peer) + " issued " + sig_str(en.sig)));
-      p->state = Part::kDone;
-      part_launched(p);
-      part_done(p);
+    fail_part(p, comm_error_ptr(why));
+  }
+  for (void* t : out.launch) {
+    Part* p = static_cast<Part*>(t);
+    p->state = Part::kCommitted;
+    c.committed.push_back(p);
+  }
+  for (void* t : out.answered) {
+    Part* p = static_cast<Part*>(t);
+    p->agreed = true;
+    p->state = Part::kDone;
+    part_done(p);
+  }
+  for (auto& dc : out.decided) {
+    Part* p = static_cast<Part*>(dc.token);
+    GroupComm& g = *p->op->gc;
+    if (dc.go && go_id != nullptr && g.comm == nullptr) {
+      g.id = *go_id;
+      g.comm = rt_->comm_init(g.id, (int)g.ranks.size(), g.me);
+      g.stream = rt_->new_stream();
     }
+    if (!dc.go)
+      fail_op(p->op, comm_error_ptr(me + ", group " + p->op->label + ": " + op_kind_name(p->op->kind) +
+                                    " refused by the group's rank 0 (rank " + std::to_string(c.peer) +
+                                    "): another member issued a mismatched op"));
+    p->state = Part::kDone;
+    part_done(p);
+  }
+  for (Frame& f : out.frames) {
+    const UniqueId* id = nullptr;
+    if (f.type == kPropose && c.leader) {
+      if (c.comm == nullptr) {
+        // A new epoch's (or the pair's first) communicator: its id rides on the first proposal.
+        c.id = rt_->new_id();
+        c.comm = rt_->comm_init(c.id, 2, 0);
+        if (c.stream == nullptr) c.stream = rt_->new_stream();
+        c.id_sent = false;
+      }
+      if (!c.id_sent) id = &c.id;
+      c.id_sent = true;
+    }
+    send_frame(c, f.type, f.entries, id);
   }
 }
 
@@ -305,39 +319,25 @@ bool ChannelEngine::launch_single() {
   return moved;
 }
 
-// Aborts the pair's channel: its ops fail, naming the peer; other channels go on.
-void ChannelEngine::fault(Channel& c, const std::string& why) {
-  if (!c.failed)
-    c.failed = comm_error_ptr(why.rfind("fastcomm:", 0) == 0
-                                  ? why
-                                  : "fastcomm: rank " + std::to_string(rank_) + ": the channel to rank " +
-                                        std::to_string(c.peer) + " failed: " + why);
+// The channel's current communicator goes (aborted, then released) and what was launched on it
+// fails; what it still runs drains, and those parts' memory is held until it has (their events).
+void ChannelEngine::drop_epoch(Channel& c, const std::exception_ptr& why) {
   if (c.comm != nullptr) {
     try {
       rt_->comm_abort(c.comm);
+      rt_->comm_destroy(c.comm);
     } catch (const std::exception&) {
     }
+    c.comm = nullptr;
   }
+  c.id_sent = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     failed_peers_.insert(c.peer);
   }
-  std::vector<Part*> parts;
-  for (auto& [k, p] : c.open) parts.push_back(p);
-  for (auto& [k, p] : c.awaiting) parts.push_back(p);
-  for (Part* p : c.committed) parts.push_back(p);
-  for (Part* p : c.launching) parts.push_back(p);
-  for (Part* p : c.in_flight) parts.push_back(p);
-  for (auto it = single_queue_.begin(); it != single_queue_.end();) {
-    if ((*it)->peer == c.peer) {
-      parts.push_back(*it);
-      it = single_queue_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  // Launched but not recorded: they are on the stream (an abort drains it), so they get an event.
+  std::vector<Part*> parts(c.committed.begin(), c.committed.end());
   if (!c.launching.empty() && c.stream != nullptr) {
+    // Launched but not recorded: they are on the stream, so they get an event.
     try {
       EventPtr ev = events_->record(c.stream);
       for (Part* p : c.launching) {
@@ -347,19 +347,56 @@ void ChannelEngine::fault(Channel& c, const std::string& why) {
     } catch (const std::exception&) {
     }
   }
-  c.open.clear();
-  c.awaiting.clear();
-  c.to_propose.clear();
-  c.proposals.clear();
+  parts.insert(parts.end(), c.launching.begin(), c.launching.end());
+  parts.insert(parts.end(), c.in_flight.begin(), c.in_flight.end());
   c.committed.clear();
   c.launching.clear();
   c.in_flight.clear();
-  for (Part* p : parts) {
-    fail_op(p->op, c.failed);
-    p->state = Part::kDone;
-    part_launched(p);
-    part_done(p);
+  for (Part* p : parts) fail_part(p, why);
+}
+
+void ChannelEngine::reset(Channel& c, const std::string& why) {
+  if (c.failed) return;
+  if (single_) {
+    fault(c, why);
+    return;
   }
+  std::vector<Key> launched;
+  for (Part* p : c.committed) launched.push_back(p->op->key);
+  for (Part* p : c.launching) launched.push_back(p->op->key);
+  for (Part* p : c.in_flight) launched.push_back(p->op->key);
+  c.reset_why = why;
+  drop_epoch(c, comm_error_ptr(why));
+  PairAgreement::Out out;
+  c.agree.reset(launched, out);
+  try {
+    apply(c, out);
+  } catch (const std::exception& e) {
+    doom(c, e.what());
+  }
+}
+
+// Fails the pair's channel for good: its ops fail, naming the peer; other channels go on.
+void ChannelEngine::fault(Channel& c, const std::string& why) {
+  if (!c.failed)
+    c.failed = comm_error_ptr(why.rfind("fastcomm:", 0) == 0
+                                  ? why
+                                  : "fastcomm: rank " + std::to_string(rank_) + ": the channel to rank " +
+                                        std::to_string(c.peer) + " failed: " + why);
+  std::exception_ptr e = c.failed;
+  for (auto it = single_queue_.begin(); it != single_queue_.end();) {
+    if ((*it)->peer == c.peer) {
+      fail_part(*it, e);
+      it = single_queue_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  drop_epoch(c, e);
+  // What the agreement holds fails too; the peer is not told (it is gone, or cannot be reached).
+  PairAgreement::Out out;
+  c.agree.reset({}, out);
+  for (auto& fl : out.failed) fail_part(static_cast<Part*>(fl.token), e);
 }
 
 }  // namespace device

@@ -16,6 +16,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "device/agreement.h"
 #include "device/engine.h"
 #include "device/ops.h"
 #include "device/publisher.h"
@@ -29,33 +30,32 @@ namespace device {
 // ready, and both launch in commit order. So the channel's order is one both sides agreed on,
 // and no op waits behind one its peer has not issued.
 struct Channel {
+  explicit Channel(int p, bool lead) : peer(p), leader(lead), agree(lead) {}
   int peer = -1;
   bool leader = false;
-  Comm comm = nullptr;
+  Comm comm = nullptr;  // this epoch's; null until its first proposal
   bool id_sent = false;
   UniqueId id;
   Stream stream = nullptr;
-  std::exception_ptr failed;  // set: the channel was aborted; every op on it fails
-  // The peer looks gone (the host says so, a control message or the communicator failed):
-  // transfers already done on the device are still harvested until `doomed_at`, then the
-  // channel is aborted with `doomed_why`.
+  std::exception_ptr failed;  // set: the peer is gone or its control path failed; every op fails
+  // The peer looks gone (the host says so, a control message failed) or the communicator
+  // failed: transfers already done on the device are still harvested until `doomed_at`, then
+  // the channel is failed (or reset) with `doomed_why`.
   std::string doomed_why;
   Clock::time_point doomed_at;
-  std::unordered_map<Key, Part*, KeyHash> open;  // ready, not yet committed
-  std::deque<Part*> to_propose;                  // leader: ready, not yet proposed
-  std::deque<Entry> proposals;                   // follower: proposed, no matching ready op yet
-  std::vector<Entry> commits, mismatches;        // follower: to tell the leader
-  std::deque<Part*> committed;                   // agreed, not yet launched
-  std::vector<Part*> launching;                  // launched; their event not yet recorded
-  std::deque<Part*> in_flight;                   // launched and recorded, not yet seen done
+  bool doomed_for_good = true;  // else a reset follows
+  PairAgreement agree;          // which parts run, in which order (device/agreement.h)
+  std::deque<Part*> committed;  // agreed, not yet launched
+  std::vector<Part*> launching;  // launched; their event not yet recorded
+  std::deque<Part*> in_flight;   // launched and recorded, not yet seen done
+  std::string reset_why;         // why the last reset cancelled what it did
   c10::intrusive_ptr<Work> rx;
   at::Tensor rx_buf;
-  std::deque<c10::intrusive_ptr<Work>> tx;
-  std::unordered_map<Key, Part*, KeyHash> awaiting;  // committed agreement parts: the leader's word
+  std::deque<std::pair<c10::intrusive_ptr<Work>, at::Tensor>> tx;  // frames out, and their buffers
   bool wants_comm = false;  // single-stream scheme: parts wait for the communicator
   bool busy() const {
-    return !open.empty() || !to_propose.empty() || !committed.empty() || !launching.empty() || !in_flight.empty() ||
-           !awaiting.empty();
+    return agree.holding() || agree.has_proposals_to_send() || !committed.empty() || !launching.empty() ||
+           !in_flight.empty();
   }
 };
 
@@ -127,12 +127,22 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   bool pump(Channel& c);
   bool exchange(Channel& c);
   void handle_frame(Channel& c, const uint8_t* data);
+  // Acts on what the agreement produced; `go_id`: a group communicator's id a kGo carried.
+  void apply(Channel& c, PairAgreement::Out& out, const UniqueId* go_id = nullptr);
   // `id`: a communicator id the frame carries (the pair's, or with kGo the group's), or null.
   void send_frame(Channel& c, FrameType type, const std::vector<Entry>& entries, const UniqueId* id);
   bool launch(Channel& c);
   bool launch_single();
+  // An op on the channel timed out: what it holds fails, the peer is told, and the next op
+  // starts a new epoch on a new communicator; other groups over the pair go on.
+  void reset(Channel& c, const std::string& why);
+  // Drops the epoch's communicator and fails what was launched on it (`why`).
+  void drop_epoch(Channel& c, const std::exception_ptr& why);
+  // The peer is gone (or the control path failed): the channel fails for good.
   void fault(Channel& c, const std::string& why);
-  void doom(Channel& c, const std::string& why);
+  // Harvests what already ran for a while, then fails the channel (`for_good`) or resets it.
+  void doom(Channel& c, const std::string& why, bool for_good = true);
+  void fail_part(Part* p, std::exception_ptr e);
 
   // ---- group communicators (group_comm.cpp)
   void agreed(DevOp* op);
@@ -176,6 +186,7 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   std::vector<Channel*> pass_channels_;  // pass()'s snapshots, kept to reuse their memory
   std::vector<GroupComm*> pass_groups_;
   std::vector<DevOp*> to_end_;  // launched on every channel, end work not enqueued yet
+  std::vector<at::Tensor> frame_pool_;  // control frame buffers whose send completed
   const size_t group_comm_bytes_;
   std::vector<std::shared_ptr<Batch>> ending_;  // every op finished, ends not yet seen run
   // The end of the last launched op of each group id, while it may not have run: the group's

@@ -240,10 +240,7 @@ void ChannelEngine::make_ready(DevOp* op) {
     Part* p = up.get();
     Channel& c = channel(p->peer);
     if (c.failed) {
-      fail_op(op, c.failed);
-      p->state = Part::kDone;
-      part_launched(p);
-      part_done(p);
+      fail_part(p, c.failed);
       continue;
     }
     if (single_) {
@@ -251,8 +248,9 @@ void ChannelEngine::make_ready(DevOp* op) {
       single_queue_.push_back(p);
       continue;
     }
-    c.open[op->key] = p;
-    if (c.leader) c.to_propose.push_back(p);
+    PairAgreement::Out out;
+    c.agree.ready(Item{op->key, p->sig, p->agree_only, p}, out);
+    apply(c, out);
   }
 }
 

@@ -21,10 +21,10 @@ bool ChannelEngine::check_health() {
     for (auto& p : op->parts) {
       if (p->state == Part::kDone) continue;
       Channel& c = channel(p->peer);
-      fault(c, "fastcomm: rank " + std::to_string(rank_) + ", group " + op->label + ": " + op_kind_name(op->kind) +
+      reset(c, "fastcomm: rank " + std::to_string(rank_) + ", group " + op->label + ": " + op_kind_name(op->kind) +
                    " did not finish within the group's timeout (" + std::to_string(op->timeout.count()) +
                    " ms) waiting for rank " + std::to_string(p->peer) + "; the channel to rank " +
-                   std::to_string(p->peer) + " was aborted");
+                   std::to_string(p->peer) + " was reset");
       moved = true;
     }
   }

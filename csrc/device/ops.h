@@ -61,12 +61,22 @@ static_assert(sizeof(Entry) == 32, "control entry layout");
 
 // kGo and kRefuse: the group leader's word on a group-communicator op (see GroupComm), once
 // every member answered its proposal; a kGo with an id carries the group communicator's.
-enum FrameType : uint32_t { kPropose = 1, kCommit = 2, kMismatch = 3, kGo = 4, kRefuse = 5 };
+// kCancel, kReset, kResetAck: the epochs of device/agreement.h.
+enum FrameType : uint32_t {
+  kPropose = 1,
+  kCommit = 2,
+  kMismatch = 3,
+  kGo = 4,
+  kRefuse = 5,
+  kCancel = 6,
+  kReset = 7,
+  kResetAck = 8,
+};
 struct FrameHead {
   uint32_t type = 0;
   uint32_t count = 0;
-  uint32_t has_id = 0;  // the leader's first frame carries the pair communicator's id
-  uint32_t pad = 0;
+  uint32_t has_id = 0;  // the leader's first frame of an epoch carries the pair communicator's id
+  uint32_t epoch = 0;
 };
 constexpr size_t kFrameBytes = 1024;
 constexpr size_t kMaxEntries = (kFrameBytes - sizeof(FrameHead) - sizeof(UniqueId)) / sizeof(Entry);

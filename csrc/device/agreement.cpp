@@ -1,0 +1,172 @@
+#include "device/agreement.h"
+
+#include <algorithm>
+
+namespace fastcomm {
+namespace device {
+
+void PairAgreement::ready(const Item& it, Out& out) {
+  if (cancelled(it.key)) {
+    out.failed.push_back({it.token, Why::kCancelled, Sig{}});
+    return;
+  }
+  open_[it.key] = it;
+  if (leader_) {
+    to_propose_.push_back(it.key);
+  } else {
+    match(out);
+  }
+}
+
+void PairAgreement::flush(Out& out) {
+  if (!leader_ || to_propose_.empty()) return;
+  Frame f;
+  f.type = kPropose;
+  f.epoch = epoch_;
+  for (const Key& k : to_propose_) {
+    auto it = open_.find(k);
+    if (it != open_.end()) f.entries.push_back(Entry{k, it->second.sig});
+  }
+  to_propose_.clear();
+  if (!f.entries.empty()) out.frames.push_back(std::move(f));
+}
+
+bool PairAgreement::waiting() const {
+  if (!awaiting_.empty()) return true;
+  if (leader_) return open_.size() > to_propose_.size();  // proposed, not answered
+  return !open_.empty();
+}
+
+// Follower: proposals matched to ready items, in proposal order; a proposal with no item here
+// yet waits without holding back those after it.
+void PairAgreement::match(Out& out) {
+  Frame commits{kCommit, epoch_, {}}, mismatches{kMismatch, epoch_, {}};
+  for (auto it = proposals_.begin(); it != proposals_.end();) {
+    auto f = open_.find(it->key);
+    if (f == open_.end()) {
+      ++it;
+      continue;
+    }
+    Item item = f->second;
+    open_.erase(f);
+    if (compatible(it->sig, item.sig)) {
+      if (item.agree_only) awaiting_[item.key] = item;
+      else out.launch.push_back(item.token);
+      commits.entries.push_back(*it);
+    } else {
+      out.failed.push_back({item.token, Why::kMismatch, it->sig});
+      mismatches.entries.push_back(Entry{it->key, item.sig});
+    }
+    it = proposals_.erase(it);
+  }
+  if (!commits.entries.empty()) out.frames.push_back(std::move(commits));
+  if (!mismatches.entries.empty()) out.frames.push_back(std::move(mismatches));
+}
+
+void PairAgreement::receive(const Frame& f, Out& out) {
+  if (f.type == kReset) {
+    if (f.epoch > epoch_) {
+      // The peer reset the channel: what is held here fails too, and this side's floors go back.
+      Frame ack{kResetAck, f.epoch, drop_all(Why::kReset, {}, out)};
+      epoch_ = f.epoch;
+      out.new_epoch = true;
+      take_floors(f.entries, out);
+      out.frames.push_back(std::move(ack));
+    } else if (f.epoch == epoch_) {
+      // Both sides reset at once: each takes the other's floors.
+      take_floors(f.entries, out);
+    }
+    return;
+  }
+  if (f.epoch < epoch_) return;  // sent before the peer saw this side's reset: stale
+  if (f.type == kResetAck) {
+    take_floors(f.entries, out);
+    return;
+  }
+  if (f.type == kPropose) {
+    if (leader_) return;  // only the leader proposes
+    Frame cancels{kCancel, epoch_, {}};
+    for (const Entry& e : f.entries) {
+      if (cancelled(e.key)) cancels.entries.push_back(e);
+      else proposals_.push_back(e);
+    }
+    if (!cancels.entries.empty()) out.frames.push_back(std::move(cancels));
+    match(out);
+    return;
+  }
+  if (f.type == kGo || f.type == kRefuse) {
+    for (const Entry& e : f.entries) {
+      auto it = awaiting_.find(e.key);
+      if (it == awaiting_.end()) continue;  // cancelled here meanwhile
+      out.decided.push_back({it->second.token, f.type == kGo});
+      awaiting_.erase(it);
+    }
+    return;
+  }
+  // The follower's answers to proposals: kCommit, kMismatch, kCancel.
+  for (const Entry& e : f.entries) {
+    auto it = open_.find(e.key);
+    if (it == open_.end()) continue;  // cancelled here meanwhile
+    Item item = it->second;
+    open_.erase(it);
+    if (f.type == kCommit) {
+      if (item.agree_only) out.answered.push_back(item.token);
+      else out.launch.push_back(item.token);
+    } else {
+      out.failed.push_back({item.token, f.type == kMismatch ? Why::kMismatch : Why::kCancelled, e.sig});
+    }
+  }
+}
+
+void PairAgreement::reset(const std::vector<Key>& launched, Out& out) {
+  Frame f{kReset, epoch_ + 1, drop_all(Why::kReset, launched, out)};
+  ++epoch_;
+  out.frames.push_back(std::move(f));
+}
+
+std::vector<Entry> PairAgreement::drop_all(Why why, const std::vector<Key>& launched, Out& out) {
+  for (const Key& k : launched) raise_floor(k);
+  for (auto& [k, item] : open_) {
+    raise_floor(k);
+    out.failed.push_back({item.token, why, Sig{}});
+  }
+  for (auto& [k, item] : awaiting_) {
+    raise_floor(k);
+    out.failed.push_back({item.token, why, Sig{}});
+  }
+  for (const Entry& e : proposals_) raise_floor(e.key);  // the peer's: cancelled on its side too
+  open_.clear();
+  awaiting_.clear();
+  to_propose_.clear();
+  proposals_.clear();
+  std::vector<Entry> floors;
+  for (auto& [id, seq] : floor_) floors.push_back(Entry{Key{id, seq}, Sig{}});
+  return floors;
+}
+
+void PairAgreement::take_floors(const std::vector<Entry>& floors, Out& out) {
+  for (const Entry& e : floors) raise_floor(e.key);
+  for (auto it = open_.begin(); it != open_.end();) {
+    if (!cancelled(it->first)) {
+      ++it;
+      continue;
+    }
+    out.failed.push_back({it->second.token, Why::kCancelled, Sig{}});
+    it = open_.erase(it);
+  }
+  for (auto it = awaiting_.begin(); it != awaiting_.end();) {
+    if (!cancelled(it->first)) {
+      ++it;
+      continue;
+    }
+    out.failed.push_back({it->second.token, Why::kCancelled, Sig{}});
+    it = awaiting_.erase(it);
+  }
+  proposals_.erase(std::remove_if(proposals_.begin(), proposals_.end(), [&](const Entry& e) { return cancelled(e.key); }),
+                   proposals_.end());
+  to_propose_.erase(std::remove_if(to_propose_.begin(), to_propose_.end(), [&](const Key& k) { return !open_.count(k); }),
+                    to_propose_.end());
+}
+
+}  // namespace device
+}  // namespace fastcomm

@@ -1,0 +1,122 @@
+#pragma once
+// The pair agreement of one side of a channel, as a pure state machine: items (parts of ops
+// with the peer) and frames in; frames out, items to launch in the agreed order, items failed.
+// No runtime, no host link, no clock: tests/cpp/test_agreement.cpp drives two of them through
+// scripted interleavings.
+//
+// - The leader (the pair's lower rank) proposes each item once it is ready here; the follower
+//   commits the proposals it has a matching ready item for, in the order its items become ready,
+//   and both launch in commit order (the follower when it commits, the leader when the commit
+//   arrives: one order, since the control stream of a pair is ordered). A proposal whose
+//   signature differs from the follower's item fails both (kMismatch).
+// - Epochs. A side whose op times out resets the channel: every item it holds fails, its epoch
+//   goes up, and a kReset frame tells the peer the highest sequence number it cancelled in each
+//   group (its floors). The peer fails what it holds too, takes the same epoch and answers with
+//   its own floors (kResetAck). Each side then fails, now or when it is issued, every item at or
+//   under either side's floor, so an op cancelled on one side is cancelled on both, and ops
+//   issued later run in the new epoch, on a new communicator. Frames of an older epoch are
+//   stale and dropped; a proposal under a floor is answered kCancel.
+// - Why it cannot deadlock: an item waits only for the peer's word on it (a proposal, a commit,
+//   a decision), which the peer sends once it has the item ready, or never if it cancelled it,
+//   and then the floors reach this side and fail it. Nothing waits on an item issued later.
+#include <cstdint>
+#include <deque>
+#include <unordered_map>
+#include <vector>
+
+#include "device/ops.h"
+
+namespace fastcomm {
+namespace device {
+
+// One part of an op with the peer, as the agreement sees it.
+struct Item {
+  Key key;
+  Sig sig;
+  bool agree_only = false;  // a group-communicator op's agreement: answered, never launched
+  void* token = nullptr;    // the engine's Part
+};
+
+struct Frame {
+  FrameType type = kPropose;
+  uint32_t epoch = 0;
+  std::vector<Entry> entries;
+};
+
+class PairAgreement {
+ public:
+  enum class Why { kMismatch, kCancelled, kReset };
+  struct Failure {
+    void* token;
+    Why why;
+    Sig theirs;  // kMismatch: what the peer issued
+  };
+  struct Decision {
+    void* token;
+    bool go;
+  };
+  // What one call produced; the caller acts on it in this order: failed, launch, answered,
+  // decided, then sends the frames.
+  struct Out {
+    std::vector<Frame> frames;
+    std::vector<void*> launch;      // agreed data items, in the channel's order
+    std::vector<void*> answered;    // leader: agreement items the peer committed
+    std::vector<Decision> decided;  // follower: agreement items the group's leader decided on
+    std::vector<Failure> failed;
+    bool new_epoch = false;  // the peer reset the channel: what the engine launched fails, and the
+                             // communicator is replaced at the next proposal
+    void clear() {
+      frames.clear();
+      launch.clear();
+      answered.clear();
+      decided.clear();
+      failed.clear();
+      new_epoch = false;
+    }
+  };
+
+  explicit PairAgreement(bool leader) : leader_(leader) {}
+  bool leader() const { return leader_; }
+  uint32_t epoch() const { return epoch_; }
+
+  // An item is ready here (its op's previous op in its group is enqueued).
+  void ready(const Item& it, Out& out);
+  // Leader: proposes the items made ready since the last call, in one frame.
+  void flush(Out& out);
+  void receive(const Frame& f, Out& out);
+  // This side resets the channel (an op timed out): every item held fails (kReset), and the
+  // keys of items the engine launched that have not run (`launched`) are cancelled with them.
+  void reset(const std::vector<Key>& launched, Out& out);
+
+  // Whether any item waits for the peer's word (a receive should be posted).
+  bool waiting() const;
+  // Whether any item is held.
+  bool holding() const { return !open_.empty() || !awaiting_.empty(); }
+  bool has_proposals_to_send() const { return !to_propose_.empty(); }
+
+ private:
+  bool cancelled(const Key& k) const {
+    auto it = floor_.find(k.id);
+    return it != floor_.end() && k.seq <= it->second;
+  }
+  void raise_floor(const Key& k) {
+    auto it = floor_.find(k.id);
+    if (it == floor_.end() || it->second < k.seq) floor_[k.id] = k.seq;
+  }
+  void match(Out& out);
+  // Fails every held item (`why`); their keys raise this side's floors, returned as entries.
+  std::vector<Entry> drop_all(Why why, const std::vector<Key>& launched, Out& out);
+  // Takes the peer's floors: held items under them fail (kCancelled).
+  void take_floors(const std::vector<Entry>& floors, Out& out);
+
+  const bool leader_;
+  uint32_t epoch_ = 0;
+  std::unordered_map<Key, Item, KeyHash> open_;  // ready, not yet agreed
+  std::deque<Key> to_propose_;                   // leader: ready, not yet proposed
+  std::deque<Entry> proposals_;                  // follower: proposed, no matching item yet
+  std::unordered_map<Key, Item, KeyHash> awaiting_;  // follower: committed agreement items
+  std::unordered_map<uint64_t, uint64_t> floor_;     // per group: sequence numbers cancelled
+};
+
+}  // namespace device
+}  // namespace fastcomm
