@@ -3,9 +3,10 @@
 # variant of fastcomm; runs benchmarks/forum_mwe.py at 1, 2, 4 and 8 pairs (the CPU scaling
 # figure on this machine's cores; first, so that a hung test cannot take its time); runs the NCCL
 # tests (several ranks share the GPU, each with its own NCCL_HOSTID), the cyclic-order test
-# first, then the rest of tests/test_nccl.py; then benchmarks/nccl_pairs.py (fastcomm vs torch
-# NCCL). It writes a Markdown report to ${OUT:-reports}/gpu_check.md (each step's command, exit
-# code, wall time and output tail; the whole logs go to gpu_check.log beside it, the MWE's
+# first, then benchmarks/device_streams.py (stream semantics and host cost against torch NCCL),
+# then the rest of tests/test_nccl.py; then benchmarks/nccl_pairs.py (fastcomm vs torch NCCL).
+# It writes a Markdown report to ${OUT:-reports}/gpu_check.md (each step's command, exit code,
+# wall time and output tail; the whole logs go to gpu_check.log beside it, the MWE's
 # numbers to forum_mwe.json).
 #
 # Exit status: non-zero if the build or a test step failed or was not run (benchmark failures
@@ -197,6 +198,8 @@ if [ "$BUILT" = 1 ]; then
   step bench "benchmarks/forum_mwe.py at 1, 2, 4, 8 pairs (CPU, this machine's cores)" 200 \
     "$RUN; '$PY' '$ROOT/benchmarks/forum_mwe.py' --pairs 1 2 4 8 --repeat 3 --sizes 16M --json '$REPORT_DIR/forum_mwe.json'"
   step test "NCCL cyclic-order test (3 ranks, one GPU)" 150 "$RUN; $PYTEST -k cyclic"
+  step bench "benchmarks/device_streams.py: run-ahead, host cost and back-to-back vs torch NCCL, memory over 10,000 pair groups" 150 \
+    "$RUN; '$PY' '$ROOT/benchmarks/device_streams.py' --world 4 --ops 1000 --groups 10000 --json '$REPORT_DIR/device_streams.json'"
   step test "tests/test_nccl.py (the rest)" 300 "$RUN; $PYTEST -k 'not cyclic'"
   step bench "benchmarks/nccl_pairs.py: fastcomm vs torch NCCL, ranks on one GPU" 150 \
     "$RUN; '$PY' '$ROOT/benchmarks/nccl_pairs.py' --pairs 1 4 --iters 300 --job-timeout 120"

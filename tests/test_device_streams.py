@@ -255,3 +255,66 @@ def test_a_timed_out_channel_recovers():
     # A 2 s group timeout; rank 1 would need a timeout of its own to fail without the reset.
     for first, a, b in harness.run(_recovery_body, 2, timeout=60, env=FAKE, init_timeout=2):
         assert a == [3.0] * 4 and b == [21.0] * 4, (first, a, b)
+
+
+def _release_body(rank, world):
+    """H8: an idle pair's communicator is released on both sides, and the pair's next op makes a
+    new one; join streams of groups of 3 that are over are reused, not made anew."""
+    pair = fc.new_group([0, 1]) if rank < 2 else None
+    out = []
+    if pair is not None:
+        t = torch.full((3,), float(rank + 1))
+        fc.all_reduce(t, group=pair)
+        dsync()
+        out.append(t.tolist())
+        _until(lambda: dbg("ended_comms") >= 1, "the idle communicator released")
+        released = dbg("live_comms") == 0 or rank == 1  # rank 1 may already hold the next one
+        fc.all_reduce(t, group=pair)  # a new epoch, a new communicator
+        dsync()
+        out.append(t.tolist() if released else "not released")
+    triples = fc.new_groups([[0, 1, 2]] * 30)
+    for g in triples:
+        x = torch.ones(5)
+        fc.all_reduce(x, group=g, async_op=True).get_future().wait()
+        out.append(x[0].item())
+    out.append(dbg("join_streams"))
+    return out
+
+
+def test_idle_channels_are_released_and_join_streams_reused():
+    env = dict(FAKE, FASTCOMM_DEVICE_IDLE_MS="100")
+    res = harness.run(_release_body, 3, timeout=90, env=env, init_timeout=30)
+    for rank, r in enumerate(res):
+        if rank < 2:
+            assert r[:2] == [[3.0] * 3, [6.0] * 3], r
+            r = r[2:]
+        assert r[:30] == [3.0] * 30, r
+        assert r[30] <= 3, r  # join streams made, of 30 groups used one after another
+
+
+def _slow_abort_body(rank, world):
+    """H6: an abort that blocks (NCCL's can, for seconds) holds up no other channel: while the
+    channel to rank 1 is being aborted, rank 0's ops with rank 2 go on."""
+    from datetime import timedelta
+    g01 = fc.new_group([0, 1], timeout=timedelta(seconds=1)) if rank < 2 else None
+    g02, h02 = fc.new_groups([[0, 2], [0, 2]]) if rank != 1 else (None, None)
+    everyone = fc.new_group([0, 1, 2])
+    out = None
+    if rank == 0:
+        dbg("abort_hold")  # comm_abort blocks until released
+        expect(dist.DistBackendError, lambda: fc.all_reduce(torch.ones(2), group=g01), "timeout", "rank 1")
+    if rank != 1:
+        fc.barrier(group=h02)  # a host op: rank 2 starts once rank 0's channel to rank 1 is aborting
+        t = torch.full((3,), float(rank + 1))
+        fc.all_reduce(t, group=g02)
+        dsync()
+        out = t.tolist()
+    if rank == 0:
+        dbg("abort_release")
+    fc.barrier(group=everyone)  # rank 1 stays until then: its channel's fault is the timeout
+    return out
+
+
+def test_a_blocking_abort_holds_no_other_channel():
+    res = harness.run(_slow_abort_body, 3, timeout=60, env=FAKE, init_timeout=30)
+    assert res[0] == [4.0] * 3 and res[2] == [4.0] * 3, res

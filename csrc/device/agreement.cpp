@@ -78,6 +78,13 @@ void PairAgreement::receive(const Frame& f, Out& out) {
     }
     return;
   }
+  if (f.type == kRelease) {
+    if (f.epoch > epoch_ && !leader_) {
+      epoch_ = f.epoch;
+      out.released = true;
+    }
+    return;
+  }
   if (f.epoch < epoch_) return;  // sent before the peer saw this side's reset: stale
   if (f.type == kResetAck) {
     take_floors(f.entries, out);
@@ -122,6 +129,13 @@ void PairAgreement::reset(const std::vector<Key>& launched, Out& out) {
   Frame f{kReset, epoch_ + 1, drop_all(Why::kReset, launched, out)};
   ++epoch_;
   out.frames.push_back(std::move(f));
+}
+
+bool PairAgreement::release(Out& out) {
+  if (!leader_ || holding() || !to_propose_.empty()) return false;
+  ++epoch_;
+  out.frames.push_back(Frame{kRelease, epoch_, {}});
+  return true;
 }
 
 std::vector<Entry> PairAgreement::drop_all(Why why, const std::vector<Key>& launched, Out& out) {

@@ -16,6 +16,9 @@
 //   under either side's floor, so an op cancelled on one side is cancelled on both, and ops
 //   issued later run in the new epoch, on a new communicator. Frames of an older epoch are
 //   stale and dropped; a proposal under a floor is answered kCancel.
+// - Release. The leader of an idle pair may end the epoch with kRelease: nothing fails, both
+//   drop the communicator, the next proposal brings a new one. Only the leader releases: it
+//   knows no proposal of its is in flight, so none can be made stale by it.
 // - Why it cannot deadlock: an item waits only for the peer's word on it (a proposal, a commit,
 //   a decision), which the peer sends once it has the item ready, or never if it cancelled it,
 //   and then the floors reach this side and fail it. Nothing waits on an item issued later.
@@ -65,6 +68,8 @@ class PairAgreement {
     std::vector<Failure> failed;
     bool new_epoch = false;  // the peer reset the channel: what the engine launched fails, and the
                              // communicator is replaced at the next proposal
+    bool released = false;   // the leader released the epoch's communicator: nothing fails, the
+                             // next proposal brings a new one
     void clear() {
       frames.clear();
       launch.clear();
@@ -72,6 +77,7 @@ class PairAgreement {
       decided.clear();
       failed.clear();
       new_epoch = false;
+      released = false;
     }
   };
 
@@ -87,6 +93,9 @@ class PairAgreement {
   // This side resets the channel (an op timed out): every item held fails (kReset), and the
   // keys of items the engine launched that have not run (`launched`) are cancelled with them.
   void reset(const std::vector<Key>& launched, Out& out);
+  // Leader, holding nothing: the epoch's communicator is released (a kRelease tells the
+  // follower); the next proposal starts a new epoch with a new one. False if it holds items.
+  bool release(Out& out);
 
   // Whether any item waits for the peer's word (a receive should be posted).
   bool waiting() const;

@@ -1,6 +1,7 @@
 // A pair's channel (device/channel_engine.h): the agreement frames, launches in agreed order,
 // harvest of what ran, faults.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "common/errors.h"
@@ -30,6 +31,59 @@ Channel& ChannelEngine::channel(int peer) {
   return *c;
 }
 
+Comm ChannelEngine::new_comm(const UniqueId& id, int nranks, int rank) {
+  Comm c = rt_->comm_init(id, nranks, rank);
+  ++live_comms_;
+  return c;
+}
+
+void ChannelEngine::end_comm(Comm c, bool abort) {
+  --live_comms_;
+  ++ended_comms_;
+  if (abort) {
+    // Nothing here touches `c` again, so the abort may run on another thread.
+    Runtime* rt = rt_.get();
+    aborter_.push([rt, c] {
+      try {
+        rt->comm_abort(c);
+        rt->comm_destroy(c);
+      } catch (const std::exception&) {
+      }
+    });
+    return;
+  }
+  try {
+    rt_->comm_destroy(c);
+  } catch (const std::exception&) {
+  }
+}
+
+void ChannelEngine::release_idle(Clock::time_point now) {
+  std::vector<Channel*> idle;
+  size_t live = 0;
+  for (auto& [peer, c] : channels_) {
+    if (c->comm == nullptr) continue;
+    ++live;
+    if (c->leader && !c->failed && c->doomed_why.empty() && !c->busy() && c->tx.empty() && c->retired.empty())
+      idle.push_back(c.get());
+  }
+  std::sort(idle.begin(), idle.end(), [](Channel* a, Channel* b) { return a->last_used < b->last_used; });
+  for (Channel* c : idle) {
+    if (now - c->last_used < idle_release_ && live <= max_comms_) break;
+    PairAgreement::Out out;
+    if (!c->agree.release(out)) continue;
+    end_comm(c->comm, /*abort=*/false);  // nothing runs on it
+    c->comm = nullptr;
+    c->id_sent = false;
+    --live;
+    try {
+      apply(*c, out);
+    } catch (const std::exception& e) {
+      doom(*c, e.what());
+    }
+  }
+}
+
 void ChannelEngine::fail_part(Part* p, std::exception_ptr e) {
   fail_op(p->op, std::move(e));
   p->state = Part::kDone;
@@ -39,8 +93,10 @@ void ChannelEngine::fail_part(Part* p, std::exception_ptr e) {
 
 bool ChannelEngine::pump(Channel& c) {
   bool moved = false;
+  if (c.failed) return false;
+  // A reset of the peer's may be what failed the communicator: its frames are still read.
+  if (c.doomed_why.empty() || !c.doomed_for_good) moved |= exchange(c);  // a failed control path dooms it (the caller)
   if (c.doomed_why.empty()) {
-    moved |= exchange(c);  // a control path that fails dooms the channel (the caller)
     try {
       moved |= launch(c);
     } catch (const std::exception& e) {
@@ -58,7 +114,12 @@ bool ChannelEngine::pump(Channel& c) {
     c.in_flight.pop_front();
     p->state = Part::kDone;
     part_done(p);
+    c.last_used = Clock::now();
     moved = true;
+  }
+  if (!c.retired.empty() && c.in_flight.empty() && c.launching.empty()) {
+    for (Comm r : c.retired) end_comm(r, /*abort=*/false);
+    c.retired.clear();
   }
   if (!c.doomed_why.empty() && (c.in_flight.empty() || Clock::now() > c.doomed_at)) {
     const std::string why = std::move(c.doomed_why);
@@ -94,7 +155,7 @@ bool ChannelEngine::exchange(Channel& c) {
   }
   if (single_ && c.leader && c.comm == nullptr && c.wants_comm) {
     c.id = rt_->new_id();
-    c.comm = rt_->comm_init(c.id, 2, 0);
+    c.comm = new_comm(c.id, 2, 0);
     send_frame(c, kPropose, {}, &c.id);
     c.id_sent = true;
   }
@@ -108,6 +169,7 @@ bool ChannelEngine::exchange(Channel& c) {
   // device (a reset of the peer's may cancel it).
   auto needs_word = [&] {
     return c.agree.waiting() || (!single_ && (!c.committed.empty() || !c.launching.empty() || !c.in_flight.empty())) ||
+           (!single_ && !c.leader && c.comm != nullptr) ||  // the leader may release it
            (single_ && c.comm == nullptr && c.wants_comm);
   };
   for (;;) {
@@ -126,7 +188,8 @@ bool ChannelEngine::exchange(Channel& c) {
 }
 
 void ChannelEngine::send_frame(Channel& c, FrameType type, const std::vector<Entry>& entries, const UniqueId* id) {
-  for (size_t at = 0; at < entries.size() || (at == 0 && id != nullptr); at += kMaxEntries) {
+  // At least one frame, entries or not (an id, a release, a reset with no floors).
+  for (size_t at = 0; at == 0 || at < entries.size(); at += kMaxEntries) {
     at::Tensor buf;
     if (!frame_pool_.empty()) {
       buf = std::move(frame_pool_.back());
@@ -146,14 +209,13 @@ void ChannelEngine::send_frame(Channel& c, FrameType type, const std::vector<Ent
     std::memcpy(d + sizeof(h) + sizeof(UniqueId), entries.data() + at, h.count * sizeof(Entry));
     auto w = host_.control_send(c.peer, buf);
     c.tx.emplace_back(std::move(w), std::move(buf));
-    if (entries.empty()) break;
   }
 }
 
 void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
   FrameHead h;
   std::memcpy(&h, d, sizeof(h));
-  TORCH_INTERNAL_ASSERT(h.count <= kMaxEntries && h.type >= kPropose && h.type <= kResetAck, "bad control frame");
+  TORCH_INTERNAL_ASSERT(h.count <= kMaxEntries && h.type >= kPropose && h.type <= kRelease, "bad control frame");
   Frame f;
   f.type = (FrameType)h.type;
   f.epoch = h.epoch;
@@ -162,20 +224,29 @@ void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
   UniqueId id;
   if (h.has_id) std::memcpy(&id, d + sizeof(h), sizeof(UniqueId));
   if (f.type == kReset && f.epoch > c.agree.epoch()) {
-    // Everything launched in the old epoch fails with what the peer cancelled.
+    // Everything launched in the old epoch fails with what the peer cancelled; a failure of its
+    // communicator seen here meanwhile was that reset.
+    if (!c.doomed_for_good) c.doomed_why.clear();
     drop_epoch(c, comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ": cancelled: rank " +
                                  std::to_string(c.peer) + " reset the channel between the two (an op timed out there)"));
   }
   if (h.has_id && f.type == kPropose && !c.leader && f.epoch >= c.agree.epoch()) {
-    // The pair's communicator for this epoch, made at its first proposal.
-    TORCH_INTERNAL_ASSERT(c.comm == nullptr, "rank ", c.peer, " sent a second communicator id in epoch ", f.epoch);
+    // The pair's communicator for this epoch, made at its first proposal. The leader sends an
+    // id only with a new communicator: one still held here is done with (what runs on it ends).
+    if (c.comm != nullptr) c.retired.push_back(c.comm);
     c.id = id;
-    c.comm = rt_->comm_init(c.id, 2, 1);
+    c.comm = new_comm(c.id, 2, 1);
     if (c.stream == nullptr) c.stream = rt_->new_stream();
   }
   if (single_) return;  // the single-stream scheme agrees on nothing
   PairAgreement::Out out;
   c.agree.receive(f, out);
+  if (out.released && c.comm != nullptr) {
+    // What already runs on it finishes first (pump destroys it then).
+    c.retired.push_back(c.comm);
+    c.comm = nullptr;
+    c.id_sent = false;
+  }
   apply(c, out, h.has_id && f.type == kGo ? &id : nullptr);
 }
 
@@ -235,7 +306,7 @@ void ChannelEngine::apply(Channel& c, PairAgreement::Out& out, const UniqueId* g
       if (c.comm == nullptr) {
         // A new epoch's (or the pair's first) communicator: its id rides on the first proposal.
         c.id = rt_->new_id();
-        c.comm = rt_->comm_init(c.id, 2, 0);
+        c.comm = new_comm(c.id, 2, 0);
         if (c.stream == nullptr) c.stream = rt_->new_stream();
         c.id_sent = false;
       }
@@ -294,6 +365,7 @@ bool ChannelEngine::launch(Channel& c) {
       part_launched(p);
     }
     c.launching.clear();
+    c.last_used = Clock::now();
     moved = true;
   }
   if (state == State::kFailed)
@@ -323,13 +395,11 @@ bool ChannelEngine::launch_single() {
 // fails; what it still runs drains, and those parts' memory is held until it has (their events).
 void ChannelEngine::drop_epoch(Channel& c, const std::exception_ptr& why) {
   if (c.comm != nullptr) {
-    try {
-      rt_->comm_abort(c.comm);
-      rt_->comm_destroy(c.comm);
-    } catch (const std::exception&) {
-    }
+    end_comm(c.comm, /*abort=*/true);
     c.comm = nullptr;
   }
+  for (Comm r : c.retired) end_comm(r, /*abort=*/true);
+  c.retired.clear();
   c.id_sent = false;
   {
     std::lock_guard<std::mutex> lk(mu_);

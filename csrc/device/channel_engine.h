@@ -8,6 +8,7 @@
 //   health.cpp     deadlines, peers gone, teardown
 // Every runtime call on a communicator or an engine stream is made by the engine thread, so an
 // abort never races another call on the same communicator.
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -49,6 +50,8 @@ struct Channel {
   std::vector<Part*> launching;  // launched; their event not yet recorded
   std::deque<Part*> in_flight;   // launched and recorded, not yet seen done
   std::string reset_why;         // why the last reset cancelled what it did
+  std::vector<Comm> retired;     // released by the leader; destroyed once nothing here runs on them
+  Clock::time_point last_used = Clock::now();  // a launch or a harvest
   c10::intrusive_ptr<Work> rx;
   at::Tensor rx_buf;
   std::deque<std::pair<c10::intrusive_ptr<Work>, at::Tensor>> tx;  // frames out, and their buffers
@@ -143,6 +146,14 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   // Harvests what already ran for a while, then fails the channel (`for_good`) or resets it.
   void doom(Channel& c, const std::string& why, bool for_good = true);
   void fail_part(Part* p, std::exception_ptr e);
+  // Channel communicators made and ended here, counted (debug "live_comms").
+  Comm new_comm(const UniqueId& id, int nranks, int rank);
+  void end_comm(Comm c, bool abort);
+  // Idle channels' communicators released: past FASTCOMM_DEVICE_IDLE_MS, or the oldest idle
+  // ones past FASTCOMM_DEVICE_MAX_COMMS (leaders only, device/agreement.h).
+  void release_idle(Clock::time_point now);
+  // Join streams of groups with nothing live go back to a pool.
+  void recycle_joins();
 
   // ---- group communicators (group_comm.cpp)
   void agreed(DevOp* op);
@@ -183,6 +194,12 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   std::unordered_map<int, std::unique_ptr<Channel>> channels_;
   std::unordered_map<uint64_t, std::unique_ptr<GroupComm>> groups_;
   std::unordered_map<uint64_t, Stream> joins_;  // the end work of ops of 3+ on channels, per group
+  std::vector<Stream> free_joins_;
+  const std::chrono::milliseconds idle_release_;
+  const size_t max_comms_;
+  std::atomic<int64_t> live_comms_{0};
+  std::atomic<int64_t> ended_comms_{0};
+  std::atomic<int64_t> join_streams_{0};
   std::vector<Channel*> pass_channels_;  // pass()'s snapshots, kept to reuse their memory
   std::vector<GroupComm*> pass_groups_;
   std::vector<DevOp*> to_end_;  // launched on every channel, end work not enqueued yet
@@ -193,6 +210,7 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   // next op waits for it even when the op itself is gone.
   std::unordered_map<uint64_t, std::pair<Stream, EventPtr>> last_end_;
   Publisher publisher_;
+  Aborter aborter_;  // joined in teardown, before the runtime goes
   Clock::time_point last_health_ = Clock::now();
 };
 

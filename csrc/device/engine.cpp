@@ -36,6 +36,8 @@ ChannelEngine::ChannelEngine(const EngineOptions& opts, HostLink& host, std::uni
       single_(opts.settings.device_single_stream),
       host_(host),
       rt_(std::move(rt)),
+      idle_release_(opts.settings.device_idle_ms),
+      max_comms_((size_t)opts.settings.device_max_comms),
       group_comm_bytes_(opts.settings.rsag_threshold) {
   events_ = std::make_shared<EventPool>(*rt_);
   alloc_ = rt_->new_stream();
@@ -128,6 +130,9 @@ void ChannelEngine::synchronize() {
 
 int64_t ChannelEngine::debug(const std::string& what, int64_t arg) {
   if (what == "events_created") return (int64_t)events_->created();
+  if (what == "live_comms") return live_comms_.load();
+  if (what == "ended_comms") return ended_comms_.load();
+  if (what == "join_streams") return join_streams_.load();
   if (what == "channel_failed") {
     std::lock_guard<std::mutex> lk(mu_);
     return failed_peers_.count((int)arg) ? 1 : 0;
@@ -178,8 +183,12 @@ void ChannelEngine::main() {
     }
     // Control messages and device events do not wake this thread: poll, backing off while
     // nothing moves.
-    if (live_.empty() && ending_.empty()) {
+    if (live_.empty() && ending_.empty() && live_comms_.load() == 0 && joins_.empty()) {
       cv_.wait(lk, [&] { return stop_ || !incoming_.empty(); });
+    } else if (live_.empty() && ending_.empty()) {
+      // Idle, with communicators or join streams to release in time, and the peers' frames
+      // (a release) to read.
+      cv_.wait_for(lk, std::chrono::milliseconds(20), [&] { return stop_ || !incoming_.empty(); });
     } else {
       idle = std::min(idle + 1, 50);
       cv_.wait_for(lk, std::chrono::microseconds(idle < 20 ? 5 * idle : 200),
@@ -319,8 +328,31 @@ void ChannelEngine::part_done(Part* p) {
 Stream ChannelEngine::join_stream(uint64_t group) {
   if (single_) return shared_;
   Stream& s = joins_[group];
-  if (s == nullptr) s = rt_->new_stream();
+  if (s == nullptr) {
+    if (free_joins_.empty()) recycle_joins();
+    if (!free_joins_.empty()) {
+      s = free_joins_.back();
+      free_joins_.pop_back();
+    } else {
+      s = rt_->new_stream();
+      ++join_streams_;
+    }
+  }
   return s;
+}
+
+void ChannelEngine::recycle_joins() {
+  for (auto it = joins_.begin(); it != joins_.end();) {
+    // Nothing of the group is live, and its last end has run.
+    auto e = last_end_.find(it->first);
+    if (e != last_end_.end() && rt_->query(e->second.second->ev) == State::kReady) last_end_.erase(e);
+    if (tail_.count(it->first) || last_end_.count(it->first)) {
+      ++it;
+      continue;
+    }
+    free_joins_.push_back(it->second);
+    it = joins_.erase(it);
+  }
 }
 
 // The end work of ops launched on all their channels. A pair op's folds go on its channel's

@@ -966,6 +966,7 @@ class FakeRuntime final : public Runtime {
     for (auto& c : comms) c->shutdown();
     for (auto& s : streams) s->stop();
     for (auto& m : holds_) m->set();
+    if (abort_hold_) abort_hold_->set();
     caller_->stop();
   }
 
@@ -1001,7 +1002,7 @@ class FakeRuntime final : public Runtime {
   void relax_capture_mode() override { tl_relaxed = true; }
 
   // Test hooks: "spin" queues `arg` ms of busy work on the caller's stream (a long kernel),
-  // "hold" one that runs until "release";
+  // "hold" one that runs until "release"; "abort_hold" makes comm_abort block until "abort_release";
   // "begin_capture" captures the caller's stream (arg 0: the global mode, 1: thread-local) and
   // "end_capture" ends it (1: the graph is valid, 0: it was invalidated); "late_writes" counts
   // writes into freed scratch; "enqueue_us" sets how long a launch keeps its communicators busy.
@@ -1043,6 +1044,20 @@ class FakeRuntime final : public Runtime {
       return c.invalidated ? 0 : 1;
     }
     if (what == "late_writes") return quarantine().late_writes.load();
+    if (what == "abort_hold") {  // comm_abort blocks until "abort_release"
+      std::lock_guard<std::mutex> lk(mu_);
+      abort_hold_ = std::make_shared<Marker>();
+      return 0;
+    }
+    if (what == "abort_release") {
+      std::shared_ptr<Marker> hold;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        hold.swap(abort_hold_);
+      }
+      if (hold) hold->set();
+      return 0;
+    }
     if (what == "enqueue_us") {
       enqueue_us_ = arg;
       return 0;
@@ -1179,7 +1194,16 @@ class FakeRuntime final : public Runtime {
 
   State comm_state(Comm c, std::string* why) override { return comm_of(c, "comm_state")->state(why); }
 
-  void comm_abort(Comm c) override { comm_of(c, "comm_abort")->abort(); }
+  void comm_abort(Comm c) override {
+    auto comm = comm_of(c, "comm_abort");
+    std::shared_ptr<Marker> hold;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      hold = abort_hold_;
+    }
+    if (hold) hold->wait();  // a slow, blocking abort (debug "abort_hold")
+    comm->abort();
+  }
 
   void comm_destroy(Comm c) override {
     std::shared_ptr<CommImpl> comm;
@@ -1405,6 +1429,7 @@ class FakeRuntime final : public Runtime {
   const std::shared_ptr<StreamCore> caller_;
   std::atomic<int64_t> enqueue_us_{kEnqueueMicros};
   std::vector<std::shared_ptr<Marker>> holds_;  // "hold" kernels not released yet
+  std::shared_ptr<Marker> abort_hold_;          // set: comm_abort blocks on it
   std::unordered_map<void*, std::shared_ptr<StreamCore>> streams_;
   std::unordered_map<void*, std::unique_ptr<EventImpl>> events_;
   std::unordered_map<void*, std::shared_ptr<CommImpl>> comms_;

@@ -139,10 +139,16 @@ void ChannelEngine::fault_group(GroupComm& g, const std::string& why) {
                                         ": the group's communicator failed: " + why);
   }
   if (g.comm != nullptr) {
-    try {
-      rt_->comm_abort(g.comm);
-    } catch (const std::exception&) {
-    }
+    Runtime* rt = rt_.get();
+    Comm comm = g.comm;
+    aborter_.push([rt, comm] {
+      try {
+        rt->comm_abort(comm);
+        rt->comm_destroy(comm);
+      } catch (const std::exception&) {
+      }
+    });
+    g.comm = nullptr;
   }
   std::vector<DevOp*> ops(g.queued.begin(), g.queued.end());
   if (g.launching) {

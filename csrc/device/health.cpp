@@ -34,6 +34,10 @@ bool ChannelEngine::check_health() {
     if (rt_->query(it->second.second->ev) == State::kReady) it = last_end_.erase(it);
     else ++it;
   }
+  if (!single_) {
+    recycle_joins();
+    release_idle(now);
+  }
   for (auto& [id, g] : groups_) {
     if (g->failed || !g->busy()) continue;
     for (int r : g->ranks) {
@@ -108,8 +112,9 @@ void ChannelEngine::teardown() {
   last_end_.clear();
   publisher_.stop();
   for (auto& [peer, c] : channels_) {
+    if (c->comm != nullptr) end_comm(c->comm, /*abort=*/false);
+    for (Comm r : c->retired) end_comm(r, /*abort=*/false);
     try {
-      if (c->comm != nullptr) rt_->comm_destroy(c->comm);
       if (c->stream != nullptr && c->stream != shared_) rt_->destroy_stream(c->stream);
     } catch (const std::exception&) {
     }
@@ -123,6 +128,7 @@ void ChannelEngine::teardown() {
     }
   }
   groups_.clear();
+  aborter_.stop();  // the aborts of the channels failed above, side by side
   for (auto& [id, s] : joins_) {
     try {
       rt_->destroy_stream(s);
@@ -130,6 +136,13 @@ void ChannelEngine::teardown() {
     }
   }
   joins_.clear();
+  for (Stream s : free_joins_) {
+    try {
+      rt_->destroy_stream(s);
+    } catch (const std::exception&) {
+    }
+  }
+  free_joins_.clear();
   try {
     if (shared_ != nullptr) rt_->destroy_stream(shared_);
     rt_->destroy_stream(alloc_);

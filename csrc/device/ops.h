@@ -71,6 +71,7 @@ enum FrameType : uint32_t {
   kCancel = 6,
   kReset = 7,
   kResetAck = 8,
+  kRelease = 9,
 };
 struct FrameHead {
   uint32_t type = 0;

@@ -2,8 +2,11 @@
 // Completes the Futures of settled device Works off the engine thread: a Future's callbacks run
 // there and may wait for another device op, which only the engine thread can finish. A callback
 // that blocks holds its own thread; the next Future gets a new one.
+#include <atomic>
 #include <condition_variable>
+#include <memory>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -58,6 +61,48 @@ class Publisher {
   std::vector<std::thread> threads_;
   int idle_ = 0;
   bool stop_ = false;
+};
+
+// Runs communicator aborts off the engine thread: an abort can block for seconds (NCCL's
+// ncclCommAbort), and the engine thread drives every other channel meanwhile. Each abort gets a
+// thread of its own, so a teardown's aborts run side by side; stop() joins them.
+class Aborter {
+ public:
+  ~Aborter() { stop(); }
+  void push(std::function<void()> f) {
+    std::lock_guard<std::mutex> lk(mu_);
+    // Threads whose abort is over are joined here, so a long run does not collect them.
+    for (auto it = jobs_.begin(); it != jobs_.end();) {
+      if (!it->done->load()) {
+        ++it;
+        continue;
+      }
+      it->thread.join();
+      it = jobs_.erase(it);
+    }
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    jobs_.push_back(Job{std::thread([f = std::move(f), done] {
+                          f();
+                          done->store(true);
+                        }),
+                        done});
+  }
+  void stop() {
+    std::vector<Job> jobs;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      jobs.swap(jobs_);
+    }
+    for (auto& j : jobs) j.thread.join();
+  }
+
+ private:
+  struct Job {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::mutex mu_;
+  std::vector<Job> jobs_;
 };
 
 }  // namespace device

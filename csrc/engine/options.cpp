@@ -46,6 +46,8 @@ Settings Settings::from_env() {
   s.gloo_bulk_bytes = bulk < 0 ? 0 : bulk == 0 ? SIZE_MAX : (size_t)bulk;
   if (const char* v = env("FASTCOMM_REDUCE_KERNELS")) s.baseline_kernels = std::strcmp(v, "baseline") == 0;
   if (const char* v = env("FASTCOMM_FAKE_DEVICE")) s.fake_device = std::strcmp(v, "1") == 0;
+  s.device_idle_ms = env_int("FASTCOMM_DEVICE_IDLE_MS", s.device_idle_ms, 1);
+  s.device_max_comms = env_int("FASTCOMM_DEVICE_MAX_COMMS", s.device_max_comms, 1);
   if (const char* v = env("FASTCOMM_DEVICE_SCHEME")) {
     TORCH_CHECK_VALUE(std::strcmp(v, "channels") == 0 || std::strcmp(v, "single-stream") == 0,
                       "fastcomm: FASTCOMM_DEVICE_SCHEME must be 'channels' or 'single-stream', got '", v, "'");

@@ -29,6 +29,10 @@ struct Settings {
   bool device_single_stream = false;  // FASTCOMM_DEVICE_SCHEME=single-stream: the device
                                       // engine's former scheme, one stream, no agreed order
                                       // (tests show the fake deadlocks on it as NCCL does)
+  int64_t device_idle_ms = 30000;  // FASTCOMM_DEVICE_IDLE_MS: a pair channel's communicator idle
+                                   // this long is released (the next op makes a new one)
+  int64_t device_max_comms = 32;   // FASTCOMM_DEVICE_MAX_COMMS: past this many channel
+                                   // communicators, idle ones are released, least recently used first
 
   // Reads and validates every variable; a malformed value is a ValueError naming it.
   static Settings from_env();

@@ -1,0 +1,183 @@
+#!/usr/bin/env python
+"""CUDA stream semantics and host cost: fastcomm against torch's NCCL backend, same run.
+
+Ranks are started with torch.multiprocessing.spawn, as users start them; all may share one GPU
+(each then gets its own NCCL_HOSTID, as torch's NCCL backend needs). Per rank and backend:
+
+- run-ahead: a long kernel (torch.cuda._sleep) on the current stream, then N blocking pair
+  all_reduces: the host time for the N calls, and whether the last op had run when they
+  returned (it must not have: the host runs ahead of the GPU);
+- host cost: CPU seconds (time.thread_time) per issued async pair all_reduce, N ops issued
+  back to back, then one synchronize;
+- back to back: wall time per op of N blocking pair all_reduces, then a synchronize (the mean
+  of the loop);
+- memory (fastcomm only, --groups G): device memory in use (mem_get_info) after 1,000 and
+  after G steps of random pairings, one new pair group and one op per step.
+
+--fake runs the fastcomm side on the CPU fake of CUDA/NCCL (FASTCOMM_FAKE_DEVICE=1, CPU
+tensors, no torch comparison, a "hold" kernel instead of _sleep): a check of this script and of
+the path's logic, not a measurement.
+
+Usage: python benchmarks/device_streams.py [--world 2] [--ops 1000] [--numel 100] [--groups 10000] [--fake]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import sys
+import time
+from datetime import timedelta
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank, world, port, args, outdir):
+    import torch
+    import torch.distributed as dist
+
+    fake = args.fake
+    if fake:
+        os.environ["FASTCOMM_FAKE_DEVICE"] = "1"
+    else:
+        ndev = torch.cuda.device_count()
+        dev = rank % ndev
+        if ndev < world:  # ranks share a GPU: NCCL needs a host id per rank
+            os.environ["NCCL_HOSTID"] = f"streams-{port}-{rank}"
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_IB_DISABLE", "1")
+        torch.cuda.set_device(dev)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
+    device = "cpu" if fake else "cuda"
+    pair_ranks = [rank - rank % 2, rank - rank % 2 + 1]
+    out = {"rank": rank}
+    n = args.ops
+
+    def sync():
+        if fake:
+            fc._state._engine.device_synchronize("cpu")
+        else:
+            torch.cuda.synchronize()
+
+    def long_kernel():
+        if fake:
+            fc._state._engine.device_debug("cpu", "hold", 0)
+        else:
+            torch.cuda._sleep(int(args.sleep_cycles))
+
+    def end_kernel():
+        if fake:
+            fc._state._engine.device_debug("cpu", "release", 0)
+
+    def measure(prefix, allreduce, is_done):
+        x = torch.ones(args.numel, device=device)
+        for _ in range(50):
+            allreduce(x, False)
+        sync()
+        # run-ahead
+        long_kernel()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            w = allreduce(x, True)
+            w.wait()
+        out[f"{prefix}_ahead_host_s"] = time.perf_counter() - t0
+        out[f"{prefix}_ahead_last_pending"] = not is_done(w)
+        end_kernel()
+        sync()
+        t1 = time.perf_counter()
+        out[f"{prefix}_ahead_total_s"] = t1 - t0
+        # host cost per issued async op
+        c0 = time.thread_time()
+        ws = [allreduce(x, True) for _ in range(n)]
+        out[f"{prefix}_cpu_us_per_op"] = (time.thread_time() - c0) / n * 1e6
+        for w in ws:
+            w.wait()
+        sync()
+        # back to back, blocking
+        t0 = time.perf_counter()
+        for _ in range(n):
+            allreduce(x, False)
+        sync()
+        out[f"{prefix}_us_per_op"] = (time.perf_counter() - t0) / n * 1e6
+
+    if not fake:
+        dist.init_process_group("nccl", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world,
+                                device_id=torch.device("cuda", torch.cuda.current_device()))
+        tg = [dist.new_group([i, i + 1]) for i in range(0, world, 2)][rank // 2]
+        measure("torch", lambda x, a: dist.all_reduce(x, group=tg, async_op=a), lambda w: w.is_completed())
+
+    import fastcomm as fc
+
+    fc.init(store=dist.PrefixStore("fc/", store), rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    fg = fc.new_group(pair_ranks)
+    measure("fc", lambda x, a: fc.all_reduce(x, group=fg, async_op=a), lambda w: w.is_completed())
+
+    # memory over changing pairs: every rank draws the same pairing each step
+    if args.groups and world >= 2:
+        rng = random.Random(7)
+        x = torch.ones(args.numel, device=device)
+        used = {}
+        for step in range(1, args.groups + 1):
+            order = list(range(world))
+            rng.shuffle(order)
+            mine = next([a, b] for a, b in zip(order[::2], order[1::2]) if rank in (a, b))
+            g = fc.new_group(sorted(mine))
+            fc.all_reduce(x, group=g)
+            if step in (1000, args.groups):
+                sync()
+                if fake:
+                    used[step] = fc._state._engine.device_debug("cpu", "live_comms", 0)
+                else:
+                    free, total = torch.cuda.mem_get_info()
+                    used[step] = total - free
+        out["mem_steps"] = used
+    fc.shutdown()
+    if not fake:
+        dist.destroy_process_group()
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--ops", type=int, default=1000)
+    ap.add_argument("--numel", type=int, default=100)
+    ap.add_argument("--groups", type=int, default=10000)
+    ap.add_argument("--sleep-cycles", type=float, default=2e9, help="torch.cuda._sleep cycles of the long kernel")
+    ap.add_argument("--fake", action="store_true")
+    ap.add_argument("--json", help="write the per-rank results here")
+    args = ap.parse_args()
+    if args.world % 2:
+        sys.exit("--world must be even (pairs)")
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    outdir = tempfile.mkdtemp(prefix="fc-streams-")
+    mp.spawn(_rank, args=(args.world, _free_port(), args, outdir), nprocs=args.world, join=True)
+    res = [json.load(open(os.path.join(outdir, f"rank{r}.json"))) for r in range(args.world)]
+    sides = ["fc"] if args.fake else ["torch", "fc"]
+    print(f"{args.world} ranks, {args.ops} ops of {args.numel} float32 per pair, {'fake' if args.fake else 'GPU'}")
+    print(f"{'':>8} {'ahead host s':>13} {'last pending':>13} {'CPU us/issued':>14} {'us/op b2b':>10}")
+    for s in sides:
+        worst = lambda k: max(r[f"{s}_{k}"] for r in res)  # noqa: E731
+        pending = all(r[f"{s}_ahead_last_pending"] for r in res)
+        print(f"{s:>8} {worst('ahead_host_s'):>13.4f} {str(pending):>13} {worst('cpu_us_per_op'):>14.2f} "
+              f"{worst('us_per_op'):>10.2f}")
+    if "mem_steps" in res[0]:
+        unit = "live communicators" if args.fake else "bytes in use on the device"
+        print(f"memory ({unit}) after steps of random pairings: {res[0]['mem_steps']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
