@@ -28,6 +28,7 @@ _engine: Optional[_C.Engine] = None
 _world: Optional["Group"] = None
 _gloo = None  # the world Gloo process group of this session, when the job spans hosts
 _generation = 0  # how many times this process called init(); keys each rendezvous apart
+_token: Optional[str] = None  # the job's random token of the current session (names its segments)
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 _GLOO_IDLE_TIMEOUT = timedelta(days=7)
@@ -203,6 +204,8 @@ def _rendezvous(store: dist.Store, rank: int, world: int, timeout: timedelta) ->
             f"fastcomm.init: rank {rank}: FASTCOMM_SHM_RING_BYTES is {ring_bytes} here but "
             f"{value} on rank {other}; it must be equal on every rank")
     token = layout["token"]
+    global _token
+    _token = token
     host_of = [0] * world
     for h, runs in enumerate(layout["hosts"]):
         for first, last in runs:
