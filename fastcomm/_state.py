@@ -377,8 +377,9 @@ def shutdown() -> None:
         e, _engine, _world = _engine, None, None
         _C.set_current(None, None)
     if e is not None:
-        global _gloo
+        global _gloo, _token
         _gloo = None  # the engine holds its own reference until it is gone
+        _token = None
         e.shutdown()
 
 
