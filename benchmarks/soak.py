@@ -112,7 +112,7 @@ def _job_token(store):
     from fastcomm import _state
 
     try:
-        return dist.PrefixStore(f"fastcomm/{_state._generation}/", store).get("token").decode()
+        return dist.PrefixStore(_state._store_prefix(_state._generation), store).get("token").decode()
     except Exception:  # noqa: BLE001 - the metric then counts nothing as this job's
         return None
 

@@ -1,13 +1,17 @@
 """Process-wide engine state: rendezvous, groups, shutdown.
 
 The rendezvous is the only world-wide step: every rank publishes its host identity and pid
-once through a c10d Store, creates its shared-memory segment, attaches its same-host peers'
-segments and, once all of them have attached, unlinks its own name (so no crash can leave a
-segment behind). After that, groups are made by their members alone.
+once through a c10d Store and counts itself in; the last to arrive publishes the job's layout
+(token, every host's ranks) and each host's pids. Then every rank creates its shared-memory
+segment, attaches its same-host peers' segments and, once all of them have attached, unlinks
+its own name (so no crash can leave a segment behind). After that, groups are made by their
+members alone.
 """
 from __future__ import annotations
 
 import atexit
+import hashlib
+import json
 import os
 import secrets
 import socket
@@ -24,6 +28,7 @@ _engine: Optional[_C.Engine] = None
 _world: Optional["Group"] = None
 _gloo = None  # the world Gloo process group of this session, when the job spans hosts
 _generation = 0  # how many times this process called init(); keys each rendezvous apart
+_token: Optional[str] = None  # the job's random token of the current session (names its segments)
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 _GLOO_IDLE_TIMEOUT = timedelta(days=7)
@@ -106,7 +111,7 @@ def init(timeout=None, store: Optional[dist.Store] = None, rank: Optional[int] =
         elif rank is None or world_size is None:
             raise ValueError("fastcomm.init: 'rank' and 'world_size' are required with 'store'")
         _generation += 1
-        store = dist.PrefixStore(f"fastcomm/{_generation}/", store)
+        store = dist.PrefixStore(_store_prefix(_generation), store)
         engine = _rendezvous(store, rank, world_size, timeout)
         try:
             world = engine.new_group(list(range(world_size)))
@@ -117,36 +122,105 @@ def init(timeout=None, store: Optional[dist.Store] = None, rank: Optional[int] =
         _C.set_current(engine, world)
 
 
+def _store_prefix(generation: int) -> str:
+    """Where one init() keeps its keys. Under torchrun a restarted attempt shares the agent's
+    store with the attempts before it, whose keys are still there: the run id and restart
+    count keep the attempts apart, as the generation keeps this process's inits apart."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        return f"fastcomm/{generation}/"
+    return f"fastcomm/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{restart}/{generation}/"
+
+
+def _host_key(identity: str) -> str:
+    return "host/" + hashlib.sha256(identity.encode()).hexdigest()[:32]
+
+
+def _ranges(ranks: List[int]) -> List[List[int]]:
+    """Sorted ranks as [first, last] runs: a host's ranks are one run under torchrun."""
+    out: List[List[int]] = []
+    for r in ranks:
+        if out and out[-1][1] == r - 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    return out
+
+
+def _publish_layout(store: dist.Store, world: int) -> None:
+    """Run by the last rank to arrive, when every rank's entry is in: the token, every host's
+    ranks as runs (the layout, read by all) and each host's ranks and pids (read by that host's
+    ranks), so no rank reads more than the host count plus its own host's entries."""
+    infos = [v.decode().split("\n", 2) for v in store.multi_get([f"peer/{r}" for r in range(world)])]
+    hosts: dict = {}
+    for r, (pid, _, identity) in enumerate(infos):
+        hosts.setdefault(identity, []).append([r, int(pid)])
+    rings = [int(ring) for _, ring, _ in infos]
+    odd = next((r for r in range(world) if rings[r] != rings[0]), None)
+    layout = {
+        "token": secrets.token_hex(16),
+        "hosts": [_ranges([r for r, _ in members]) for members in hosts.values()],
+        # The ring size fixes the piece size every op is cut into, and across hosts the largest
+        # frame a peer must be ready for: members that disagree would fail mid-op, obscurely.
+        "ring": None if odd is None else [rings[0], odd, rings[odd]],
+    }
+    keys = ["layout", "token"] + [_host_key(identity) for identity in hosts]
+    values = [json.dumps(layout), layout["token"]] + [json.dumps(m) for m in hosts.values()]
+    store.multi_set(keys, values)
+
+
+def _count_in(store: dist.Store, key: str, n: int, timeout: timedelta) -> None:
+    """Waits until ``n`` ranks have called this with ``key``: a counter and one key its last
+    caller sets, so a rank waits on one key, not on one per rank."""
+    if store.add(key, 1) == n:
+        store.set(key + "/all", "1")
+    store.wait([key + "/all"], timeout)
+
+
 def _rendezvous(store: dist.Store, rank: int, world: int, timeout: timedelta) -> _C.Engine:
-    if rank == 0:
-        store.set("token", secrets.token_hex(16))
-    token = store.get("token").decode()
     settings = _C.Settings.from_env()  # every FASTCOMM_* variable, parsed once
     ring_bytes = settings.ring_bytes
-    store.set(f"peer/{rank}", f"{os.getpid()}\n{ring_bytes}\n{_host_identity(settings)}")
-    keys = [f"peer/{r}" for r in range(world)]
-    store.wait(keys, timeout)
-    infos = [v.decode().split("\n", 2) for v in store.multi_get(keys)]
-    pids = [int(pid) for pid, _, _ in infos]
-    # The ring size fixes the piece size every op is cut into, and across hosts the largest
-    # frame a peer must be ready for: members that disagree would fail mid-op, obscurely.
-    for r, (_, theirs, _) in enumerate(infos):
-        if int(theirs) != ring_bytes:
-            raise ValueError(
-                f"fastcomm.init: rank {rank}: FASTCOMM_SHM_RING_BYTES is {ring_bytes} here but "
-                f"{theirs} on rank {r}; it must be equal on every rank")
-    host_index = {}
-    host_of = [host_index.setdefault(host, len(host_index)) for _, _, host in infos]
-    local = [r for r in range(world) if host_of[r] == host_of[rank]]
+    identity = _host_identity(settings)
+    store.set(f"peer/{rank}", f"{os.getpid()}\n{ring_bytes}\n{identity}")
+    # Each rank's entry is in before its add returns, so the last to arrive sees them all.
+    if store.add("arrived", 1) == world:
+        _publish_layout(store, world)
+    try:
+        store.wait(["layout"], timeout)
+    except Exception as e:
+        try:
+            arrived = store.add("arrived", 0)
+        except Exception:
+            arrived = "not all"
+        raise RuntimeError(f"fastcomm.init: rank {rank}: {arrived} of {world} ranks arrived within "
+                           f"the timeout ({timeout}): {e}") from e
+    host_key = _host_key(identity)
+    raw_layout, raw_local = store.multi_get(["layout", host_key])
+    layout, local_pids = json.loads(raw_layout), json.loads(raw_local)
+    if layout["ring"] is not None:
+        first, odd, theirs = layout["ring"]
+        other, value = (odd, theirs) if ring_bytes == first else (0, first)
+        raise ValueError(
+            f"fastcomm.init: rank {rank}: FASTCOMM_SHM_RING_BYTES is {ring_bytes} here but "
+            f"{value} on rank {other}; it must be equal on every rank")
+    token = layout["token"]
+    global _token
+    _token = token
+    host_of = [0] * world
+    for h, runs in enumerate(layout["hosts"]):
+        for first, last in runs:
+            host_of[first:last + 1] = [h] * (last - first + 1)
+    # Only same-host peers' pids are known (and needed: liveness and segment checks).
+    pids = [0] * world
+    for r, pid in local_pids:
+        pids[r] = pid
 
     engine = _C.Engine(rank, world, token, host_of, pids,
                        timeout_ms=int(timeout.total_seconds() * 1000), settings=settings)
     try:
-        store.set(f"created/{rank}", "1")
-        store.wait([f"created/{r}" for r in local], timeout)
+        _count_in(store, f"created/{host_key}", len(local_pids), timeout)
         engine.attach_peers()
-        store.set(f"attached/{rank}", "1")
-        store.wait([f"attached/{r}" for r in local], timeout)
+        _count_in(store, f"attached/{host_key}", len(local_pids), timeout)
     except BaseException:
         # Unlinks every local rank's segment name, ours and those of ranks that died before
         # they could unlink theirs: nothing may outlive a failed init.
@@ -155,14 +229,13 @@ def _rendezvous(store: dist.Store, rank: int, world: int, timeout: timedelta) ->
     engine.unlink_segment()
     global _gloo
     _gloo = None
-    if len(set(host_of)) > 1:
+    if len(layout["hosts"]) > 1:
         try:
             _gloo = _world_gloo(store, rank, world, timeout)
             # A rank's mesh is complete before its peers' are: leaving init (and perhaps
             # shutting down, closing its sockets) before every peer has finished connecting
             # would fail a peer still inside its connect loop with "closed by peer".
-            store.set(f"gloo-connected/{rank}", "1")
-            store.wait([f"gloo-connected/{r}" for r in range(world)], timeout)
+            _count_in(store, "gloo-connected", world, timeout)
             engine.set_gloo(_gloo)
         except BaseException:
             engine.shutdown()
@@ -304,8 +377,9 @@ def shutdown() -> None:
         e, _engine, _world = _engine, None, None
         _C.set_current(None, None)
     if e is not None:
-        global _gloo
+        global _gloo, _token
         _gloo = None  # the engine holds its own reference until it is gone
+        _token = None
         e.shutdown()
 
 

@@ -7,3 +7,7 @@ cd "$(dirname "$0")/.."
 . .venv/bin/activate
 python -m pip install -q --disable-pip-version-check -r requirements.txt
 python -m pip install -q --disable-pip-version-check --no-build-isolation -e .
+# The README's Lightning and accelerate snippets are tested where these install; fastcomm
+# itself does not need them, so a machine without them only skips those tests.
+python -m pip install -q --disable-pip-version-check -r requirements-integrations.txt \
+  || echo "setup_env: requirements-integrations.txt did not install; tests/test_integrations.py will skip" >&2

@@ -68,8 +68,9 @@ def job_token():
 
 
 def _session_store(store, generation):
-    # fc.init keys each session's rendezvous under this prefix (see fastcomm/_state.py).
-    return dist.PrefixStore(f"fastcomm/{generation}/", store)
+    from fastcomm import _state
+
+    return dist.PrefixStore(_state._store_prefix(generation), store)
 
 
 def _child(fn, rank, world, port, conn, go, args, env, init_kwargs, dump_path):

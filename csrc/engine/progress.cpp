@@ -55,9 +55,11 @@ std::string Progress::exited_locked(const std::vector<int>& ranks) const {
   int n = 0;
   for (int r : ranks) {
     if (r == rank_ || !dead_[r]) continue;
+    // Only same-host peers' pids are known (the rendezvous hands out no other host's).
+    std::string about = pids_[r] > 0 ? "pid " + std::to_string(pids_[r]) : "";
     const std::string why = tr_.of(r)->death_reason(r);
-    who += std::string(n++ ? " and " : "") + "rank " + std::to_string(r) + " (pid " + std::to_string(pids_[r]) +
-           (why.empty() ? "" : ", " + why) + ")";
+    if (!why.empty()) about += (about.empty() ? "" : ", ") + why;
+    who += std::string(n++ ? " and " : "") + "rank " + std::to_string(r) + (about.empty() ? "" : " (" + about + ")");
   }
   return n == 0 ? who : who + (n == 1 ? " has exited" : " have exited");
 }
