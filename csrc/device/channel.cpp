@@ -177,6 +177,11 @@ bool ChannelEngine::exchange(Channel& c) {
       if (!needs_word()) break;
       if (!c.rx_buf.defined()) c.rx_buf = at::empty({(int64_t)kFrameBytes}, at::kByte);
       c.rx = host_.control_recv(c.peer, c.rx_buf);
+      // The peer's word wakes this thread (no timer on the agreement's path).
+      std::weak_ptr<ChannelEngine> self = weak_from_this();
+      c.rx->getFuture()->addCallback([self](c10::ivalue::Future&) {
+        if (auto e = self.lock()) e->wake();
+      });
     }
     if (!c.rx->isCompleted()) break;
     auto w = std::move(c.rx);
@@ -228,7 +233,7 @@ void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
     // communicator seen here meanwhile was that reset.
     if (!c.doomed_for_good) c.doomed_why.clear();
     drop_epoch(c, comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ": cancelled: rank " +
-                                 std::to_string(c.peer) + " reset the channel between the two (an op timed out there)"));
+                                 std::to_string(c.peer) + " reset the channel between the two (an op there missed its group's timeout)"));
   }
   if (h.has_id && f.type == kPropose && !c.leader && f.epoch >= c.agree.epoch()) {
     // The pair's communicator for this epoch, made at its first proposal. The leader sends an
@@ -262,13 +267,13 @@ void ChannelEngine::apply(Channel& c, PairAgreement::Out& out, const UniqueId* g
         break;
       case PairAgreement::Why::kCancelled:
         why = me + ", group " + p->op->label + ": " + op_kind_name(p->op->kind) + " cancelled: the channel to rank " +
-              std::to_string(c.peer) + " was reset after an op timed out" +
+              std::to_string(c.peer) + " was reset after an op missed its group's timeout" +
               (c.reset_why.empty() ? std::string(" on rank ") + std::to_string(c.peer) : ": " + c.reset_why);
         break;
       case PairAgreement::Why::kReset:
         why = c.reset_why.empty() ? me + ", group " + p->op->label + ": " + op_kind_name(p->op->kind) +
                                         " cancelled: rank " + std::to_string(c.peer) +
-                                        " reset the channel between the two (an op timed out there)"
+                                        " reset the channel between the two (an op there missed its group's timeout)"
                                   : c.reset_why;
         break;
     }

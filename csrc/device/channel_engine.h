@@ -103,6 +103,14 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   void wait(Work& w, std::chrono::milliseconds timeout) override { wait_until(w, false, timeout); }
   void wait_launched(Work& w, std::chrono::milliseconds timeout) override { wait_until(w, true, timeout); }
   void poll() override {}
+  // Makes the engine thread run a pass now (a control frame arrived).
+  void wake() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      woken_ = true;
+    }
+    cv_.notify_one();
+  }
 
  private:
   void wait_until(Work& w, bool launched_enough, std::chrono::milliseconds timeout);
@@ -186,6 +194,7 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   std::exception_ptr broken_;
   std::unordered_set<int> failed_peers_;  // peers whose channel was aborted (test hook)
   bool stop_ = false;
+  bool woken_ = false;
   std::thread thread_;
 
   // The engine thread's own state.

@@ -11,6 +11,9 @@ namespace device {
 
 namespace {
 
+// Passes the engine thread yields between before it sleeps while ops are live.
+constexpr int kYieldPasses = 200;
+
 std::exception_ptr comm_error_ptr(const std::string& msg) {
   try {
     throw_comm_error(msg);
@@ -177,22 +180,31 @@ void ChannelEngine::main() {
       stop_ = true;
     }
     lk.lock();
-    if (moved || !incoming_.empty()) {
+    if (moved || !incoming_.empty() || woken_) {
+      woken_ = false;
       idle = 0;
       continue;
     }
-    // Control messages and device events do not wake this thread: poll, backing off while
-    // nothing moves.
+    // A control frame wakes this thread (wake()); device events do not, so they are polled.
     if (live_.empty() && ending_.empty() && live_comms_.load() == 0 && joins_.empty()) {
-      cv_.wait(lk, [&] { return stop_ || !incoming_.empty(); });
+      cv_.wait(lk, [&] { return stop_ || !incoming_.empty() || woken_; });
     } else if (live_.empty() && ending_.empty()) {
       // Idle, with communicators or join streams to release in time, and the peers' frames
       // (a release) to read.
-      cv_.wait_for(lk, std::chrono::milliseconds(20), [&] { return stop_ || !incoming_.empty(); });
+      cv_.wait_for(lk, std::chrono::milliseconds(50), [&] { return stop_ || !incoming_.empty() || woken_; });
     } else {
-      idle = std::min(idle + 1, 50);
-      cv_.wait_for(lk, std::chrono::microseconds(idle < 20 ? 5 * idle : 200),
-                   [&] { return stop_ || !incoming_.empty(); });
+      // Device events are polled, and the host link driven (isCompleted polls it): a few
+      // hundred passes that yield the core between them, then backing off while nothing moves.
+      idle = std::min(idle + 1, kYieldPasses + 50);
+      if (idle <= kYieldPasses) {
+        lk.unlock();
+        std::this_thread::yield();
+        lk.lock();
+        continue;
+      }
+      const int slow = idle - kYieldPasses;
+      cv_.wait_for(lk, std::chrono::microseconds(slow < 20 ? 5 * slow : 200),
+                   [&] { return stop_ || !incoming_.empty() || woken_; });
     }
   }
   lk.unlock();
