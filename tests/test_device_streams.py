@@ -236,7 +236,9 @@ def test_the_engine_does_not_invalidate_a_graph_captured_meanwhile():
 def _recovery_body(rank, world):
     """H1: an op that times out resets its channel; the peer is told (its side of the op fails
     as cancelled, without a timeout of its own), and the pair goes on, that group included."""
-    g1, g2, cpu = fc.new_groups([[0, 1], [0, 1], [0, 1]])
+    from datetime import timedelta
+    g1 = fc.new_group([0, 1], timeout=timedelta(seconds=2))
+    g2, cpu = fc.new_groups([[0, 1], [0, 1]])  # the init timeout (30 s)
     first = None
     if rank == 0:
         first = expect(dist.DistBackendError, lambda: fc.all_reduce(torch.ones(3), group=g1), "timeout", "rank 1")
@@ -252,8 +254,8 @@ def _recovery_body(rank, world):
 
 
 def test_a_timed_out_channel_recovers():
-    # A 2 s group timeout; rank 1 would need a timeout of its own to fail without the reset.
-    for first, a, b in harness.run(_recovery_body, 2, timeout=60, env=FAKE, init_timeout=2):
+    # g1 times out in 2 s; rank 1 would need a timeout of its own to fail without the reset.
+    for first, a, b in harness.run(_recovery_body, 2, timeout=60, env=FAKE, init_timeout=30):
         assert a == [3.0] * 4 and b == [21.0] * 4, (first, a, b)
 
 
