@@ -18,10 +18,11 @@
 //   matched by number. A receive, run on its stream, takes its message, copies it out and acks it;
 //   the send's task completes only when that ack arrives, so a receive that is never posted leaves
 //   the sender's stream stuck, as in NCCL. Collectives are made of the same sends and receives.
-// - A failure seen later (a peer gone, a size mismatch) sets comm_state to kFailed; the work
-//   waiting on the communicator stays stuck, as NCCL's kernels do, until comm_abort (or
-//   comm_destroy), after which it completes without moving data and the streams behind it drain.
-//   A peer's communicator destroyed or aborted counts as its connection lost.
+// - A failure seen later (a size mismatch; a peer gone, once an operation needs it, as NCCL over
+//   sockets sees it) sets comm_state to kFailed; the work waiting on the communicator stays
+//   stuck, as NCCL's kernels do, until comm_abort (or comm_destroy), after which it completes
+//   without moving data and the streams behind it drain. A peer's communicator destroyed or
+//   aborted counts as its connection lost.
 // - Every call is thread-safe; group state is per calling thread. Nothing is process-global, so
 //   several Runtimes in one process can be the ranks of a communicator (the unit tests do that).
 // - Destroying the Runtime aborts its live communicators (their peers see the connection lost),
@@ -396,6 +397,7 @@ struct Peer {
   bool up = false;  // connected and identified
   std::unordered_map<uint64_t, Msg> inbox;  // data frames not taken yet, by send number
   std::unordered_set<uint64_t> acks;        // acks of this rank's sends not waited for yet
+  std::string gone;  // set: its connection closed; an operation that needs it fails then
   uint64_t next_send = 0, next_recv = 0;    // numbers of the next send / receive issued
   // One writer at a time on fd.
   std::mutex wmu;
@@ -530,6 +532,8 @@ class CommImpl {
     lk.unlock();
     const FrameHdr h{kMagic, kData, code, s.seq, s.bytes};
     const int e = write_to(p, fd, h, s.buf);
+    if (e == EPIPE || e == ECONNRESET)
+      return stuck("peer rank " + std::to_string(s.peer) + " of the communicator closed its connection");
     if (e != 0) return stuck("a send to rank " + std::to_string(s.peer) + " failed: " + errno_str(e));
     return true;
   }
@@ -538,9 +542,13 @@ class CommImpl {
     std::unique_lock<std::mutex> lk(mu_);
     Peer& p = *peers_[r.peer];
     // Abort races a transfer that already has its data: that one still lands.
-    cv_.wait(lk, [&] { return aborted_ || p.inbox.count(r.seq) != 0; });
+    cv_.wait(lk, [&] { return aborted_ || p.inbox.count(r.seq) != 0 || !p.gone.empty(); });
     auto it = p.inbox.find(r.seq);
-    if (it == p.inbox.end()) return false;
+    if (it == p.inbox.end()) {
+      if (!aborted_) set_failed(p.gone);
+      hold(lk, [] { return false; });
+      return false;
+    }
     Msg m = std::move(it->second);
     p.inbox.erase(it);
     if (m.op != code || m.bytes != r.bytes) {
@@ -582,7 +590,15 @@ class CommImpl {
     if (r.peer != rank_) {
       const FrameHdr h{kMagic, kAck, 0, r.seq, 0};
       const int e = write_to(p, fd, h, nullptr);
-      if (e != 0) return stuck("an ack to rank " + std::to_string(r.peer) + " failed: " + errno_str(e));
+      if (e == EPIPE || e == ECONNRESET) {
+        // The data landed; the peer is gone (its sender needs no ack any more), which fails
+        // what needs it from now on.
+        std::lock_guard<std::mutex> g(mu_);
+        if (p.gone.empty()) p.gone = "peer rank " + std::to_string(r.peer) + " of the communicator closed its connection";
+        cv_.notify_all();
+      } else if (e != 0) {
+        return stuck("an ack to rank " + std::to_string(r.peer) + " failed: " + errno_str(e));
+      }
     }
     return true;
   }
@@ -590,7 +606,12 @@ class CommImpl {
   bool wait_ack(const SendPart& s) {
     std::unique_lock<std::mutex> lk(mu_);
     Peer& p = *peers_[s.peer];
-    if (!hold(lk, [&] { return p.acks.count(s.seq) != 0; })) return false;
+    if (!hold(lk, [&] { return p.acks.count(s.seq) != 0 || !p.gone.empty(); })) return false;
+    if (!p.acks.count(s.seq)) {
+      set_failed(p.gone);  // the peer is gone: this send is never received
+      hold(lk, [] { return false; });
+      return false;
+    }
     p.acks.erase(s.seq);
     return true;
   }
@@ -771,8 +792,13 @@ class CommImpl {
       if (n < 0 && errno == EINTR) continue;
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
       if (n <= 0) {
+        // As NCCL over sockets: the communicator fails once an operation needs that peer.
         const std::string how = n == 0 ? "" : std::string(" (") + errno_str(errno) + ")";
-        fail("peer rank " + std::to_string(r) + " of the communicator closed its connection" + how);
+        {
+          std::lock_guard<std::mutex> lk(mu_);
+          p.gone = "peer rank " + std::to_string(r) + " of the communicator closed its connection" + how;
+        }
+        cv_.notify_all();
         return false;
       }
       budget -= std::min(budget, static_cast<size_t>(n));

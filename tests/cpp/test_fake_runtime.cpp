@@ -655,7 +655,13 @@ TEST(fake_runtime_abort_releases_stream_and_peer_sees_it) {
   CHECK(done(*k.rt[0], e));
   CHECK_EQ(y, 3);  // the stream drained behind it
   CHECK(k.fails_with(0, "aborted"));
-  CHECK(k.fails_with(1, "peer rank 0"));  // its connection is gone
+  // The peer's connection is gone: rank 1 fails once an operation needs rank 0 (the message
+  // that had arrived is still taken).
+  int first = 0, second = 0;
+  k.rt[1]->recv(&first, sizeof first, 0, k.comm[1], k.stream[1]);
+  CHECK(stays([&] { return k.state(1) == State::kReady; }, milliseconds(30)) || k.state(1) != State::kFailed);
+  k.rt[1]->recv(&second, sizeof second, 0, k.comm[1], k.stream[1]);
+  CHECK(k.fails_with(1, "peer rank 0"));
   // Work issued on the aborted communicator completes at once, moving nothing.
   int got = -1;
   k.rt[0]->recv(&got, sizeof got, 1, k.comm[0], k.stream[0]);
@@ -671,6 +677,20 @@ TEST(fake_runtime_peer_destroyed) {
   Ranks k(3);
   REQUIRE(k.all_ready());
   k.rt[1]->comm_destroy(k.comm[1]);
+  // Nothing needs rank 1 yet: the others stay usable with each other.
+  int v = 4, got = 0;
+  k.rt[0]->group_start();
+  k.rt[0]->send(&v, sizeof v, 2, k.comm[0], k.stream[0]);
+  k.rt[0]->group_end();
+  k.rt[2]->recv(&got, sizeof got, 0, k.comm[2], k.stream[2]);
+  Event e = mark(*k.rt[2], k.stream[2]);
+  CHECK(done(*k.rt[2], e));
+  CHECK_EQ(got, 4);
+  CHECK(k.state(0) != State::kFailed && k.state(2) != State::kFailed);
+  // An operation that needs it fails the communicator, naming it.
+  k.rt[0]->recv(&got, sizeof got, 1, k.comm[0], k.stream[0]);
+  int w = 5;
+  k.rt[2]->send(&w, sizeof w, 1, k.comm[2], k.stream[2]);
   CHECK(k.fails_with(0, "peer rank 1"));
   CHECK(k.fails_with(2, "peer rank 1"));
 }
@@ -702,6 +722,9 @@ TEST(fake_runtime_destroyed_with_live_comm) {
   at::Tensor t = k.rt[0]->scratch(10, at::empty({1}, at::kFloat), k.stream[0]);
   k.rt[0].reset();
   t = at::Tensor();  // its stream is gone: freed at once
+  int got = 0;
+  k.rt[1]->recv(&got, sizeof got, 0, k.comm[1], k.stream[1]);  // takes the message that arrived
+  k.rt[1]->recv(&got, sizeof got, 0, k.comm[1], k.stream[1]);  // needs the peer: fails
   CHECK(k.fails_with(1, "peer rank 0"));
 }
 
