@@ -1,0 +1,209 @@
+#pragma once
+// The CPU fake of the device runtime (fake_runtime.cpp has the whole list of what it keeps):
+// its streams (worker threads), events (markers), freed scratch (poisoned, watched for late
+// writes) and capture modes. Included by fake_comm.h and fake_runtime.cpp only.
+#include <pthread.h>
+#include <stdlib.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "common/errors.h"
+#include "device/runtime.h"
+
+namespace fastcomm {
+namespace device {
+namespace fake {
+
+using RedOp = c10d::ReduceOp::RedOpType;
+using Clock = std::chrono::steady_clock;
+
+[[noreturn]] inline void call_error(const char* call, const std::string& what) {
+  throw_comm_error(std::string("fastcomm fake runtime: ") + call + ": " + what);
+}
+
+// ------------------------------------------------------------------------------------------
+// Freed scratch and capture: process-wide, as a device's memory and CUDA's capture mode are.
+
+// Freed scratch blocks, poisoned and kept (up to a bound) so a late write into one is seen.
+struct Quarantine {
+  std::mutex mu;
+  std::deque<std::pair<uint8_t*, size_t>> blocks;
+  size_t bytes = 0;
+  std::atomic<int64_t> late_writes{0};
+  static constexpr size_t kMaxBytes = size_t(64) << 20;
+
+  void add(void* p, size_t n) {
+    std::memset(p, 0xa5, n);
+    std::lock_guard<std::mutex> lk(mu);
+    blocks.emplace_back(static_cast<uint8_t*>(p), n);
+    bytes += n;
+    while (bytes > kMaxBytes && !blocks.empty()) {
+      bytes -= blocks.front().second;
+      ::free(blocks.front().first);
+      blocks.pop_front();
+    }
+  }
+  // A stream is about to write [p, p + n).
+  void check(const void* p, size_t n) {
+    if (n == 0) return;
+    const auto* b = static_cast<const uint8_t*>(p);
+    std::lock_guard<std::mutex> lk(mu);
+    for (auto& [q, m] : blocks) {
+      if (b < q + m && q < b + n) {
+        ++late_writes;
+        std::fprintf(stderr, "fastcomm fake runtime: a stream wrote %zu bytes into freed scratch\n", n);
+        return;
+      }
+    }
+  }
+};
+inline Quarantine& quarantine() {
+  static Quarantine* q = new Quarantine();  // never destroyed: streams may write at exit
+  return *q;
+}
+
+struct Capture {
+  std::mutex mu;
+  const void* stream = nullptr;  // the stream being captured, or null
+  bool global = false;
+  bool invalidated = false;
+};
+inline Capture& capture() {
+  static Capture* c = new Capture();
+  return *c;
+}
+inline thread_local bool tl_relaxed = false;
+
+// A call CUDA calls potentially unsafe during a global-mode capture (an event query or sync).
+inline void unsafe_call(const char* call) {
+  if (tl_relaxed) return;
+  Capture& c = capture();
+  std::lock_guard<std::mutex> lk(c.mu);
+  if (c.stream == nullptr || !c.global) return;
+  c.invalidated = true;
+  call_error(call, "operation not permitted when stream is capturing (a graph is captured in the global mode "
+                   "and this thread is not in the relaxed mode); the capture is invalidated");
+}
+
+// ------------------------------------------------------------------------------------------
+// Streams and events
+
+struct StreamCore {
+  const bool host;  // the host stream: its work runs at once on the calling thread
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> q;
+  bool stopping = false;  // destroy_stream: drain, then end
+  bool closed = false;    // the worker has ended; nothing runs on it any more
+  std::thread th;
+
+  explicit StreamCore(bool host_stream) : host(host_stream) {
+    if (!host) th = std::thread([this] { loop(); });
+  }
+  ~StreamCore() {
+    if (th.joinable()) {
+      if (th.get_id() == std::this_thread::get_id()) th.detach();
+      else stop();
+    }
+  }
+
+  // Queues `f` behind everything enqueued so far; false (f left as it was) where the stream has
+  // ended.
+  bool push(std::function<void()>& f) {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      if (closed) return false;
+      q.push_back(std::move(f));
+    }
+    cv.notify_one();
+    return true;
+  }
+
+  // Runs what is queued, then ends the worker.
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      stopping = true;
+    }
+    cv.notify_one();
+    if (th.joinable()) th.join();
+  }
+
+  void loop() {
+    pthread_setname_np(pthread_self(), "fcfake-stream");
+    for (;;) {
+      std::function<void()> f;
+      {
+        std::unique_lock<std::mutex> lk(mu);
+        cv.wait(lk, [&] { return !q.empty() || stopping; });
+        if (q.empty()) {
+          closed = true;
+          return;
+        }
+        f = std::move(q.front());
+        q.pop_front();
+      }
+      try {
+        f();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "fastcomm fake runtime: a stream task failed: %s\n", e.what());
+      } catch (...) {
+        std::fprintf(stderr, "fastcomm fake runtime: a stream task failed\n");
+      }
+      // `f` (and what it holds: tensors kept alive, communicators) goes here, outside the lock.
+    }
+  }
+};
+
+// Runs `f` on `s`: now on the host stream (or on one that has ended), else queued.
+inline void run_on(StreamCore& s, std::function<void()> f) {
+  if (s.host || !s.push(f)) f();
+}
+
+// One record(): done once the stream reaches it.
+struct Marker {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  void set() {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      done = true;
+    }
+    cv.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lk(mu);
+    cv.wait(lk, [&] { return done; });
+  }
+  bool ready() {
+    std::lock_guard<std::mutex> lk(mu);
+    return done;
+  }
+};
+
+struct EventImpl {
+  std::mutex mu;
+  std::shared_ptr<Marker> latest;  // null: never recorded (complete)
+  std::shared_ptr<Marker> get() {
+    std::lock_guard<std::mutex> lk(mu);
+    return latest;
+  }
+};
+
+
+}  // namespace fake
+}  // namespace device
+}  // namespace fastcomm
