@@ -320,3 +320,22 @@ def _slow_abort_body(rank, world):
 def test_a_blocking_abort_holds_no_other_channel():
     res = harness.run(_slow_abort_body, 3, timeout=60, env=FAKE, init_timeout=30)
     assert res[0] == [4.0] * 3 and res[2] == [4.0] * 3, res
+
+
+def _group_release_body(rank, world):
+    """H8 for groups of 3+: a group communicator idle past FASTCOMM_DEVICE_IDLE_MS is released by
+    the group's rank 0 on every member, and the group's next large op makes a new one."""
+    g = fc.new_group([0, 1, 2])
+    t = torch.full((2048,), float(rank + 1))
+    fc.all_reduce(t, group=g)  # 8 KB: the group's communicator
+    dsync()
+    first = t[0].item()
+    _until(lambda: dbg("group_comms") == 0, "the idle group communicator released")
+    fc.all_reduce(t, group=g)
+    dsync()
+    return first, t[0].item(), dbg("group_comms")
+
+
+def test_idle_group_communicators_are_released():
+    env = dict(FAKE, FASTCOMM_DEVICE_IDLE_MS="100", FASTCOMM_RSAG_THRESHOLD="4096")
+    assert harness.run(_group_release_body, 3, timeout=60, env=env, init_timeout=30) == [(6.0, 18.0, 1)] * 3

@@ -169,7 +169,8 @@ bool ChannelEngine::exchange(Channel& c) {
   // device (a reset of the peer's may cancel it).
   auto needs_word = [&] {
     return c.agree.waiting() || (!single_ && (!c.committed.empty() || !c.launching.empty() || !c.in_flight.empty())) ||
-           (!single_ && !c.leader && c.comm != nullptr) ||  // the leader may release it
+           // the leader may release it, or a group communicator of a group it leads
+           (!single_ && !c.leader && (c.comm != nullptr || group_comms_.load() > 0)) ||
            (single_ && c.comm == nullptr && c.wants_comm);
   };
   for (;;) {
@@ -220,7 +221,7 @@ void ChannelEngine::send_frame(Channel& c, FrameType type, const std::vector<Ent
 void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
   FrameHead h;
   std::memcpy(&h, d, sizeof(h));
-  TORCH_INTERNAL_ASSERT(h.count <= kMaxEntries && h.type >= kPropose && h.type <= kRelease, "bad control frame");
+  TORCH_INTERNAL_ASSERT(h.count <= kMaxEntries && h.type >= kPropose && h.type <= kGroupRelease, "bad control frame");
   Frame f;
   f.type = (FrameType)h.type;
   f.epoch = h.epoch;
@@ -228,6 +229,14 @@ void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
   std::memcpy(f.entries.data(), d + sizeof(h) + sizeof(UniqueId), h.count * sizeof(Entry));
   UniqueId id;
   if (h.has_id) std::memcpy(&id, d + sizeof(h), sizeof(UniqueId));
+  if (f.type == kGroupRelease) {
+    // Not the pair's business (no epoch): a group communicator this rank is a member of.
+    for (const Entry& e : f.entries) {
+      auto g = groups_.find(e.key.id);
+      if (g != groups_.end()) g->second->release_pending = true;
+    }
+    return;
+  }
   if (f.type == kReset && f.epoch > c.agree.epoch()) {
     // Everything launched in the old epoch fails with what the peer cancelled; a failure of its
     // communicator seen here meanwhile was that reset.
@@ -293,10 +302,11 @@ void ChannelEngine::apply(Channel& c, PairAgreement::Out& out, const UniqueId* g
   for (auto& dc : out.decided) {
     Part* p = static_cast<Part*>(dc.token);
     GroupComm& g = *p->op->gc;
-    if (dc.go && go_id != nullptr && g.comm == nullptr) {
-      g.id = *go_id;
-      g.comm = rt_->comm_init(g.id, (int)g.ranks.size(), g.me);
-      g.stream = rt_->new_stream();
+    if (dc.go && go_id != nullptr) {
+      // A new communicator for the group (its first, or one after a release): it replaces the
+      // one held here once what runs on that is over (pump_group).
+      g.next_id = *go_id;
+      g.has_next = true;
     }
     if (!dc.go)
       fail_op(p->op, comm_error_ptr(me + ", group " + p->op->label + ": " + op_kind_name(p->op->kind) +

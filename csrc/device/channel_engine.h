@@ -81,6 +81,10 @@ struct GroupComm {
   std::deque<DevOp*> queued;  // agreed, waiting for the communicator
   DevOp* launching = nullptr;  // launched; its end not yet recorded (a non-blocking launch)
   std::deque<std::pair<DevOp*, EventPtr>> in_flight;
+  UniqueId next_id;              // member: the communicator the leader's last kGo brought
+  bool has_next = false;
+  bool release_pending = false;  // member: the leader released the group's communicator
+  Clock::time_point last_used = Clock::now();
   bool busy() const { return !queued.empty() || launching != nullptr || !in_flight.empty(); }
 };
 
@@ -167,6 +171,12 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   void agreed(DevOp* op);
   bool pump_group(GroupComm& g);
   void fault_group(GroupComm& g, const std::string& why);
+  // Group communicators made and ended here, counted (debug "group_comms").
+  Comm new_group_comm(GroupComm& g, const UniqueId& id);
+  void end_group_comm(GroupComm& g, bool abort);
+  // The group's rank 0 releases a group communicator idle past FASTCOMM_DEVICE_IDLE_MS and tells
+  // the members (kGroupRelease); the next op brings a new one with its kGo.
+  void release_idle_groups(Clock::time_point now);
 
   // ---- health and teardown (health.cpp)
   bool check_health();
@@ -208,6 +218,7 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   const size_t max_comms_;
   std::atomic<int64_t> live_comms_{0};
   std::atomic<int64_t> ended_comms_{0};
+  std::atomic<int64_t> group_comms_{0};
   std::atomic<int64_t> join_streams_{0};
   std::vector<Channel*> pass_channels_;  // pass()'s snapshots, kept to reuse their memory
   std::vector<GroupComm*> pass_groups_;

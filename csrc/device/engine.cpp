@@ -135,6 +135,7 @@ int64_t ChannelEngine::debug(const std::string& what, int64_t arg) {
   if (what == "events_created") return (int64_t)events_->created();
   if (what == "live_comms") return live_comms_.load();
   if (what == "ended_comms") return ended_comms_.load();
+  if (what == "group_comms") return group_comms_.load();
   if (what == "join_streams") return join_streams_.load();
   if (what == "channel_failed") {
     std::lock_guard<std::mutex> lk(mu_);
@@ -186,7 +187,7 @@ void ChannelEngine::main() {
       continue;
     }
     // A control frame wakes this thread (wake()); device events do not, so they are polled.
-    if (live_.empty() && ending_.empty() && live_comms_.load() == 0 && joins_.empty()) {
+    if (live_.empty() && ending_.empty() && live_comms_.load() == 0 && group_comms_.load() == 0 && joins_.empty()) {
       cv_.wait(lk, [&] { return stop_ || !incoming_.empty() || woken_; });
     } else if (live_.empty() && ending_.empty()) {
       // Idle, with communicators or join streams to release in time, and the peers' frames

@@ -17,6 +17,54 @@ std::exception_ptr comm_error_ptr(const std::string& msg) {
 
 }  // namespace
 
+Comm ChannelEngine::new_group_comm(GroupComm& g, const UniqueId& id) {
+  g.id = id;
+  g.comm = rt_->comm_init(id, (int)g.ranks.size(), g.me);
+  if (g.stream == nullptr) g.stream = rt_->new_stream();
+  ++group_comms_;
+  return g.comm;
+}
+
+void ChannelEngine::end_group_comm(GroupComm& g, bool abort) {
+  Comm comm = g.comm;
+  g.comm = nullptr;
+  g.id_sent = false;
+  if (comm == nullptr) return;
+  --group_comms_;
+  if (!abort) {
+    try {
+      rt_->comm_destroy(comm);
+    } catch (const std::exception&) {
+    }
+    return;
+  }
+  Runtime* rt = rt_.get();
+  aborter_.push([rt, comm] {
+    try {
+      rt->comm_abort(comm);
+      rt->comm_destroy(comm);
+    } catch (const std::exception&) {
+    }
+  });
+}
+
+void ChannelEngine::release_idle_groups(Clock::time_point now) {
+  for (auto& [id, g] : groups_) {
+    if (g->me != 0 || g->comm == nullptr || g->failed || g->busy() || !g->doomed_why.empty()) continue;
+    if (now - g->last_used < idle_release_) continue;
+    end_group_comm(*g, /*abort=*/false);
+    for (size_t i = 1; i < g->ranks.size(); ++i) {
+      Channel& c = channel(g->ranks[i]);
+      if (c.failed) continue;
+      try {
+        send_frame(c, kGroupRelease, {Entry{Key{id, 0}, Sig{}}}, nullptr);
+      } catch (const std::exception& e) {
+        doom(c, e.what());
+      }
+    }
+  }
+}
+
 // Every agreement part of a group-communicator op has its answer.
 void ChannelEngine::agreed(DevOp* op) {
   GroupComm& g = *op->gc;
@@ -33,9 +81,7 @@ void ChannelEngine::agreed(DevOp* op) {
     }
     if (go && g.comm == nullptr) {
       try {
-        g.id = rt_->new_id();
-        g.comm = rt_->comm_init(g.id, (int)g.ranks.size(), 0);
-        g.stream = rt_->new_stream();
+        new_group_comm(g, rt_->new_id());
       } catch (const std::exception& e) {
         fault_group(g, e.what());
         go = false;
@@ -69,6 +115,7 @@ bool ChannelEngine::pump_group(GroupComm& g) {
     DevOp* op = g.in_flight.front().first;
     g.in_flight.pop_front();
     op_finished(op);
+    g.last_used = Clock::now();
     moved = true;
   }
   if (!g.doomed_why.empty()) {
@@ -77,6 +124,17 @@ bool ChannelEngine::pump_group(GroupComm& g) {
       return true;
     }
     return moved;
+  }
+  if (g.in_flight.empty() && g.launching == nullptr) {
+    // Member: the leader released the communicator, or its kGo brought a new one.
+    if (g.release_pending || g.has_next) {
+      g.release_pending = false;
+      end_group_comm(g, /*abort=*/false);
+    }
+    if (g.has_next) {
+      g.has_next = false;
+      new_group_comm(g, g.next_id);
+    }
   }
   if (g.comm == nullptr || (g.queued.empty() && g.launching == nullptr)) return moved;
   std::string why;
@@ -102,6 +160,7 @@ bool ChannelEngine::pump_group(GroupComm& g) {
     }
     g.queued.pop_front();
     g.launching = op;
+    g.last_used = Clock::now();
     moved = true;
     state = rt_->comm_state(g.comm, &why);
     if (state != State::kPending) {
@@ -138,18 +197,7 @@ void ChannelEngine::fault_group(GroupComm& g, const std::string& why) {
                                   : "fastcomm: rank " + std::to_string(rank_) + ", group " + label +
                                         ": the group's communicator failed: " + why);
   }
-  if (g.comm != nullptr) {
-    Runtime* rt = rt_.get();
-    Comm comm = g.comm;
-    aborter_.push([rt, comm] {
-      try {
-        rt->comm_abort(comm);
-        rt->comm_destroy(comm);
-      } catch (const std::exception&) {
-      }
-    });
-    g.comm = nullptr;
-  }
+  if (g.comm != nullptr) end_group_comm(g, /*abort=*/true);
   std::vector<DevOp*> ops(g.queued.begin(), g.queued.end());
   if (g.launching) {
     // On the stream (the abort drains it): its memory is held until the stream passes it.

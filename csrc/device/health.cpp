@@ -37,6 +37,7 @@ bool ChannelEngine::check_health() {
   if (!single_) {
     recycle_joins();
     release_idle(now);
+    release_idle_groups(now);
   }
   for (auto& [id, g] : groups_) {
     if (g->failed || !g->busy()) continue;
@@ -121,8 +122,8 @@ void ChannelEngine::teardown() {
   }
   channels_.clear();
   for (auto& [id, g] : groups_) {
+    if (g->comm != nullptr) end_group_comm(*g, /*abort=*/false);
     try {
-      if (g->comm != nullptr) rt_->comm_destroy(g->comm);
       if (g->stream != nullptr) rt_->destroy_stream(g->stream);
     } catch (const std::exception&) {
     }

@@ -72,6 +72,7 @@ enum FrameType : uint32_t {
   kReset = 7,
   kResetAck = 8,
   kRelease = 9,
+  kGroupRelease = 10,  // the group's rank 0 released the group's communicator (entries: Key{group, 0})
 };
 struct FrameHead {
   uint32_t type = 0;
