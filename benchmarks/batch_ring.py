@@ -15,6 +15,13 @@ overlapping neighbour groups, fastcomm vs torch Gloo.
     calls then two waits, against torch
     Gloo's async version (``dist.new_group`` for every neighbour pair, created by all ranks,
     two ``dist.all_reduce(..., async_op=True)`` then both waits).
+(c) The README's spellings side by side, world 2, k all_reduces of a 10x10 float32 over k
+    groups on [0, 1] per step (k = 8 and 64), in one launch: k blocking calls, a fresh ``with
+    fc.batch() as b:`` of the k then ``b.wait()``, ``p.start(async_op=False)`` and
+    ``p.start().wait()`` of a plan of the k. Each is the mean over all its timed loops (3, each
+    after a barrier), not the best; --repeat launches (the order rotating) give the medians,
+    and the ratios the README promises (batch / blocking at most 1, start().wait() /
+    start(async_op=False) at most 1.1) are taken launch by launch, in the same run.
 
 Time per step = the max over ranks of each rank's mean over the timed steps (after warm-up;
 all ranks start each timed loop together after a barrier; each rank keeps the best of 3
@@ -28,7 +35,7 @@ has its own TCPStore on a free port and a hard timeout, and every child is joine
 
 Usage, from the repository root:
 
-    python benchmarks/batch_ring.py [--quick] [--repeat 5] [--plot FILE.png] [--json FILE]
+    python benchmarks/batch_ring.py [--quick] [--repeat 5] [--parts abc] [--plot FILE.png] [--json FILE]
 """
 from __future__ import annotations
 
@@ -51,6 +58,8 @@ JOB_TIMEOUT_S = 120.0  # hard limit for one launch (all its ranks)
 LAP_MESSAGES = 4096
 SHAPE = (10, 10)
 KS = (1, 2, 8, 64)
+SPELLING_KS = (8, 64)
+SPELLINGS = ("blocking calls", "fc.batch() + b.wait()", "p.start(async_op=False)", "p.start().wait()")
 WORLDS = (2, 4)
 
 
@@ -185,6 +194,60 @@ def _ring_fastcomm_body(store, rank, world, steps, warmup, first=0):
         fc.shutdown()
 
 
+def _spellings_body(store, rank, world, k, steps, warmup, first=0):
+    import fastcomm as fc
+
+    fc.init(store=store, rank=rank, world_size=world, timeout=STORE_TIMEOUT)
+    try:
+        gs = fc.new_groups([[0, 1]] * k)
+        ts = [torch.zeros(SHAPE) for _ in gs]
+
+        def blocking():
+            for t, g in zip(ts, gs):
+                fc.all_reduce(t, group=g)
+
+        def batched():
+            with fc.batch() as b:
+                for t, g in zip(ts, gs):
+                    fc.all_reduce(t, group=g)
+            b.wait()
+
+        with fc.plan() as p:
+            for t, g in zip(ts, gs):
+                fc.all_reduce(t, group=g)
+
+        def start_blocking():
+            p.start(async_op=False)
+
+        def start_wait():
+            p.start().wait()
+
+        for _ in range(-(-LAP_MESSAGES // k)):
+            start_blocking()
+        variants = list(zip(SPELLINGS, (blocking, batched, start_blocking, start_wait)))
+        out = {}
+        for name, step in variants[first:] + variants[:first]:
+            for _ in range(warmup):
+                step()
+            total = 0.0
+            for _ in range(3):
+                fc.barrier()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                total += time.perf_counter() - t0
+            out[name] = total / (3 * steps)
+            for j, t in enumerate(ts):
+                t.copy_(value(rank, j))
+            step()
+            for j, t in enumerate(ts):
+                check(t, [0, 1], j, f"{name}, k={k}, op {j}")
+                t.zero_()
+        return out
+    finally:
+        fc.shutdown()
+
+
 def _ring_gloo_body(store, rank, world, steps, warmup):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=STORE_TIMEOUT)
@@ -254,6 +317,26 @@ def write_plot(path, results):
     save_plot(fig, path)
 
 
+def print_spellings(spell, repeat):
+    print("\n## (c) The README's spellings, world 2: k all_reduces of a 10x10 float32 over k groups on "
+          "[0, 1] per step\n")
+    print(f"µs per op, the mean of each spelling's timed loops (max over ranks), the median of {repeat} "
+          "launch(es); the ratios launch by launch.\n")
+    head = ["k"] + [f"{n} µs/op" for n in SPELLINGS] + ["batch / blocking", "start().wait() / start(async_op=False)"]
+    rows = []
+    for k, cells in spell.items():
+        ok = [c for c in cells if "error" not in c]
+        if not ok:
+            rows.append([str(k)] + ["FAILED"] * (len(SPELLINGS) + 2))
+            continue
+        med = [f"{statistics.median(c[n] for c in ok) / k * 1e6:,.2f}" for n in SPELLINGS]
+        rb = [c[SPELLINGS[1]] / c[SPELLINGS[0]] for c in ok]
+        rp = [c[SPELLINGS[3]] / c[SPELLINGS[2]] for c in ok]
+        rows.append([str(k)] + med + [", ".join(f"{r:.2f}" for r in rb), ", ".join(f"{r:.2f}" for r in rp)])
+    print_table(head, rows)
+    print("\nTargets: batch / blocking at most 1.0; start().wait() / start(async_op=False) at most 1.1.")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="short run (fewer timed steps)")
@@ -262,8 +345,10 @@ def main():
     ap.add_argument("--repeat", type=int, default=None,
                     help="launches of (b)'s fastcomm variants, each starting with the next variant "
                          "(default 5; 1 with --quick)")
+    ap.add_argument("--parts", default="abc", help="which parts to run (default abc)")
     args = ap.parse_args()
     repeat = args.repeat or (1 if args.quick else 5)
+    parts = set(args.parts)
     # Timed all_reduces per rank per cell of (a); steps = ops // k (at least 20).
     ops_a = 1024 if args.quick else 16384
     steps_ring = 200 if args.quick else 5000
@@ -277,74 +362,95 @@ def main():
 
     results = {"command": sys.argv, "cores": os.cpu_count(), "cpu": cpu_model(),
                "torch": torch.__version__, "scaling": {}, "ring": {}}
-    progress = Progress(len(WORLDS) * len(KS) + repeat + 1)
-    for world in WORLDS:
-        for k in KS:
-            steps = max(20, ops_a // k)  # per timed loop
-            progress.launch(f"(a): world {world}, k={k}, {steps} steps")
-            cell = measure(_scaling_body, world, k, steps, warmup)
-            cell["steps"] = steps
-            results["scaling"][f"{world}/{k}"] = cell
-    launches = []
-    for rep in range(repeat):
-        progress.launch(f"(b): fastcomm, {steps_ring} steps, launch {rep + 1}/{repeat}")
-        launches.append(measure(_ring_fastcomm_body, 4, steps_ring, warmup, rep % 3))
-    fcr = next((cell for cell in launches if "error" in cell), None) or {
-        name: statistics.median(cell[name] for cell in launches) for name in launches[0]}
-    results["ring_launches"] = launches
-    progress.launch(f"(b): torch Gloo, {steps_gloo} steps")
-    gl = measure(_ring_gloo_body, 4, steps_gloo, min(warmup, 20))
-    for name in ("torch Gloo async_op pair", "fastcomm batch of 2", "fastcomm plan of 2", "fastcomm async_op pair"):
-        src = gl if name.startswith("torch") else fcr
-        results["ring"][name] = src.get(name)
-    steps_of = {"torch Gloo async_op pair": steps_gloo, "fastcomm batch of 2": steps_ring,
-                "fastcomm plan of 2": steps_ring, "fastcomm async_op pair": steps_ring}
+    n_launches = (len(WORLDS) * len(KS) if "a" in parts else 0) + (repeat + 1 if "b" in parts else 0) \
+        + (repeat * len(SPELLING_KS) if "c" in parts else 0)
+    progress = Progress(n_launches)
+    failed = []
+    if "a" in parts:
+        for world in WORLDS:
+            for k in KS:
+                steps = max(20, ops_a // k)  # per timed loop
+                progress.launch(f"(a): world {world}, k={k}, {steps} steps")
+                cell = measure(_scaling_body, world, k, steps, warmup)
+                cell["steps"] = steps
+                results["scaling"][f"{world}/{k}"] = cell
+    if "b" in parts:
+        launches = []
+        for rep in range(repeat):
+            progress.launch(f"(b): fastcomm, {steps_ring} steps, launch {rep + 1}/{repeat}")
+            launches.append(measure(_ring_fastcomm_body, 4, steps_ring, warmup, rep % 3))
+        fcr = next((cell for cell in launches if "error" in cell), None) or {
+            name: statistics.median(cell[name] for cell in launches) for name in launches[0]}
+        results["ring_launches"] = launches
+        progress.launch(f"(b): torch Gloo, {steps_gloo} steps")
+        gl = measure(_ring_gloo_body, 4, steps_gloo, min(warmup, 20))
+        for name in ("torch Gloo async_op pair", "fastcomm batch of 2", "fastcomm plan of 2", "fastcomm async_op pair"):
+            src = gl if name.startswith("torch") else fcr
+            results["ring"][name] = src.get(name)
+        steps_of = {"torch Gloo async_op pair": steps_gloo, "fastcomm batch of 2": steps_ring,
+                    "fastcomm plan of 2": steps_ring, "fastcomm async_op pair": steps_ring}
 
-    print("## (a) Batch scaling: k all_reduces of a 10x10 float32 over k distinct groups per step\n")
-    print("single = k blocking `fc.all_reduce` calls; batch = one `fc.all_reduce_many` of k "
-          "(a `with fc.batch()` block); plan = one start of a plan of the k. World 2: k groups over [0, 1]; world 4: k pair groups "
-          "cycling through the 3 perfect matchings of 4 ranks.\n")
-    head = ["world", "k", "steps/loop", "single µs/op", "batch µs/op", "plan µs/op", "batch/single",
-            "plan/single"]
-    rows = []
-    for world in WORLDS:
-        for k in KS:
-            cell = results["scaling"][f"{world}/{k}"]
-            if "error" in cell:
-                cells = [str(world), str(k), str(cell["steps"])] + ["FAILED"] * 5
-            else:
-                s, b, pl = cell["single"], cell["batch"], cell["plan"]
-                cells = [str(world), str(k), str(cell["steps"]), f"{s / k * 1e6:,.2f}", f"{b / k * 1e6:,.2f}",
-                         f"{pl / k * 1e6:,.2f}", f"{b / s:.2f}", f"{pl / s:.2f}"]
-            rows.append(cells)
-    print_table(head, rows)
-    print("\nbatch/single < 1: the batch of k costs less than k single ops (plan/single: the same "
-          "for a plan's start).")
+    spell = {k: [] for k in SPELLING_KS}
+    if "c" in parts:
+        for rep in range(repeat):
+            for k in SPELLING_KS:
+                steps = max(20, ops_a // k)
+                progress.launch(f"(c): k={k}, {steps} steps x 3 loops, launch {rep + 1}/{repeat}")
+                spell[k].append(measure(_spellings_body, 2, k, steps, warmup, rep % len(SPELLINGS)))
+        results["spellings"] = {str(k): v for k, v in spell.items()}
 
-    print("\n## (b) Ring of overlapping neighbour groups, world 4: per step every rank "
-          "all_reduces a 10x10 float32 with (i-1, i) and with (i, i+1)\n")
-    head = ["variant", "steps/loop", "µs/step", "speedup vs Gloo"]
-    g = results["ring"]["torch Gloo async_op pair"]
-    rows = []
-    for name, v in results["ring"].items():
-        speed = "n/a" if v is None or g is None else f"{g / v:,.1f}x"
-        rows.append([name, str(steps_of[name]), fmt_us(v), speed])
-    print_table(head, rows, left=1)
-    print(f"\nfastcomm: the median of {repeat} launch(es). speedup = Gloo's µs/step / this variant's µs/step.")
-    if "error" not in fcr:
-        ratios = [cell["fastcomm batch of 2"] / cell["fastcomm async_op pair"] for cell in launches]
-        print("batch of 2 / async_op pair (target: at most 1.0): "
-              f"{fcr['fastcomm batch of 2'] / fcr['fastcomm async_op pair']:.2f} of the medians; launch by launch "
-              + ", ".join(f"{r:.2f}" for r in ratios) + f", median {statistics.median(ratios):.2f}")
+    if "a" in parts:
+        print("## (a) Batch scaling: k all_reduces of a 10x10 float32 over k distinct groups per step\n")
+        print("single = k blocking `fc.all_reduce` calls; batch = one `fc.all_reduce_many` of k "
+              "(a `with fc.batch()` block); plan = one start of a plan of the k. World 2: k groups over [0, 1]; world 4: k pair groups "
+              "cycling through the 3 perfect matchings of 4 ranks.\n")
+        head = ["world", "k", "steps/loop", "single µs/op", "batch µs/op", "plan µs/op", "batch/single",
+                "plan/single"]
+        rows = []
+        for world in WORLDS:
+            for k in KS:
+                cell = results["scaling"][f"{world}/{k}"]
+                if "error" in cell:
+                    cells = [str(world), str(k), str(cell["steps"])] + ["FAILED"] * 5
+                else:
+                    s, b, pl = cell["single"], cell["batch"], cell["plan"]
+                    cells = [str(world), str(k), str(cell["steps"]), f"{s / k * 1e6:,.2f}", f"{b / k * 1e6:,.2f}",
+                             f"{pl / k * 1e6:,.2f}", f"{b / s:.2f}", f"{pl / s:.2f}"]
+                rows.append(cells)
+        print_table(head, rows)
+        print("\nbatch/single < 1: the batch of k costs less than k single ops (plan/single: the same "
+              "for a plan's start).")
 
-    failed = [f"(a) world/k {key}: {cell['error']}" for key, cell in results["scaling"].items()
-              if "error" in cell]
+    if "b" in parts:
+        print("\n## (b) Ring of overlapping neighbour groups, world 4: per step every rank "
+              "all_reduces a 10x10 float32 with (i-1, i) and with (i, i+1)\n")
+        head = ["variant", "steps/loop", "µs/step", "speedup vs Gloo"]
+        g = results["ring"]["torch Gloo async_op pair"]
+        rows = []
+        for name, v in results["ring"].items():
+            speed = "n/a" if v is None or g is None else f"{g / v:,.1f}x"
+            rows.append([name, str(steps_of[name]), fmt_us(v), speed])
+        print_table(head, rows, left=1)
+        print(f"\nfastcomm: the median of {repeat} launch(es). speedup = Gloo's µs/step / this variant's µs/step.")
+        if "error" not in fcr:
+            ratios = [cell["fastcomm batch of 2"] / cell["fastcomm async_op pair"] for cell in launches]
+            print("batch of 2 / async_op pair (target: at most 1.0): "
+                  f"{fcr['fastcomm batch of 2'] / fcr['fastcomm async_op pair']:.2f} of the medians; launch by launch "
+                  + ", ".join(f"{r:.2f}" for r in ratios) + f", median {statistics.median(ratios):.2f}")
+
+    if "c" in parts:
+        print_spellings(spell, repeat)
+    failed += [f"(a) world/k {key}: {cell['error']}" for key, cell in results["scaling"].items()
+               if "error" in cell]
     failed += [f"(b) {name}" for name, v in results["ring"].items() if v is None]
-    for part, cell in (("(b) fastcomm", fcr), ("(b) gloo", gl)):
-        if "error" in cell:
-            failed.append(f"{part}: {cell['error']}")
+    if "b" in parts:
+        for part, cell in (("(b) fastcomm", fcr), ("(b) gloo", gl)):
+            if "error" in cell:
+                failed.append(f"{part}: {cell['error']}")
+    failed += [f"(c) k={k}: {cell['error']}" for k in SPELLING_KS for cell in spell[k] if "error" in cell]
     return finish(results, failed, t_start, "Total benchmark time", args.json, args.plot,
-                  lambda path: write_plot(path, results))
+                  lambda path: write_plot(path, results) if {"a", "b"} <= parts
+                  else print("\nNote: the plot needs parts a and b; skipped."))
 
 
 if __name__ == "__main__":

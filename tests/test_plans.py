@@ -107,6 +107,7 @@ def _sweep_body(rank, world, lists, sizes, dtypes, starts):
             with fc.plan() as p:
                 rec.issue()
             assert len(p) == sum(2 if kind == "ring" else 1 for kind, *_ in rec.items)
+            outs = []
             for s in range(starts):
                 rec.refill(s)
                 if s % 2:
@@ -114,7 +115,15 @@ def _sweep_body(rank, world, lists, sizes, dtypes, starts):
                 else:
                     w = p.start()
                     assert w.wait() is True and w.is_completed() and w.exception() is None
+                    outs.append([t.data_ptr() for t in w.result()])
+                    outs.append([t.data_ptr() for t in w.get_future().value()])
                 bad += rec.check(s)
+            # Every start's Work holds the outputs a batch of the same ops holds, in order.
+            with fc.batch() as b:
+                rec.issue()
+            b.wait()
+            want = [t.data_ptr() for t in b.get_future().value()]
+            bad += [f"rank {rank}, n={n} {dt}: a start's outputs differ from a batch's" for o in outs if o != want]
     return bad
 
 

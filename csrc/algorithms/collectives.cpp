@@ -78,7 +78,9 @@ class PhasedOp final : public Op {
     }
   }
   bool done() const override { return phase_ == phases_; }
-  std::vector<at::Tensor> outputs() const override { return {outputs_.begin(), outputs_.end()}; }
+  void append_outputs(std::vector<at::Tensor>& out) const override {
+    out.insert(out.end(), outputs_.begin(), outputs_.end());
+  }
   bool restartable() const override { return true; }
   void restart() override {
     phase_ = 0;
@@ -297,7 +299,7 @@ class PairAllReduce final : public Op {
     return true;
   }
   bool done() const override { return done_; }
-  std::vector<at::Tensor> outputs() const override { return {t_}; }
+  void append_outputs(std::vector<at::Tensor>& out) const override { out.push_back(t_); }
   bool restartable() const override { return true; }
   void restart() override { sent_ = done_ = false; }
 

@@ -64,7 +64,7 @@ class DirectAllReduce final : public Op {
     }
   }
   bool done() const override { return state_ == kDone || (state_ == kFallback && fallback_->done()); }
-  std::vector<at::Tensor> outputs() const override { return {t_}; }
+  void append_outputs(std::vector<at::Tensor>& out) const override { out.push_back(t_); }
   bool restartable() const override { return fallback_->restartable(); }
   void restart() override {
     state_ = kStart;

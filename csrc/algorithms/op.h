@@ -19,8 +19,14 @@ class Op {
   // Returns true if it made any progress. May throw CommError (mismatch, protocol).
   virtual bool step(Comm& comm) = 0;
   virtual bool done() const = 0;
-  // Tensors handed to the user's Future when the op completes.
-  virtual std::vector<at::Tensor> outputs() const = 0;
+  // Tensors handed to the user's Future when the op completes, appended to `out` (a batch
+  // gathers its ops' into one list without a list per op).
+  virtual void append_outputs(std::vector<at::Tensor>& out) const = 0;
+  std::vector<at::Tensor> outputs() const {
+    std::vector<at::Tensor> out;
+    append_outputs(out);
+    return out;
+  }
   // A persistent plan's ops run again and again: restart() readies a completed op to run
   // from the start, on its tensors' contents then.
   virtual bool restartable() const { return false; }

@@ -175,11 +175,13 @@ c10::intrusive_ptr<Work> Engine::post(PreparedOps& ops, bool async_op, bool hidd
     return device_engine(dev)->post(std::move(dops), async_op, /*rethrow=*/hidden);
   }
   std::vector<at::Tensor> outputs;
+  if (!hidden) outputs.reserve(ops.size());
   for (auto& p : ops) {
     TORCH_CHECK_VALUE(!p.on_device, "fastcomm.batch: rank ", opts_.rank,
                       ": a batch runs on one device; it holds ops on cpu and on ", p.device);
-    if (!hidden)
-      for (auto& t : (p.outputs.empty() ? p.op->outputs() : p.outputs)) outputs.push_back(t);
+    if (hidden) continue;
+    if (p.outputs.empty()) p.op->append_outputs(outputs);
+    else outputs.insert(outputs.end(), p.outputs.begin(), p.outputs.end());
   }
   const c10d::OpType type = ops.size() == 1 ? ops[0].type : c10d::OpType::COALESCED;
   auto work = c10::make_intrusive<Work>(shared_from_this(), opts_.rank, type, std::move(outputs), (int)ops.size(),
@@ -297,13 +299,15 @@ std::shared_ptr<Plan> Engine::make_plan(PreparedOps ops) {
     for (const auto& t : p.req.inputs) note(t);
     plan->ops_.push_back(std::move(e));
   }
+  auto outputs = std::make_shared<std::vector<at::Tensor>>();
+  for (const auto& e : plan->ops_) e.op->append_outputs(*outputs);
+  plan->outputs_ = std::move(outputs);
   return plan;
 }
 
 c10::intrusive_ptr<Work> Engine::start(const std::shared_ptr<Plan>& plan, bool async_op) {
   Plan& pl = *plan;
   TORCH_CHECK(pl.engine_.get() == this, "fastcomm.plan: rank ", opts_.rank, ": the plan belongs to another engine");
-  std::vector<at::Tensor> outputs;
   for (size_t i = 0; i < pl.ops_.size(); ++i) {
     const Plan::Entry& e = pl.ops_[i];
     for (const auto& [t, data] : e.tensors)
@@ -311,12 +315,11 @@ c10::intrusive_ptr<Work> Engine::start(const std::shared_ptr<Plan>& plan, bool a
                         ", group ", ranks_label(e.group->ranks), ": a tensor of op #", i, " (", op_kind_name(e.kind),
                         ") has other storage than when the plan was recorded (resize_ or set_?); record the "
                         "plan again");
-    if (async_op)
-      for (auto& t : e.op->outputs()) outputs.push_back(t);
   }
   auto work = c10::make_intrusive<Work>(shared_from_this(), opts_.rank,
                                         pl.ops_.size() == 1 ? op_kind_type(pl.ops_[0].kind) : c10d::OpType::COALESCED,
-                                        std::move(outputs), (int)pl.ops_.size(), async_op);
+                                        std::vector<at::Tensor>(), (int)pl.ops_.size(), async_op);
+  if (async_op) work->share_outputs(pl.outputs_);
   Progress::Done done;
   {
     std::lock_guard<std::mutex> lk(mu_);

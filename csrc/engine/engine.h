@@ -59,6 +59,8 @@ class Plan {
   };
   std::shared_ptr<Engine> engine_;
   std::vector<Entry> ops_;
+  // Every op's outputs, in order: what each async start's Work shares.
+  std::shared_ptr<const std::vector<at::Tensor>> outputs_;
   c10::intrusive_ptr<Work> last_;  // the latest start; the engine lock
 };
 

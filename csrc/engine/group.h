@@ -76,7 +76,7 @@ class UnboundRecv final : public Op {
         req_(std::move(r)) {}
   bool step(Comm&) override { return false; }
   bool done() const override { return false; }
-  std::vector<at::Tensor> outputs() const override { return {req_.tensor}; }
+  void append_outputs(std::vector<at::Tensor>& out) const override { out.push_back(req_.tensor); }
   const OpRequest& request() const { return req_; }
 
  private:

@@ -37,7 +37,7 @@ std::exception_ptr Work::exception() const {
   return exception_;
 }
 
-std::vector<at::Tensor> Work::result() { return outputs_; }
+std::vector<at::Tensor> Work::result() { return outputs(); }
 
 void Work::rethrow_if_failed() const {
   // The outcome is written before done_'s release store and never after, so once done() it is
@@ -60,7 +60,7 @@ c10::intrusive_ptr<c10::ivalue::Future> Work::getFuture() {
     if (completed_) {
       future_published_ = true;
       if (exception_) future_->setError(exception_);
-      else future_->markCompleted(c10::IValue(outputs_));
+      else future_->markCompleted(c10::IValue(outputs()));
     }
   }
   return future_;
@@ -89,7 +89,7 @@ void Work::publish() {
     error = exception_;
   }
   if (error) fut->setError(error);
-  else fut->markCompleted(c10::IValue(outputs_));
+  else fut->markCompleted(c10::IValue(outputs()));
 }
 
 }  // namespace fastcomm

@@ -52,6 +52,10 @@ class Work : public c10d::Work {
     if (parts_ == 1) source_.store(group_rank, std::memory_order_release);
   }
 
+  // A persistent plan's start: its outputs are the plan's list, shared rather than copied
+  // (before the Work is posted).
+  void share_outputs(std::shared_ptr<const std::vector<at::Tensor>> outputs) { shared_outputs_ = std::move(outputs); }
+
   // Whether the op is done only once the device has run it (a blocking call then returns at
   // once, the caller's stream ordered after the op, as torch's NCCL backend does).
   virtual bool on_device() const { return false; }
@@ -72,6 +76,8 @@ class Work : public c10d::Work {
 
  protected:
   std::vector<at::Tensor> outputs_;
+  std::shared_ptr<const std::vector<at::Tensor>> shared_outputs_;  // used instead when set
+  const std::vector<at::Tensor>& outputs() const { return shared_outputs_ ? *shared_outputs_ : outputs_; }
   c10::intrusive_ptr<c10::ivalue::Future> future_;  // created on first getFuture(); mutex_
   bool future_published_ = false;                    // mutex_
 
