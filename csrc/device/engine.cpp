@@ -272,7 +272,11 @@ void ChannelEngine::make_ready(DevOp* op) {
     }
     PairAgreement::Out out;
     c.agree.ready(Item{op->key, p->sig, p->agree_only, p}, out);
-    apply(c, out);
+    try {
+      apply(c, out);  // a follower's commit goes out at once
+    } catch (const std::exception& e) {
+      doom(c, e.what());  // the control path failed: the peer's channel only
+    }
   }
 }
 
