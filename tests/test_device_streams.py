@@ -12,7 +12,10 @@ control back while the device had not run an op asserts an order, not a duration
 - H2: a zero-size op is agreed like any other (a mismatch, not a timeout);
 - H3: int16 never reaches NCCL's reductions (the fake refuses it, as NCCL does);
 - H4: an op's memory outlives every stream that may still write it, after an abort too;
-- H5: the engine's event queries do not invalidate a graph the caller captures in the global mode.
+- H5: the engine's event queries do not invalidate a graph the caller captures in the global mode;
+- H1: a channel whose op timed out goes on in a new epoch, its peer's side cancelled, not timed out;
+- H6: an abort that blocks holds up no other channel;
+- H8: idle pair and group communicators are released, join streams reused.
 """
 from __future__ import annotations
 
