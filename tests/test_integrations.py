@@ -1,7 +1,8 @@
-"""The README's Lightning and accelerate snippets, run as written on 2 ranks (under torchrun;
+"""The Lightning and accelerate snippets of docs/integrations.md (the README points there), run
+as written on 2 ranks (under torchrun;
 Lightning's also as `python script`, which starts the second rank itself), each
 followed by a check that the job ran on fastcomm and that DDP kept the ranks' parameters equal.
-Also the refusal the README describes: accelerate's InitProcessGroupKwargs(backend="fastcomm")
+Also the refusal it describes: accelerate's InitProcessGroupKwargs(backend="fastcomm")
 on CPU. Skips where the packages are not installed (requirements-integrations.txt)."""
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ with open(f"check.{_dist.get_rank()}", "w") as _f:
 """
 
 
-def readme_snippet(name):
-    text = open(os.path.join(ROOT, "README.md")).read()
+def doc_snippet(name):
+    text = open(os.path.join(ROOT, "docs", "integrations.md")).read()
     m = re.search(r"<!-- tested: " + re.escape(name) + r"\b.*?-->\n```python\n(.*?)```", text, re.S)
-    assert m, f"README.md has no tested block named {name!r}"
+    assert m, f"docs/integrations.md has no tested block named {name!r}"
     return m.group(1)
 
 
@@ -59,7 +60,7 @@ def launch(script, cwd, launcher="torchrun"):
 def test_readme_snippet_runs_on_fastcomm(tmp_path, name, launcher):
     pytest.importorskip(name, reason=f"{name} is not installed (requirements-integrations.txt)")
     script = tmp_path / f"{name}_snippet.py"
-    script.write_text(readme_snippet(name) + CHECKS[name] + REPORT)
+    script.write_text(doc_snippet(name) + CHECKS[name] + REPORT)
     rc, out = launch(script, tmp_path, launcher)
     assert rc == 0, out[-6000:]
     lines = [(tmp_path / f"check.{r}").read_text() for r in range(2)]
@@ -77,5 +78,5 @@ def test_accelerate_refuses_the_name_on_cpu(tmp_path):
         "from accelerate.utils import InitProcessGroupKwargs\n"
         "Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(backend='fastcomm')])\n")
     rc, out = launch(script, tmp_path)
-    # If this starts to pass, accelerate accepts the name: the README's advice can go.
+    # If this starts to pass, accelerate accepts the name: the advice in docs/integrations.md can go.
     assert rc != 0 and "Your assigned backend fastcomm is not available" in out, out[-4000:]

@@ -8,12 +8,18 @@
 #include <c10/util/Exception.h>
 #include <cerrno>
 #include <cstring>
+#include <exception>
 #include <string>
 
 namespace fastcomm {
 
 [[noreturn]] inline void throw_comm_error(const std::string& msg) {
   C10_THROW_ERROR(DistBackendError, msg);
+}
+
+// The same error as a value, for an op or a Work to hold and raise later.
+inline std::exception_ptr comm_error_ptr(const std::string& msg) {
+  return std::make_exception_ptr(c10::DistBackendError({__func__, __FILE__, (uint32_t)__LINE__}, msg));
 }
 
 inline std::string errno_str(int e) {

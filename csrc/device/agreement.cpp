@@ -160,21 +160,15 @@ std::vector<Entry> PairAgreement::drop_all(Why why, const std::vector<Key>& laun
 
 void PairAgreement::take_floors(const std::vector<Entry>& floors, Out& out) {
   for (const Entry& e : floors) raise_floor(e.key);
-  for (auto it = open_.begin(); it != open_.end();) {
-    if (!cancelled(it->first)) {
-      ++it;
-      continue;
+  for (auto* held : {&open_, &awaiting_}) {
+    for (auto it = held->begin(); it != held->end();) {
+      if (!cancelled(it->first)) {
+        ++it;
+        continue;
+      }
+      out.failed.push_back({it->second.token, Why::kCancelled, Sig{}});
+      it = held->erase(it);
     }
-    out.failed.push_back({it->second.token, Why::kCancelled, Sig{}});
-    it = open_.erase(it);
-  }
-  for (auto it = awaiting_.begin(); it != awaiting_.end();) {
-    if (!cancelled(it->first)) {
-      ++it;
-      continue;
-    }
-    out.failed.push_back({it->second.token, Why::kCancelled, Sig{}});
-    it = awaiting_.erase(it);
   }
   proposals_.erase(std::remove_if(proposals_.begin(), proposals_.end(), [&](const Entry& e) { return cancelled(e.key); }),
                    proposals_.end());

@@ -10,18 +10,6 @@
 namespace fastcomm {
 namespace device {
 
-namespace {
-
-std::exception_ptr comm_error_ptr(const std::string& msg) {
-  try {
-    throw_comm_error(msg);
-  } catch (...) {
-    return std::current_exception();
-  }
-}
-
-}  // namespace
-
 Channel& ChannelEngine::channel(int peer) {
   auto& c = channels_[peer];
   if (!c) {
@@ -265,8 +253,10 @@ void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
 }
 
 void ChannelEngine::apply(Channel& c, PairAgreement::Out& out, const UniqueId* go_id) {
-  const std::string me = "fastcomm: rank " + std::to_string(rank_);
+  // Built only for a failure: apply runs for every op made ready and every frame.
+  auto me_str = [&] { return "fastcomm: rank " + std::to_string(rank_); };
   for (auto& fl : out.failed) {
+    const std::string me = me_str();
     Part* p = static_cast<Part*>(fl.token);
     std::string why;
     switch (fl.why) {
@@ -309,7 +299,7 @@ void ChannelEngine::apply(Channel& c, PairAgreement::Out& out, const UniqueId* g
       g.has_next = true;
     }
     if (!dc.go)
-      fail_op(p->op, comm_error_ptr(me + ", group " + p->op->label + ": " + op_kind_name(p->op->kind) +
+      fail_op(p->op, comm_error_ptr(me_str() + ", group " + p->op->label + ": " + op_kind_name(p->op->kind) +
                                     " refused by the group's rank 0 (rank " + std::to_string(c.peer) +
                                     "): another member issued a mismatched op"));
     p->state = Part::kDone;

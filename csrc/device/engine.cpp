@@ -14,13 +14,6 @@ namespace {
 // Passes the engine thread yields between before it sleeps while ops are live.
 constexpr int kYieldPasses = 200;
 
-std::exception_ptr comm_error_ptr(const std::string& msg) {
-  try {
-    throw_comm_error(msg);
-  } catch (...) {
-    return std::current_exception();
-  }
-}
 
 std::string what_of(const std::exception_ptr& e) {
   try {

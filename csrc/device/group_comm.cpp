@@ -5,18 +5,6 @@
 namespace fastcomm {
 namespace device {
 
-namespace {
-
-std::exception_ptr comm_error_ptr(const std::string& msg) {
-  try {
-    throw_comm_error(msg);
-  } catch (...) {
-    return std::current_exception();
-  }
-}
-
-}  // namespace
-
 Comm ChannelEngine::new_group_comm(GroupComm& g, const UniqueId& id) {
   g.id = id;
   g.comm = rt_->comm_init(id, (int)g.ranks.size(), g.me);

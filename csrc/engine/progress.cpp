@@ -10,10 +10,6 @@
 namespace fastcomm {
 
 namespace {
-std::exception_ptr backend_error(const std::string& msg) {
-  return std::make_exception_ptr(c10::DistBackendError({__func__, __FILE__, (uint32_t)__LINE__}, msg));
-}
-
 // The time deadlines count from: the coarse clock (a read of a kernel word, where a precise
 // read costs a blocking op several percent), one resolution step on, so that no op times out
 // early. Deadlines are met against the precise clock, which the coarse one lags.
@@ -73,7 +69,7 @@ void Progress::post_locked(PostedOps ops, const c10::intrusive_ptr<Work>& work, 
     const std::string exited = exited_locked(g.ranks);
     if (!exited.empty()) {
       settle_locked(done, work,
-                    backend_error("fastcomm: rank " + std::to_string(rank_) + ", group " + g.label + ": " +
+                    comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ", group " + g.label + ": " +
                                   (x.any_source ? "recv from any source (tag " + std::to_string(x.port->tag) + ")"
                                                 : describe(x.op->desc())) +
                                   " cannot run: " + exited));
@@ -165,7 +161,7 @@ void Progress::fail_any_source_locked(RecvPort& port, const std::string& msg, Do
       keep.push_back(std::move(w));
       continue;
     }
-    settle_locked(done, w.p.work, backend_error(port_prefix(port, w.p) + msg));
+    settle_locked(done, w.p.work, comm_error_ptr(port_prefix(port, w.p) + msg));
     done.gone.push_back(std::move(w.p));
   }
   port.waiting.swap(keep);
@@ -370,7 +366,7 @@ void Progress::health_locked(Done& done) {
       ++i;
       continue;
     }
-    auto e = backend_error(msg);
+    auto e = comm_error_ptr(msg);
     // A dead member dooms every queued op of the group; a timeout only the one that stalled.
     // Other members are not told of a death: each finds out itself (the look above covers
     // every member of a busy group), and a notice could reach one before its own look did.
@@ -394,7 +390,7 @@ void Progress::health_locked(Done& done) {
              now >= port.waiting.front().p.deadline) {
         Pending& p = port.waiting.front().p;
         settle_locked(done, p.work,
-                      backend_error(port_prefix(port, p) + " timed out after " +
+                      comm_error_ptr(port_prefix(port, p) + " timed out after " +
                                     std::to_string(port.group->timeout.count()) +
                                     " ms: no member sent this rank a message with that tag"));
         done.gone.push_back(std::move(p));
