@@ -4,7 +4,8 @@
 # figure on this machine's cores; first, so that a hung test cannot take its time); runs the NCCL
 # tests (several ranks share the GPU, each with its own NCCL_HOSTID), the cyclic-order test
 # first, then benchmarks/device_streams.py (stream semantics and host cost against torch NCCL),
-# then the rest of tests/test_nccl.py; then benchmarks/nccl_pairs.py (fastcomm vs torch NCCL).
+# then the rest of tests/test_nccl.py, tests/test_device_collectives.py on CUDA tensors
+# (FASTCOMM_DEVICE_TEST=cuda); then benchmarks/nccl_pairs.py (fastcomm vs torch NCCL).
 # It writes a Markdown report to ${OUT:-reports}/gpu_check.md (each step's command, exit code,
 # wall time and output tail; the whole logs go to gpu_check.log beside it, the MWE's
 # numbers to forum_mwe.json).
@@ -201,6 +202,8 @@ if [ "$BUILT" = 1 ]; then
   step bench "benchmarks/device_streams.py: run-ahead, host cost and back-to-back vs torch NCCL, memory over 10,000 pair groups" 150 \
     "$RUN; '$PY' '$ROOT/benchmarks/device_streams.py' --world 4 --ops 1000 --groups 10000 --json '$REPORT_DIR/device_streams.json'"
   step test "tests/test_nccl.py (the rest)" 300 "$RUN; $PYTEST -k 'not cyclic'"
+  step test "tests/test_device_collectives.py on CUDA tensors (reduce, gather, scatter, all_to_all(_single), flat and coalesced forms, batch, plan, backend, graph capture refusal)" 150 \
+    "$RUN; FASTCOMM_DEVICE_TEST=cuda '$PY' -m pytest -q -s -rA -p no:cacheprovider --rootdir='$ROOT' '$ROOT/tests/test_device_collectives.py'"
   step bench "benchmarks/nccl_pairs.py: fastcomm vs torch NCCL, ranks on one GPU" 150 \
     "$RUN; '$PY' '$ROOT/benchmarks/nccl_pairs.py' --pairs 1 4 --iters 300 --job-timeout 120"
 else

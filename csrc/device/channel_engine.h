@@ -118,6 +118,8 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
 
  private:
   void wait_until(Work& w, bool launched_enough, std::chrono::milliseconds timeout);
+  // Ops issued on a stream under CUDA graph capture: refused, naming the plan route.
+  [[noreturn]] void throw_capture_refusal(const std::vector<DeviceOp>& dops) const;
 
   // ---- the engine thread (engine.cpp)
   void main();

@@ -46,8 +46,7 @@ ChannelEngine::ChannelEngine(const EngineOptions& opts, HostLink& host, std::uni
 
 c10::intrusive_ptr<Work> ChannelEngine::post(std::vector<DeviceOp> dops, bool async_op, bool rethrow) {
   const Stream caller = rt_->current_stream();
-  TORCH_CHECK(!rt_->capturing(caller), "fastcomm: rank ", rank_,
-              ": device ops cannot be captured in a CUDA graph (their transfers are scheduled by the host)");
+  if (rt_->capturing(caller)) throw_capture_refusal(dops);
   {
     // An error of a group's earlier blocking op that came after the call returned.
     std::lock_guard<std::mutex> lk(mu_);
@@ -106,6 +105,18 @@ c10::intrusive_ptr<Work> ChannelEngine::post(std::vector<DeviceOp> dops, bool as
     else work->rethrow_if_failed();
   }
   return work;
+}
+
+void ChannelEngine::throw_capture_refusal(const std::vector<DeviceOp>& dops) const {
+  const char* api = dops.empty() ? "batch" : op_kind_name(dops[0].req.kind);
+  C10_THROW_ERROR(Error, c10::str("fastcomm.", api, ": rank ", rank_, dops.empty() ? "" : ", group ",
+              dops.empty() ? "" : dops[0].label,
+              ": issued while the caller's stream is being captured into a CUDA graph. fastcomm launches an op's "
+              "transfers from its engine thread once the members have agreed on it, so an op issued under capture "
+              "cannot be recorded into the graph; nothing was issued. The route for repeated small collectives is a "
+              "persistent plan: record the ops once with `with fastcomm.plan() as p: ...` (order and matching are "
+              "checked then) and run `p.start()` outside the capture; capturing a plan into a CUDA graph is not "
+              "supported yet (docs/design.md, \"CUDA graphs\")"));
 }
 
 void ChannelEngine::wait_until(Work& w, bool launched_enough, std::chrono::milliseconds timeout) {

@@ -31,6 +31,16 @@ bool nccl_reduces(c10::ScalarType t) {
   }
 }
 
+// Bytes of each member's block of `t`, split along dim 0 by `splits` (empty: equally); the
+// request's checks made sure they fit.
+std::vector<size_t> split_bytes(const at::Tensor& t, const std::vector<int64_t>& splits, int n) {
+  const int64_t rows = t.dim() ? t.size(0) : 0;
+  const size_t row = rows ? t.nbytes() / (size_t)rows : 0;
+  std::vector<size_t> out((size_t)n, splits.empty() ? (size_t)(rows / n) * row : 0);
+  for (size_t i = 0; i < splits.size() && i < out.size(); ++i) out[i] = (size_t)splits[i] * row;
+  return out;
+}
+
 }  // namespace
 
 }  // namespace device
@@ -39,6 +49,8 @@ bool device_runs(OpKind k) {
   switch (k) {
     case OpKind::kAllReduce: case OpKind::kBroadcast: case OpKind::kAllGather: case OpKind::kAllGatherIntoTensor:
     case OpKind::kReduceScatter: case OpKind::kReduceScatterTensor: case OpKind::kSend: case OpKind::kRecv:
+    case OpKind::kReduce: case OpKind::kGather: case OpKind::kScatter: case OpKind::kAllToAll:
+    case OpKind::kAllToAllSingle:
       return true;
     default:
       return false;
@@ -50,8 +62,11 @@ namespace device {
 std::string sig_str(const Sig& s) {
   std::string r = op_kind_name((OpKind)s.kind);
   r += "(" + std::string(c10::toString((c10::ScalarType)s.dtype)) + ", " + std::to_string(s.bytes) + " bytes";
+  if (s.kind == (uint8_t)OpKind::kAllToAll || s.kind == (uint8_t)OpKind::kAllToAllSingle)
+    r = op_kind_name((OpKind)s.kind) + std::string("(") + c10::toString((c10::ScalarType)s.dtype) + ", sending " +
+        std::to_string(s.bytes) + " bytes to and receiving " + std::to_string(s.back) + " bytes from the other";
   if (s.kind == (uint8_t)OpKind::kAllReduce || s.kind == (uint8_t)OpKind::kReduceScatter ||
-      s.kind == (uint8_t)OpKind::kReduceScatterTensor)
+      s.kind == (uint8_t)OpKind::kReduceScatterTensor || s.kind == (uint8_t)OpKind::kReduce)
     r += std::string(", op ") + redop_name(s.redop);
   if (s.root >= 0) r += ", root " + std::to_string(s.root);
   if (s.flags & kOnGroupComm) r += ", on the group's communicator";
@@ -63,6 +78,9 @@ bool compatible(const Sig& a, const Sig& b) {
   const bool p2p = (a.kind == (uint8_t)OpKind::kSend && b.kind == (uint8_t)OpKind::kRecv) ||
                    (a.kind == (uint8_t)OpKind::kRecv && b.kind == (uint8_t)OpKind::kSend);
   if (p2p) return a.dtype == b.dtype && a.bytes == b.bytes;
+  // all_to_all: what one side sends is what the other receives (a zero-byte pair still agrees).
+  if (a.kind == (uint8_t)OpKind::kAllToAll || a.kind == (uint8_t)OpKind::kAllToAllSingle)
+    return a.kind == b.kind && a.dtype == b.dtype && a.flags == b.flags && a.bytes == b.back && a.back == b.bytes;
   return a == b && !(a.flags & kGroupBroken);
 }
 
@@ -83,9 +101,9 @@ std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, c
   op->label = d.label;
   op->batch = batch;
   op->timeout = d.timeout;
-  const bool reduces =
-      r.kind == OpKind::kAllReduce || r.kind == OpKind::kReduceScatter || r.kind == OpKind::kReduceScatterTensor;
-  const at::Tensor& typed = r.output.defined() ? r.output : r.tensor;
+  const bool reduces = r.kind == OpKind::kAllReduce || r.kind == OpKind::kReduceScatter ||
+                       r.kind == OpKind::kReduceScatterTensor || r.kind == OpKind::kReduce;
+  const at::Tensor& typed = r.kind == OpKind::kAllToAll ? r.inputs.at(0) : r.output.defined() ? r.output : r.tensor;
   if (reduces) {
     TORCH_CHECK_TYPE(folds(typed.scalar_type()), "fastcomm.", api, ": rank ", rank_, ", group ", d.label, ": dtype ",
                      typed.scalar_type(), " is not supported for ", dev.type(), " tensors");
@@ -107,6 +125,7 @@ std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, c
     return p;
   };
   auto slot = [&](int j) { return (size_t)(j < me ? j : j - 1); };
+  auto group_rank = [&](int global) { return (int)(std::find(d.ranks.begin(), d.ranks.end(), global) - d.ranks.begin()); };
   // A zero-size op moves nothing but is still agreed with every peer it would exchange with,
   // so a member that issued a non-empty op gets a mismatch, not a timeout.
   auto agree_with_all = [&] {
@@ -250,6 +269,99 @@ std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, c
       if (r.kind == OpKind::kSend) p.sends.emplace_back(r.tensor.data_ptr(), sig.bytes);
       else p.recvs.emplace_back(r.tensor.data_ptr(), sig.bytes);
       break;
+    }
+    case OpKind::kReduce: {
+      // The root folds every member's tensor into its own; the others only send theirs.
+      op->keep = {r.tensor};
+      const int root = group_rank(r.peer);
+      const size_t bytes = r.tensor.nbytes();
+      sig.bytes = bytes;
+      sig.root = root;
+      if (n == 1) break;
+      if (me != root) {
+        Part& p = add_part(d.ranks[root]);
+        if (bytes) p.sends.emplace_back(r.tensor.data_ptr(), bytes);
+        break;
+      }
+      if (bytes == 0) {
+        agree_with_all();
+        break;
+      }
+      op->scratch = rt.scratch((int64_t)(n - 1) * r.tensor.numel(), r.tensor, how.join);
+      auto* s = (uint8_t*)op->scratch.data_ptr();
+      for (int j = 0; j < n; ++j) {
+        if (j == me) continue;
+        add_part(d.ranks[j]).recvs.emplace_back(s + slot(j) * bytes, bytes);
+      }
+      op->folds.push_back(FoldJob{r.tensor.data_ptr(), r.tensor.data_ptr(), s, r.tensor.numel(), n, me,
+                                  r.tensor.scalar_type(), r.redop});
+      break;
+    }
+    case OpKind::kGather:
+    case OpKind::kScatter: {
+      // The root exchanges one block with each member (`list`, on the root only); its own is a
+      // local copy.
+      const bool gather = r.kind == OpKind::kGather;
+      op->keep = r.list;
+      op->keep.push_back(r.tensor);
+      const int root = group_rank(r.peer);
+      const size_t bytes = r.tensor.nbytes();
+      sig.bytes = bytes;
+      sig.root = root;
+      if (me != root) {
+        Part& p = add_part(d.ranks[root]);
+        if (bytes && gather) p.sends.emplace_back(r.tensor.data_ptr(), bytes);
+        if (bytes && !gather) p.recvs.emplace_back(r.tensor.data_ptr(), bytes);
+        break;
+      }
+      for (int j = 0; j < n; ++j) {
+        if (j == me) continue;
+        Part& p = add_part(d.ranks[j]);
+        if (bytes && gather) p.recvs.emplace_back(r.list[j].data_ptr(), bytes);
+        if (bytes && !gather) p.sends.emplace_back(r.list[j].data_ptr(), bytes);
+      }
+      void* mine = r.list[me].data_ptr();
+      if (bytes && mine != r.tensor.data_ptr()) {
+        if (gather) op->copies.emplace_back(mine, r.tensor.data_ptr(), bytes);
+        else op->copies.emplace_back(r.tensor.data_ptr(), mine, bytes);
+      }
+      break;
+    }
+    case OpKind::kAllToAll:
+    case OpKind::kAllToAllSingle: {
+      // One part with every other member, each with its own sizes (both sides agree on them:
+      // what one sends is what the other receives), a zero-byte one too.
+      std::vector<std::pair<const void*, size_t>> in;
+      std::vector<std::pair<void*, size_t>> out;
+      if (r.kind == OpKind::kAllToAll) {
+        op->keep = r.list;
+        op->keep.insert(op->keep.end(), r.inputs.begin(), r.inputs.end());
+        for (int j = 0; j < n; ++j) {
+          in.emplace_back(r.inputs[j].data_ptr(), r.inputs[j].nbytes());
+          out.emplace_back(r.list[j].data_ptr(), r.list[j].nbytes());
+        }
+      } else {
+        op->keep = {r.tensor, r.output};
+        const auto in_b = split_bytes(r.tensor, r.input_splits, n), out_b = split_bytes(r.output, r.output_splits, n);
+        size_t a = 0, b = 0;
+        for (int j = 0; j < n; ++j) {
+          in.emplace_back((const uint8_t*)r.tensor.data_ptr() + a, in_b[j]);
+          out.emplace_back((uint8_t*)r.output.data_ptr() + b, out_b[j]);
+          a += in_b[j];
+          b += out_b[j];
+        }
+      }
+      for (int j = 0; j < n; ++j) {
+        if (j == me) continue;
+        Part& p = add_part(d.ranks[j]);
+        p.sig.bytes = in[j].second;
+        p.sig.back = out[j].second;
+        if (in[j].second) p.sends.push_back(in[j]);
+        if (out[j].second) p.recvs.push_back(out[j]);
+      }
+      if (in[me].second && in[me].first != out[me].first) op->copies.emplace_back(out[me].first, in[me].first, in[me].second);
+      op->parts_left = op->parts_unlaunched = (int)op->parts.size();
+      return op;  // each part keeps its own signature
     }
     default:
       TORCH_CHECK_VALUE(false, "fastcomm.", api, ": rank ", rank_, ", group ", d.label, ": not supported for ",

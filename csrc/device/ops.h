@@ -32,10 +32,11 @@ struct Sig {
   uint8_t redop = 0;
   uint8_t flags = 0;  // SigFlags
   int32_t root = -1;
-  uint64_t bytes = 0;  // what this pair moves each way
+  uint64_t bytes = 0;  // what this pair moves each way (all_to_all: what this side sends)
+  uint64_t back = 0;   // all_to_all: what this side receives (the pairs of one op differ in size)
   bool operator==(const Sig& o) const {
     return kind == o.kind && dtype == o.dtype && redop == o.redop && flags == o.flags && root == o.root &&
-           bytes == o.bytes;
+           bytes == o.bytes && back == o.back;
   }
 };
 enum SigFlags : uint8_t {
@@ -57,7 +58,7 @@ struct Entry {
   Key key;
   Sig sig;
 };
-static_assert(sizeof(Entry) == 32, "control entry layout");
+static_assert(sizeof(Entry) == 40, "control entry layout");
 
 // kGo and kRefuse: the group leader's word on a group-communicator op (see GroupComm), once
 // every member answered its proposal; a kGo with an id carries the group communicator's.

@@ -276,20 +276,15 @@ std::shared_ptr<Plan> Engine::make_plan(PreparedOps ops) {
   plan->engine_ = shared_from_this();
   plan->ops_.reserve(ops.size());
   for (auto& p : ops) {
-    TORCH_CHECK_VALUE(!p.on_device, "fastcomm.plan: rank ", opts_.rank, ", group ", ranks_label(p.group->ranks),
-                      ": plans hold host ops only; this ", op_kind_name(p.req.kind), " is on ", p.device);
+    TORCH_CHECK_VALUE(p.on_device == ops[0].on_device && p.device == ops[0].device, "fastcomm.plan: rank ",
+                      opts_.rank, ", group ", ranks_label(p.group->ranks), ": a plan runs on one device; it holds ops on ",
+                      ops[0].device, " and on ", p.device);
     TORCH_CHECK_VALUE(p.type != c10d::OpType::RECVANYSOURCE, "fastcomm.plan: rank ", opts_.rank, ", group ",
                       ranks_label(p.group->ranks),
                       ": a receive from any source cannot be part of a plan (its sender is matched anew each time)");
-    TORCH_INTERNAL_ASSERT(p.op && p.op->restartable(), "fastcomm.plan: ", op_kind_name(p.req.kind),
-                          " op cannot restart");
     Plan::Entry e;
     e.group = p.group;
-    e.op = std::move(p.op);
     e.kind = p.req.kind;
-    e.recv = p.recv;
-    e.recv_group = p.recv_group;
-    e.tag = p.tag;
     auto note = [&](const at::Tensor& t) {
       if (t.defined()) e.tensors.emplace_back(t, t.has_storage() ? t.storage().data() : nullptr);
     };
@@ -297,10 +292,24 @@ std::shared_ptr<Plan> Engine::make_plan(PreparedOps ops) {
     note(p.req.output);
     for (const auto& t : p.req.list) note(t);
     for (const auto& t : p.req.inputs) note(t);
+    if (p.on_device) {
+      e.on_device = true;
+      e.device = p.device;
+      e.req = p.req;
+      plan->ops_.push_back(std::move(e));
+      continue;
+    }
+    TORCH_INTERNAL_ASSERT(p.op && p.op->restartable(), "fastcomm.plan: ", op_kind_name(p.req.kind),
+                          " op cannot restart");
+    e.op = std::move(p.op);
+    e.recv = p.recv;
+    e.recv_group = p.recv_group;
+    e.tag = p.tag;
     plan->ops_.push_back(std::move(e));
   }
   auto outputs = std::make_shared<std::vector<at::Tensor>>();
-  for (const auto& e : plan->ops_) e.op->append_outputs(*outputs);
+  for (const auto& e : plan->ops_)
+    if (e.op) e.op->append_outputs(*outputs);
   plan->outputs_ = std::move(outputs);
   return plan;
 }
@@ -316,6 +325,7 @@ c10::intrusive_ptr<Work> Engine::start(const std::shared_ptr<Plan>& plan, bool a
                         ") has other storage than when the plan was recorded (resize_ or set_?); record the "
                         "plan again");
   }
+  if (!pl.ops_.empty() && pl.ops_[0].on_device) return start_on_device(pl, async_op);
   auto work = c10::make_intrusive<Work>(shared_from_this(), opts_.rank,
                                         pl.ops_.size() == 1 ? op_kind_type(pl.ops_[0].kind) : c10d::OpType::COALESCED,
                                         std::vector<at::Tensor>(), (int)pl.ops_.size(), async_op);
@@ -355,6 +365,25 @@ c10::intrusive_ptr<Work> Engine::start(const std::shared_ptr<Plan>& plan, bool a
     work->rethrow_if_failed();
   }
   return work;
+}
+
+// A device plan's start posts its requests again: the device engine agrees and launches each
+// post's ops itself, and the members start their plans in the same order, as for any op.
+c10::intrusive_ptr<Work> Engine::start_on_device(Plan& pl, bool async_op) {
+  std::vector<DeviceOp> dops;
+  dops.reserve(pl.ops_.size());
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    TORCH_CHECK(!shut_down_, "fastcomm.plan: rank ", opts_.rank,
+                ": the plan was recorded before fastcomm.shutdown(); record it again after init()");
+    for (const auto& e : pl.ops_) {
+      TORCH_CHECK(groups_.owns(*e.group), "fastcomm.plan: rank ", opts_.rank, ", group ", ranks_label(e.group->ranks),
+                  ": the plan was recorded before fastcomm.shutdown(); record it again after init()");
+      const GroupState& g = *e.group;
+      dops.push_back(DeviceOp{e.req, g.ranks, g.rank, g.id, g.timeout, ranks_label(g.ranks)});
+    }
+  }
+  return device_engine(pl.ops_[0].device)->post(std::move(dops), async_op, /*rethrow=*/true);
 }
 
 // ---------------------------------------------------------------------------------------------

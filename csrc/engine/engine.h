@@ -56,6 +56,11 @@ class Plan {
     // Every tensor the op touches, with where its data was at recording: the algorithm holds
     // raw pointers into it, so a tensor given other storage since must not run.
     c10::SmallVector<std::pair<at::Tensor, const void*>, 2> tensors;
+    // A device op: its checked request, posted anew to the device engine at every start (whose
+    // ops are agreed and launched per post).
+    bool on_device = false;
+    c10::Device device = c10::Device(c10::kCPU);
+    OpRequest req;
   };
   std::shared_ptr<Engine> engine_;
   std::vector<Entry> ops_;
@@ -158,6 +163,7 @@ class Engine final : public Waiter, public HostLink, public std::enable_shared_f
  private:
   void check_member(const GroupHandle& g, OpKind k) const;
   c10::intrusive_ptr<Work> run_alone(Prepared& p, bool hidden);
+  c10::intrusive_ptr<Work> start_on_device(Plan& plan, bool async_op);
   std::shared_ptr<DeviceEngine> device_engine(c10::Device device);
   c10::intrusive_ptr<Work> control(OpKind kind, int peer, at::Tensor bytes);
 
