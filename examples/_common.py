@@ -4,7 +4,9 @@ Every example runs its ranks either under a launcher that sets RANK and WORLD_SI
 also MASTER_ADDR and MASTER_PORT) or, without one, on ``--nproc`` local processes it forks
 itself, rendezvousing on a free loopback port. ``--backend torch`` runs the same program on
 torch.distributed's Gloo; ``--compare`` runs torch Gloo, then fastcomm, in the same processes,
-and prints the speed-up. Rank 0 prints the summary; ``--json`` ends it with one JSON line."""
+and prints the speed-up. ``--device cuda`` (the examples that take it) puts the model and its
+tensors on the GPU (rank r on GPU r mod the GPUs there are, so several ranks may share one) and
+compares with torch's NCCL backend instead of Gloo. Rank 0 prints the summary; ``--json`` ends it with one JSON line."""
 from __future__ import annotations
 
 import json
@@ -25,6 +27,11 @@ import fastcomm as fc
 LABELS = {"fastcomm": "fastcomm", "torch": "torch Gloo"}
 
 
+def add_device_arg(ap):
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the model and the communicated tensors live (cuda: compared with torch NCCL)")
+
+
 def add_common_args(ap, nproc):
     ap.add_argument("--nproc", type=int, default=nproc,
                     help=f"local ranks to start when no launcher set RANK/WORLD_SIZE "
@@ -43,14 +50,18 @@ class Library:
     """The library under test, for what every example does besides its own communication:
     gathering each rank's numbers for the summary."""
 
-    def __init__(self, name, rank, world):
+    def __init__(self, name, rank, world, device="cpu"):
         self.name, self.label, self.rank, self.world = name, LABELS[name], rank, world
+        self.device = device
 
     def all_gather(self, t):
-        """Every rank's ``t`` (a 1-D float tensor of the same length everywhere), as rows."""
+        """Every rank's ``t`` (a 1-D float tensor of the same length everywhere), as rows, on
+        the CPU (torch's NCCL backend gathers on the GPU)."""
+        if self.name == "torch" and self.device == "cuda":
+            t = t.to(self.device)
         out = [torch.empty_like(t) for _ in range(self.world)]
         (fc if self.name == "fastcomm" else dist).all_gather(out, t.contiguous())
-        return torch.stack(out)
+        return torch.stack(out).cpu()
 
 
 def under_launcher():
@@ -66,6 +77,9 @@ def run(body, args, title, details=None):
     """Runs ``body(lib, rank, world, args)`` on every rank, once per library asked for; its
     result on rank 0 (a dict with step_ms, comm_ms, loss_first, loss_final) is summarized there.
     ``details(result)`` adds an example-specific line. Returns the exit status."""
+    if getattr(args, "device", "cpu") == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: torch sees no CUDA device here", file=sys.stderr)
+        return 2
     if under_launcher():
         _run_rank(body, args, title, details)
         return 0
@@ -76,15 +90,23 @@ def _run_rank(body, args, title, details):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     names = ["torch", "fastcomm"] if args.compare else [args.backend]
     timeout = timedelta(seconds=args.timeout)
+    device = getattr(args, "device", "cpu")
+    if device == "cuda":
+        # Ranks sharing a GPU: NCCL refuses two ranks of one communicator on one device of one
+        # host, so each rank names a host of its own (before any NCCL use).
+        if world > torch.cuda.device_count():
+            os.environ.setdefault("NCCL_HOSTID", f"fastcomm-example-{rank}")
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        LABELS["torch"] = "torch NCCL"
     results = {}
     if "torch" in names:
-        dist.init_process_group("gloo", timeout=timeout)  # env://
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timeout)  # env://
     try:
         for name in names:
             if name == "fastcomm":
                 fc.init(timeout=timeout)  # torch's store when initialized above, else env://
             try:
-                results[name] = body(Library(name, rank, world), rank, world, args)
+                results[name] = body(Library(name, rank, world, device), rank, world, args)
             finally:
                 if name == "fastcomm":
                     fc.shutdown()
@@ -108,7 +130,7 @@ def _report(results, args, title, details):
         summary["speedup_step"] = t["step_ms"] / f["step_ms"]
         summary["speedup_comm"] = t["comm_ms"] / f["comm_ms"] if f["comm_ms"] > 0 else None
         comm = f"{summary['speedup_comm']:.1f}x" if summary["speedup_comm"] else "n/a"
-        print(f"fastcomm vs torch Gloo: {summary['speedup_step']:.1f}x faster per step, "
+        print(f"fastcomm vs {LABELS['torch']}: {summary['speedup_step']:.1f}x faster per step, "
               f"{comm} in communication")
     if args.json:
         print(json.dumps(summary))

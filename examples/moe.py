@@ -14,7 +14,7 @@ from every rank's loss and the input layers from the gradients their tokens brin
 arguments (groups from ``fc.new_groups``, or ``dist.new_group`` per group). Prints time per
 step, time in the exchanges per step, and the training loss.
 
-    python examples/moe.py [--nproc 4] [--steps 100] [--tokens 256] [--compare]
+    python examples/moe.py [--nproc 4] [--steps 100] [--tokens 256] [--compare] [--device cuda]
     torchrun --nproc-per-node 8 examples/moe.py [--backend torch]
 
 ``--check`` also trains every rank's layers in one process (rank 0), the exchanges done by
@@ -33,7 +33,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fastcomm as fc  # noqa: E402
-from _common import add_common_args, run, world_size  # noqa: E402
+from _common import add_common_args, add_device_arg, run, world_size  # noqa: E402
 
 GROUP = 4  # experts (ranks) per expert group
 DIM = 32  # token width
@@ -42,11 +42,11 @@ DIM = 32  # token width
 class Model:
     """One rank's layers: its input layer (applied before dispatch) and its expert."""
 
-    def __init__(self, args, rank):
+    def __init__(self, args, rank, device="cpu"):
         torch.manual_seed(args.seed * 1000 + rank)  # every expert its own start
-        self.embed = nn.Linear(DIM, DIM)
+        self.embed = nn.Linear(DIM, DIM).to(device)
         self.expert = nn.Sequential(nn.Linear(DIM, args.hidden), nn.Tanh(),
-                                    nn.Linear(args.hidden, DIM))
+                                    nn.Linear(args.hidden, DIM)).to(device)
 
     def parameters(self):
         return [*self.embed.parameters(), *self.expert.parameters()]
@@ -78,7 +78,7 @@ class Task:
     def route(self, x):
         """Each token's expert slot in the group, as the order that sorts the tokens by slot,
         the number of tokens per slot, and the gate's probability of the chosen slot."""
-        logits = x @ self.gate
+        logits = x @ self.gate.to(x.device)
         slot = logits.argmax(1)
         prob = logits.softmax(1).gather(1, slot[:, None])
         order = slot.argsort(stable=True)
@@ -137,7 +137,7 @@ def body(lib, rank, world, args):
     else:
         group = [dist.new_group(r) for r in lists][rank // GROUP]  # every rank makes every group
     task = Task(args)
-    model = Model(args, rank)
+    model = Model(args, rank, args.device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     data = task.stream(rank)
 
@@ -146,7 +146,7 @@ def body(lib, rank, world, args):
     for step in range(args.steps):
         if step == warmup:
             step_s, timer.s = 0.0, 0.0
-        x, y = task.batch(data)
+        x, y = (v.to(args.device) for v in task.batch(data))  # the same tokens on any device
         t0 = time.perf_counter()
         opt.zero_grad()
         loss, load = train_step(comm, group, timer, task, model, x, y)
@@ -155,7 +155,7 @@ def body(lib, rank, world, args):
         losses.append(loss)
     timed = args.steps - warmup
 
-    flat = model.flat()
+    flat = model.flat().cpu()
     rows = lib.all_gather(torch.cat([
         torch.tensor([step_s / timed, timer.s / timed, load] + losses, dtype=torch.float64),
         flat.double()]))
@@ -216,6 +216,7 @@ def reference(args, world):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(ap, nproc=4)
+    add_device_arg(ap)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--tokens", type=int, default=256, help="tokens per rank and step")
     ap.add_argument("--hidden", type=int, default=64, help="hidden units of each expert")

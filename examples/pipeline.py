@@ -12,7 +12,7 @@ m+1 while m is still on the wire and several micro-batches are in flight; ``--bl
 in communication calls (waiting for its neighbours included: the pipeline's bubble), and the
 training loss.
 
-    python examples/pipeline.py [--nproc 2] [--steps 50] [--micro-batches 4] [--compare]
+    python examples/pipeline.py [--nproc 2] [--steps 50] [--micro-batches 4] [--compare] [--device cuda]
     torchrun --nproc-per-node 4 examples/pipeline.py [--backend torch]
 
 ``--check`` also trains the unsplit model in one process (rank 0) on the same batches and
@@ -31,7 +31,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fastcomm as fc  # noqa: E402
-from _common import Teacher, add_common_args, run  # noqa: E402
+from _common import Teacher, add_common_args, add_device_arg, run  # noqa: E402
 
 IN_DIM = 32
 
@@ -73,7 +73,7 @@ def train_step(comm, stage, stages, model, xs, ys, width, blocking, timed):
     """One GPipe step on this stage; returns the loss (last stage) or None. The caller applies
     the accumulated gradients."""
     first, last, m_count = stage == 0, stage == stages - 1, len(xs)
-    acts = [torch.empty(len(x), width) for x in xs]  # this stage's inputs, from stage-1
+    acts = [torch.empty(len(x), width, device=xs[0].device) for x in xs]  # this stage's inputs, from stage-1
     pending = []
     if not blocking:
         # All the step's activation receives posted now: each completes as its data arrives.
@@ -125,13 +125,14 @@ def body(lib, rank, world, args):
     comm = fc if lib.name == "fastcomm" else dist  # same names and arguments
     blocks = make_blocks(args, world)
     k = args.layers_per_stage
-    model = nn.Sequential(*blocks[rank * k:(rank + 1) * k])
+    model = nn.Sequential(*blocks[rank * k:(rank + 1) * k]).to(args.device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     width = IN_DIM if rank == 0 else args.hidden
 
     warmup = min(3, args.steps // 5)
     losses, step_s, timed = [], 0.0, Timed()
     for step, (xs, ys) in enumerate(batches(args)):
+        xs, ys = [x.to(args.device) for x in xs], [y.to(args.device) for y in ys]
         if step == warmup:
             step_s, timed.s = 0.0, 0.0
         t0 = time.perf_counter()
@@ -179,6 +180,7 @@ def reference(args, stages):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(ap, nproc=2)
+    add_device_arg(ap)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--micro-batch-size", type=int, default=64)

@@ -5,7 +5,8 @@
 # tests (several ranks share the GPU, each with its own NCCL_HOSTID), the cyclic-order test
 # first, then benchmarks/device_streams.py (stream semantics and host cost against torch NCCL),
 # then the rest of tests/test_nccl.py, tests/test_device_collectives.py on CUDA tensors
-# (FASTCOMM_DEVICE_TEST=cuda); then benchmarks/nccl_pairs.py (fastcomm vs torch NCCL).
+# (FASTCOMM_DEVICE_TEST=cuda), the MoE and pipeline examples on CUDA against torch NCCL; then
+# benchmarks/nccl_pairs.py (fastcomm vs torch NCCL).
 # It writes a Markdown report to ${OUT:-reports}/gpu_check.md (each step's command, exit code,
 # wall time and output tail; the whole logs go to gpu_check.log beside it, the MWE's
 # numbers to forum_mwe.json).
@@ -204,6 +205,8 @@ if [ "$BUILT" = 1 ]; then
   step test "tests/test_nccl.py (the rest)" 300 "$RUN; $PYTEST -k 'not cyclic'"
   step test "tests/test_device_collectives.py on CUDA tensors (reduce, gather, scatter, all_to_all(_single), flat and coalesced forms, batch, plan, backend, graph capture refusal)" 150 \
     "$RUN; FASTCOMM_DEVICE_TEST=cuda '$PY' -m pytest -q -s -rA -p no:cacheprovider --rootdir='$ROOT' '$ROOT/tests/test_device_collectives.py'"
+  step test "examples/moe.py and examples/pipeline.py --device cuda --compare --check (ranks share the GPU)" 120 \
+    "$RUN; '$PY' '$ROOT/examples/moe.py' --device cuda --compare --check --steps 20 --timeout 90; '$PY' '$ROOT/examples/pipeline.py' --device cuda --compare --check --steps 20 --timeout 90"
   step bench "benchmarks/nccl_pairs.py: fastcomm vs torch NCCL, ranks on one GPU" 150 \
     "$RUN; '$PY' '$ROOT/benchmarks/nccl_pairs.py' --pairs 1 4 --iters 300 --job-timeout 120"
 else
