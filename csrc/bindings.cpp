@@ -150,7 +150,7 @@ py::object issue(Engine& e, int kind, const GroupHandle& g, const py::handle& te
   // Python objects (even None's reference count) only with the GIL held again. A blocking recv
   // returns its sender's global rank (torch's recv does), found only now for one from any source.
   if (async_op) return wrap_work(std::move(w));
-  if (k == OpKind::kRecv && !w->on_device()) return py::int_(g.ranks[w->sourceRank()]);
+  if (k == OpKind::kRecv) return py::int_(g.ranks[w->sourceRank()]);  // a device recv's: set at post
   return py::none();
 }
 

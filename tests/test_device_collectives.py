@@ -96,7 +96,9 @@ def _native_body(rank, world):
                 seed = hash((tuple(ranks), numel, dt)) % 100_000
                 dtype = _DTYPES[dt]
                 # reduce to the last member
-                for op in ("SUM", "MAX", "PRODUCT"):
+                for op in ("SUM", "MAX", "MIN", "PRODUCT", "AVG"):
+                    if op == "AVG" and dt == "int64":
+                        continue
                     t = D(gen(rank, seed, dt, numel, op))
                     fc.reduce(t, dst=ranks[-1], op=getattr(dist.ReduceOp, op), group=g)
                     dsync()
@@ -404,7 +406,21 @@ def _capture_body(rank, world):
         finally:
             dbg("end_capture")
         dist.all_reduce(x)
+        # dist.recv without src on a world of two: the other rank
+        r = torch.empty(2)
+        if rank == 0:
+            dist.send(torch.full((2,), 7.0), dst=1)
+        else:
+            assert dist.recv(r) == 0
+            w = dist.irecv(r)
+        if rank == 0:
+            dist.send(torch.full((2,), 8.0), dst=1)
+        else:
+            w.wait()
+            assert w._source_rank() == 0
         dsync()
+        if rank == 1:
+            assert r.tolist() == [8.0, 8.0]
         return msgs, x.tolist()
     finally:
         dist.destroy_process_group()
@@ -443,3 +459,37 @@ def test_torch_cuda_graph_capture_raises_naming_the_plan_route():
     for msg, t in res:
         assert msg is not None and "fastcomm.plan()" in msg, msg
         assert t == [6.0] * 4
+
+
+# ---------------------------------------------------------------------------------------------
+# recv from any source: in a pair, the other member; in larger groups, refused for now
+
+
+def _any_source_body(rank, world):
+    setup(rank)
+    pair, tri = fc.new_groups([[0, 1], [0, 1, 2]])
+    got = {}
+    if rank in (0, 1):
+        other = 1 - rank
+        for numel in (0, 5):
+            t = D(gen(rank, numel, "float32", numel))
+            r = empty(numel)
+            if rank == 0:
+                fc.send(t, dst=1, group=pair)
+                w = fc.irecv(r, group=pair)
+                w.wait()
+                got[f"irecv{numel}"] = w.source_rank()
+            else:
+                got[f"recv{numel}"] = fc.recv(r, group=pair)
+                fc.send(t, dst=0, group=pair)
+            dsync()
+            same(r, gen(other, numel, "float32", numel), "any-source recv in a pair")
+        got["refused"] = expect(ValueError, lambda: fc.recv(empty(3), group=tri), "more than two", "name the sender")
+    return got
+
+
+def test_a_pair_recv_from_any_source_takes_the_other_member():
+    res = harness.run(_any_source_body, 3, timeout=60, env=ENV, init_timeout=20)
+    assert res[0]["irecv0"] == 1 and res[0]["irecv5"] == 1, res[0]
+    assert res[1]["recv0"] == 0 and res[1]["recv5"] == 0, res[1]
+    assert res[2] == {}

@@ -126,11 +126,14 @@ Engine::Prepared Engine::prepare(OpRequest req, const GroupHandle& g) {
       p.recv_group = g.id;
       p.tag = req.tag;
     }
+    // On the device path, a pair's any-source recv can only be from the other member.
+    if (!sending && req.peer == kAnySource && p.on_device && g.ranks.size() == 2)
+      req.peer = g.ranks[0] == opts_.rank ? g.ranks[1] : g.ranks[0];
     if (!sending && req.peer == kAnySource) {
       // The channel, and so the op, is known once a member's message is matched to it.
       TORCH_CHECK_VALUE(!p.on_device, "fastcomm.recv: rank ", opts_.rank, ", group ", g.label(),
-                        ": a recv from any source (src None) is not supported for ", p.device,
-                        " tensors on the device path; name the sender");
+                        ": a recv from any source (src None) in a group of more than two is not supported for ",
+                        p.device, " tensors on the device path yet; name the sender");
       p.type = c10d::OpType::RECVANYSOURCE;
       p.group = g.state;
       p.op = std::make_unique<UnboundRecv>(std::move(req));
@@ -171,8 +174,11 @@ c10::intrusive_ptr<Work> Engine::post(PreparedOps& ops, bool async_op, bool hidd
       const GroupState& g = *p.group;
       dops.push_back(DeviceOp{std::move(p.req), g.ranks, g.rank, g.id, g.timeout, ranks_label(g.ranks)});
     }
+    const int source = ops.size() == 1 ? ops[0].source : -1;
     // A blocking op the caller gets no Work of (`hidden`: the native API) raises its own error.
-    return device_engine(dev)->post(std::move(dops), async_op, /*rethrow=*/hidden);
+    auto work = device_engine(dev)->post(std::move(dops), async_op, /*rethrow=*/hidden);
+    if (source >= 0) work->set_source(source);  // Work.source_rank() of a recv
+    return work;
   }
   std::vector<at::Tensor> outputs;
   if (!hidden) outputs.reserve(ops.size());
