@@ -301,7 +301,9 @@ class plan:
     the inputs in place and starts the plan again. The tensors must keep their storage for the
     plan's lifetime (no ``resize_`` or ``set_``), and every member of each group must start its
     plans and issue its other ops on those groups in the same order. A plan runs one start at
-    a time: wait for a start before the next."""
+    a time: wait for a start before the next. A plan of CUDA tensors (all on one device) is
+    checked once and its ops issued anew at each start; it cannot be captured into a CUDA
+    graph yet."""
 
     def __init__(self):
         self._engine = None

@@ -61,10 +61,12 @@ namespace device {
 
 std::string sig_str(const Sig& s) {
   std::string r = op_kind_name((OpKind)s.kind);
-  r += "(" + std::string(c10::toString((c10::ScalarType)s.dtype)) + ", " + std::to_string(s.bytes) + " bytes";
-  if (s.kind == (uint8_t)OpKind::kAllToAll || s.kind == (uint8_t)OpKind::kAllToAllSingle)
-    r = op_kind_name((OpKind)s.kind) + std::string("(") + c10::toString((c10::ScalarType)s.dtype) + ", sending " +
-        std::to_string(s.bytes) + " bytes to and receiving " + std::to_string(s.back) + " bytes from the other";
+  r += "(" + std::string(c10::toString((c10::ScalarType)s.dtype)) + ", ";
+  if (s.kind == (uint8_t)OpKind::kAllToAll)
+    r += "sending " + std::to_string(s.bytes) + " bytes to and receiving " + std::to_string(s.back) +
+         " bytes from the other";
+  else
+    r += std::to_string(s.bytes) + " bytes";
   if (s.kind == (uint8_t)OpKind::kAllReduce || s.kind == (uint8_t)OpKind::kReduceScatter ||
       s.kind == (uint8_t)OpKind::kReduceScatterTensor || s.kind == (uint8_t)OpKind::kReduce)
     r += std::string(", op ") + redop_name(s.redop);
@@ -79,7 +81,7 @@ bool compatible(const Sig& a, const Sig& b) {
                    (a.kind == (uint8_t)OpKind::kRecv && b.kind == (uint8_t)OpKind::kSend);
   if (p2p) return a.dtype == b.dtype && a.bytes == b.bytes;
   // all_to_all: what one side sends is what the other receives (a zero-byte pair still agrees).
-  if (a.kind == (uint8_t)OpKind::kAllToAll || a.kind == (uint8_t)OpKind::kAllToAllSingle)
+  if (a.kind == (uint8_t)OpKind::kAllToAll)
     return a.kind == b.kind && a.dtype == b.dtype && a.flags == b.flags && a.bytes == b.back && a.back == b.bytes;
   return a == b && !(a.flags & kGroupBroken);
 }
@@ -113,7 +115,9 @@ std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, c
                       redop_name(r.redop), " is not supported for ", dev.type(), " tensors");
   }
   Sig sig;
-  sig.kind = (uint8_t)r.kind;
+  // all_to_all_single meets all_to_all, as on the host path (one algorithm, the pairs' sizes
+  // agreed).
+  sig.kind = (uint8_t)(r.kind == OpKind::kAllToAllSingle ? OpKind::kAllToAll : r.kind);
   sig.dtype = (uint8_t)typed.scalar_type();
   sig.redop = reduces ? (uint8_t)r.redop : 0;
   auto add_part = [&](int peer) -> Part& {
