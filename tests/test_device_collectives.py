@@ -2,8 +2,9 @@
 (FASTCOMM_FAKE_DEVICE=1 sends CPU tensors through csrc/device/ as CUDA tensors go): reduce,
 gather, scatter, all_to_all and all_to_all_single (even and uneven splits), the flat
 all_gather/reduce_scatter and the coalesced forms, natively and through the torch backend,
-blocking, async, inside fc.batch() and fc.plan(); per-pair size mismatches of all_to_all; and
-ops issued under CUDA graph capture, which are refused with the plan route named.
+blocking, async, inside fc.batch() and fc.plan(); per-pair size mismatches of all_to_all; a
+dead member; recv from any source in a pair; and ops issued under CUDA graph capture, which are
+refused with the plan route named.
 
 Every result is compared with a reference computed locally (_helpers.gen/fold) over sizes 0, 1
 and odd, several dtypes, group shapes 2 to 5 and overlapping groups. Each test is one launch of
@@ -275,10 +276,11 @@ def _a2a_mismatch_body(rank, world):
     if rank == 0:
         outs = [empty(1) for _ in range(3)]
         fc.all_to_all(outs, [full((1,), float(rank)) for _ in range(3)], group=g)
-        out = torch.cat(outs)
     else:
         fc.all_to_all_single(out, full((3,), float(rank)), group=g)
     dsync()
+    if rank == 0:
+        out = torch.cat(outs)
     return msg, out.cpu().tolist()
 
 
@@ -498,3 +500,36 @@ def test_a_pair_recv_from_any_source_takes_the_other_member():
     assert res[0]["irecv0"] == 1 and res[0]["irecv5"] == 1, res[0]
     assert res[1]["recv0"] == 0 and res[1]["recv5"] == 0, res[1]
     assert res[2] == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# A dead member fails the new kinds on the others, naming it, never a hang; a group without it
+# goes on
+
+
+def _dead_member_body(rank, world):
+    setup(rank)
+    tri, pair = fc.new_groups([[0, 1, 2], [0, 1]])
+    t = full((4,), float(rank))
+    fc.all_to_all_single(empty(3), full((3,), 1.0), group=tri)  # every channel made
+    dsync()
+    if rank == 2:
+        os._exit(0)
+    msgs = [expect(dist.DistBackendError, lambda: fc.all_to_all_single(empty(3), full((3,), 1.0), group=tri),
+                   "rank 2")]
+    if rank == 0:  # the root needs rank 2's block; rank 1 only sends to the root, which takes it
+        msgs.append(expect(dist.DistBackendError, lambda: fc.gather(t, [empty(4) for _ in range(3)], dst=0,
+                                                                    group=tri), "rank 2"))
+    else:
+        fc.gather(t, None, dst=0, group=tri)
+    ok = full((2,), float(rank + 1))
+    fc.reduce(ok, dst=1, group=pair)
+    dsync()
+    return msgs, ok.cpu().tolist()
+
+
+@fake_only
+def test_a_dead_member_fails_the_new_collectives_naming_it():
+    res = harness.run(_dead_member_body, 3, timeout=90, env=ENV, init_timeout=5, allow_fail=(2,))
+    assert res[1][1] == [3.0, 3.0]
+    assert res[0][1] == [1.0, 1.0]
