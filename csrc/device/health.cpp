@@ -34,6 +34,7 @@ bool ChannelEngine::check_health() {
     if (rt_->query(it->second.second->ev) == State::kReady) it = last_end_.erase(it);
     else ++it;
   }
+  ipc_->poll([this](int peer) { return host_.peer_alive(peer); });
   if (!single_) {
     recycle_joins();
     release_idle(now);
@@ -130,6 +131,7 @@ void ChannelEngine::teardown() {
   }
   groups_.clear();
   aborter_.stop();  // the aborts of the channels failed above, side by side
+  ipc_->close_all();  // the channels' streams have drained
   for (auto& [id, s] : joins_) {
     try {
       rt_->destroy_stream(s);
