@@ -8,9 +8,10 @@ Per pair count P (2P ranks on the GPUs there are, round robin; torch NCCL only a
   10x10 float32, the slowest pair);
 - bandwidth (1 pair): a 16 MB pair all_reduce, algorithm bandwidth (bytes / time per op),
   against the device-to-device copy bandwidth of one 16 MB cudaMemcpy measured in the same run;
-- memory (1 pair): device memory in use (mem_get_info) before fastcomm's first op, with the link
-  up, and after fc.shutdown() (what IPC rings leave behind: nothing), and fastcomm's own count of
-  its rings' bytes.
+- memory (1 pair): device memory in use on the GPU (mem_get_info, both ranks together, read
+  when both are at the same point) before fastcomm's init, with the link up, and after
+  fc.shutdown() and empty_cache (what IPC rings leave behind: nothing), and fastcomm's own count
+  of each rank's ring bytes.
 
 --fake runs the fastcomm side on the CPU fake (FASTCOMM_FAKE_DEVICE=1, FASTCOMM_DEVICE_IPC=1, CPU
 tensors, no torch comparison, host memcpy as the copy bandwidth, rings counted by fastcomm): a
@@ -63,9 +64,14 @@ def _rank(rank, world, port, args, outdir):
         else:
             torch.cuda.synchronize()
 
-    def used():
+    def used(name):
+        # Device-wide (the ranks share the GPU): read once every rank is at the same point.
+        store.add(f"mem/{name}", 1)
+        while int(store.add(f"mem/{name}", 0)) < world:
+            time.sleep(0.001)
         if fake:
             return 0
+        torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         return total - free
 
@@ -90,7 +96,7 @@ def _rank(rank, world, port, args, outdir):
         dist.destroy_process_group()
         sync()
 
-    mem0 = used()
+    mem0 = used("before")
     fc.init(store=dist.PrefixStore("fc/", store), rank=rank, world_size=world, timeout=timedelta(seconds=120))
     fg = fc.new_group(pair)
     ar = lambda x: fc.all_reduce(x, group=fg)  # noqa: E731
@@ -100,18 +106,19 @@ def _rank(rank, world, port, args, outdir):
     out["ipc_ring_bytes"] = fc._state._engine.device_debug(device, "ipc_ring_bytes", 0)
     if one_pair:
         big = torch.ones(args.big_bytes // 4, device=device)
-        out["mem_link_up"] = used() - mem0
+        out["mem_link_up"] = used("link_up") - mem0
         t = per_op(ar, big, args.big_ops)
         out["fc_big_GBps"] = big.numel() * 4 / (t * 1e-6) / 1e9
         src, dst = torch.ones_like(big), torch.empty_like(big)
         t = per_op(lambda x: dst.copy_(src), big, args.big_ops)
         out["memcpy_GBps"] = big.numel() * 4 / (t * 1e-6) / 1e9
         del big, src, dst
-    fc.shutdown()
     sync()
+    fc.shutdown()
     if not fake:
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
-    out["mem_after_shutdown"] = used() - mem0
+    out["mem_after_shutdown"] = used("after") - mem0
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
 
@@ -148,8 +155,9 @@ def main():
         r0 = results[1][0]
         print(f"16 MB pair all_reduce: {min(r['fc_big_GBps'] for r in results[1]):.2f} GB/s algorithm bandwidth; "
               f"copy {r0['memcpy_GBps']:.2f} GB/s (ratio {min(r['fc_big_GBps'] for r in results[1]) / r0['memcpy_GBps']:.2f})")
-        print(f"memory per rank: link up +{r0['mem_link_up']} B on the device (rings: {r0['ipc_ring_bytes']} B own), "
-              f"after shutdown {r0['mem_after_shutdown']:+d} B")
+        print(f"device memory in use, both ranks together: +{r0['mem_link_up']} B with the link up (each rank's own "
+              f"rings: {r0['ipc_ring_bytes']} B; the rest is scratch in torch's caching allocator), "
+              f"{r0['mem_after_shutdown']:+d} B after fc.shutdown()")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import harness
+import test_device_streams as tds
 import test_fake_device as tfd
 from _helpers import expect, fold, gen
 
@@ -132,6 +133,11 @@ def test_several_threads():
         assert not errors
 
 
+def test_the_host_runs_ahead_of_the_device_through_1000_pipelined_ops():
+    for r in harness.run(tds._run_ahead_body, 2, 1000, timeout=120, env=IPC, init_timeout=60):
+        assert r == (True, True, True, True), r
+
+
 # ---------------------------------------------------------------------------------------------
 # The fake keeps the order the flags give
 
@@ -203,6 +209,33 @@ def test_a_peer_killed_mid_run_fails_only_its_ops(tmp_path):
 def test_a_stalled_peer_times_out_and_others_go_on():
     res = harness.run(tfd._stalled_peer_body, 3, timeout=90, env=IPC, init_timeout=3)
     assert res[0][1] == [3.0, 3.0] and res[1][1] == [3.0, 3.0]
+
+
+def test_an_error_after_a_blocking_call_returned_is_raised_by_the_next_op():
+    res = harness.run(tds._late_error_body, 2, timeout=60, env=IPC, init_timeout=5, allow_fail=(1,))
+    assert "rank 1" in res[0]
+
+
+def test_memory_outlives_the_streams_that_may_write_it():
+    """An aborted link lets its stream run on (its waits released): the receives then write
+    garbage into scratch that must still be there."""
+    for msg, late in harness.run(tds._late_write_body, 2, timeout=60, env=IPC, init_timeout=2):
+        assert late == 0, msg
+
+
+def test_a_timed_out_channel_recovers_on_a_new_link():
+    for first, a, b in harness.run(tds._recovery_body, 2, timeout=60, env=IPC, init_timeout=30):
+        assert a == [3.0] * 4 and b == [21.0] * 4, (first, a, b)
+
+
+def test_idle_links_are_released_and_made_again():
+    env = dict(IPC, FASTCOMM_DEVICE_IDLE_MS="100")
+    res = harness.run(tds._release_body, 3, timeout=90, env=env, init_timeout=30)
+    for rank, r in enumerate(res):
+        if rank < 2:
+            assert r[:2] == [[3.0] * 3, [6.0] * 3], r
+            r = r[2:]
+        assert r[:30] == [3.0] * 30, r
 
 
 def test_shutdown_with_ops_in_flight_does_not_hang(tmp_path):
