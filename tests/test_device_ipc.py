@@ -4,11 +4,14 @@ ring per direction in a /dev/shm segment the sender owns and the receiver maps, 
 on the streams) instead of a fake NCCL communicator.
 
 - results against local references (sizes incl. 0 and odd, dtypes, pairs, a triple, the world;
-  batches; messages many times the ring, in odd chunks), any issue order, several threads;
+  batches; messages many times the ring, in odd chunks), any issue order, several threads, the
+  host running ahead through 1,000 pipelined ops (plans hold host ops only: not on this path);
 - the fake enforces the order: a receive that waits for nothing reads fresh (poisoned) ring
   memory or an older message, so skipping the wait fails the results;
 - a peer killed with ops in flight, or one that stalls, fails only its ops, naming it, within the
-  timeout; its links are released, and /dev/shm is left as it was (the autouse fixture);
+  timeout; a timed-out channel goes on over a new link; idle links are released and made again; a
+  peer that shuts down takes its link with it; scratch outlives a stream whose waits an abort
+  released; links are released, and /dev/shm is left as it was (the autouse fixture);
 - FASTCOMM_DEVICE_IPC=0 keeps the channels on NCCL; a simulated second host does too.
 """
 from __future__ import annotations
@@ -241,6 +244,27 @@ def test_idle_links_are_released_and_made_again():
 def test_shutdown_with_ops_in_flight_does_not_hang(tmp_path):
     res = harness.run(tfd._shutdown_inflight_body, 2, str(tmp_path), timeout=60, env=IPC, init_timeout=30)
     assert len(res) == 2
+
+
+def _peer_shutdown_body(rank, world, flag_dir):
+    g = fc.new_group([0, 1])
+    t = torch.full((700,), float(rank + 1))
+    fc.all_reduce(t, group=g)
+    tfd.dsync()
+    done = os.path.join(flag_dir, "released")
+    if rank == 1:
+        fc.shutdown()  # ends its links, waits a little for rank 0 to unmap its ring
+        _until(lambda: os.path.exists(done), "rank 0 released its side")
+        return t[0].item(), 0
+    # Rank 0 is idle: its health check sees the peer's side ended and lets its own go; the
+    # peer is alive, so its ring is freed only once the peer unmapped it.
+    _until(lambda: dbg("ipc_links") == 0, "the link of a peer that shut down released")
+    open(done, "w").close()
+    return t[0].item(), dbg("ipc_ring_bytes")
+
+
+def test_a_peer_that_shuts_down_takes_its_link_with_it(tmp_path):
+    assert harness.run(_peer_shutdown_body, 2, str(tmp_path), timeout=60, env=IPC) == [(3.0, 0)] * 2
 
 
 # ---------------------------------------------------------------------------------------------
