@@ -10,6 +10,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <random>
@@ -127,7 +128,7 @@ void* ipc_create(int device, size_t bytes, int nflags, IpcHandle* h, IpcBlock* b
     shm_unlink(name);
     throw;
   }
-  std::strncpy(w.name, name, sizeof(w.name) - 1);
+  std::memcpy(w.name, name, std::min(std::strlen(name), sizeof(w.name) - 1));
   std::memcpy(h->bytes.data(), &w, sizeof(w));
   b->data = k->data;
   b->flags = static_cast<uint32_t*>(k->flags);

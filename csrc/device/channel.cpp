@@ -105,12 +105,13 @@ bool ChannelEngine::pump(Channel& c) {
   while (!c.in_flight.empty()) {
     Part* p = c.in_flight.front();
     const bool ran = rt_->query(p->done_event->ev) == State::kReady;
-    // Read after the event: what completed since the peer ended its side may be garbage.
-    if (link != nullptr && link->peer_ended()) {
+    // Read after the event: a receive that completed since the peer released a waiting send
+    // may hold garbage; one whose send the peer never enqueued will not complete.
+    if (link != nullptr && (link->peer_garbage() || (!ran && link->peer_starved()))) {
       if (c.doomed_why.empty())
         doom(c, "fastcomm: rank " + std::to_string(rank_) + ": the channel to rank " + std::to_string(c.peer) +
                     " failed: rank " + std::to_string(c.peer) + " ended its side of the link", /*for_good=*/false);
-      break;
+      if (link->peer_garbage()) break;
     }
     if (!ran) break;
     c.in_flight.pop_front();

@@ -32,13 +32,13 @@ ChannelEngine::ChannelEngine(const EngineOptions& opts, HostLink& host, std::uni
       single_(opts.settings.device_single_stream),
       host_(host),
       rt_(std::move(rt)),
-      idle_release_(opts.settings.device_idle_ms),
-      max_comms_((size_t)opts.settings.device_max_comms),
-      group_comm_bytes_(opts.settings.rsag_threshold),
       ipc_on_(!single_ && rt_->ipc_supported() &&
               (opts.settings.device_ipc == 1 || (opts.settings.device_ipc < 0 && std::string(rt_->name()) != "fake"))),
       ipc_ring_bytes_(opts.settings.device_ipc_ring_bytes),
-      host_of_(opts.host_of) {
+      host_of_(opts.host_of),
+      idle_release_(opts.settings.device_idle_ms),
+      max_comms_((size_t)opts.settings.device_max_comms),
+      group_comm_bytes_(opts.settings.rsag_threshold) {
   events_ = std::make_shared<EventPool>(*rt_);
   ipc_ = std::make_unique<IpcLinks>(*rt_);
   alloc_ = rt_->new_stream();

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <climits>
+#include <algorithm>
 #include <cstring>
 #include <ctime>
 #include <random>
@@ -84,7 +85,7 @@ void* ipc_create(size_t bytes, int nflags, Runtime::IpcHandle* h, Runtime::IpcBl
   w.magic = kMagic;
   w.nflags = (uint32_t)nflags;
   w.bytes = bytes;
-  std::strncpy(w.name, name, sizeof(w.name) - 1);
+  std::memcpy(w.name, name, std::min(std::strlen(name), sizeof(w.name) - 1));
   std::memcpy(h->bytes.data(), &w, sizeof(w));
   ++g_blocks;
   return k;

@@ -24,12 +24,19 @@ struct Wire {
 static_assert(sizeof(Wire) == sizeof(UniqueId), "an IPC link's id fills a communicator id");
 
 // Flags of a ring: filled[K], consumed[K], then what the opener says (it closed, it opened,
-// it ended the link) and whether the owner ended it.
+// it ended the link) and what the owner says (it ended the link; the chunks it enqueued; it
+// released a send still waiting for room, so what it wrote since may be garbage). Host words
+// that no stream waits on are plain stores.
 size_t closed_flag(uint32_t k) { return 2 * (size_t)k; }
 size_t opened_flag(uint32_t k) { return 2 * (size_t)k + 1; }
 size_t opener_ended_flag(uint32_t k) { return 2 * (size_t)k + 2; }
 size_t owner_ended_flag(uint32_t k) { return 2 * (size_t)k + 3; }
-constexpr int kExtraFlags = 4;
+size_t tx_enqueued_flag(uint32_t k) { return 2 * (size_t)k + 4; }
+size_t garbage_flag(uint32_t k) { return 2 * (size_t)k + 5; }
+constexpr int kExtraFlags = 6;
+
+uint32_t load(const uint32_t* f) { return __atomic_load_n(f, __ATOMIC_ACQUIRE); }
+void store(uint32_t* f, uint32_t v) { __atomic_store_n(f, v, __ATOMIC_RELEASE); }
 
 }  // namespace
 
@@ -140,13 +147,21 @@ void IpcLink::enqueue(const Part& p, Stream s) {
     const bool b = next_recv(p.recvs, cr);
     if (!a && !b) break;
   }
+  store(own_flag(tx_enqueued_flag(slots_)), (uint32_t)tx_seq_);
 }
 
 void IpcLink::abort() {
   // First the peer is told: data its receives get from here on may be garbage (this side's
   // sends stop waiting for room), so it trusts none it sees complete after this.
-  if (own_token_ != nullptr) rt_.flag_set(own_flag(owner_ended_flag(slots_)), 1);
-  if (peer_token_ != nullptr) rt_.flag_set(peer_flag(opener_ended_flag(peer_slots_)), 1);
+  if (own_token_ != nullptr) {
+    // A send still waiting for room, once released, overwrites chunks the peer has not read.
+    bool garbage = false;
+    for (uint32_t k = 0; k < slots_; ++k)
+      garbage = garbage || (tx_wait_[k] != 0 && (int32_t)(load(own_flag(slots_ + k)) - tx_wait_[k]) < 0);
+    if (garbage) store(own_flag(garbage_flag(slots_)), 1);
+    store(own_flag(owner_ended_flag(slots_)), 1);
+  }
+  if (peer_token_ != nullptr) store(peer_flag(opener_ended_flag(peer_slots_)), 1);
   // A released wait leaves the flag at the value it waited for: cyclic-later values stay.
   auto release = [&](uint32_t* f, uint32_t v) {
     if (v == 0) return;
@@ -174,6 +189,15 @@ bool IpcLink::peer_opened() const {
 bool IpcLink::peer_ended() const {
   return __atomic_load_n(own_.flags + opener_ended_flag(slots_), __ATOMIC_ACQUIRE) != 0 ||
          (peer_token_ != nullptr && __atomic_load_n(theirs_.flags + owner_ended_flag(peer_slots_), __ATOMIC_ACQUIRE) != 0);
+}
+
+bool IpcLink::peer_garbage() const {
+  return peer_token_ != nullptr && load(theirs_.flags + garbage_flag(peer_slots_)) != 0;
+}
+
+bool IpcLink::peer_starved() const {
+  return peer_ended() && peer_token_ != nullptr &&
+         (int32_t)((uint32_t)rx_seq_ - load(theirs_.flags + tx_enqueued_flag(peer_slots_))) > 0;
 }
 
 bool IpcLink::peer_done() const {

@@ -17,10 +17,12 @@
 //
 // One link per channel epoch, made by the leader at its first proposal (its handle rides on the
 // proposal as the communicator id does) and by the follower when that arrives (its handle goes
-// back on its first answer). Ending an epoch (abort) first tells the peer (a flag), then
-// releases every wait this side enqueued: what is left runs, moving garbage, as work after
-// ncclCommAbort completes. The peer trusts no transfer it sees complete after it sees that flag
-// (the engine fails them, as on a failed communicator), so garbage is never taken for data.
+// back on its first answer). Ending an epoch (abort) first tells the peer (flags), then
+// releases every wait this side enqueued: what is left runs, as work after ncclCommAbort
+// completes. Chunks this side had written stay good (a sender may finish and end its side before
+// the receiver read them); but a released send that still waited for room overwrites chunks the
+// peer has not read, so that is flagged first, and the peer trusts no receive it sees complete
+// after seeing the flag. A receive whose send the peer never enqueued before ending fails at once.
 // The peer's ring is unmapped once this side's stream has drained; this side's ring is freed
 // once the peer unmapped it, is gone, or never mapped it.
 #include <atomic>
@@ -58,8 +60,13 @@ class IpcLink {
   Stream stream() const { return stream_; }
   // Tells the peer the link ended, then releases every wait this side enqueued; safe to repeat.
   void abort();
-  // The peer ended its side: a transfer seen complete from now on may hold garbage.
+  // The peer ended its side.
   bool peer_ended() const;
+  // ... releasing a send that waited for room: a receive seen complete from now on may hold
+  // garbage.
+  bool peer_garbage() const;
+  // ... before enqueueing sends that receives enqueued here wait for: they never complete.
+  bool peer_starved() const;
   // Once nothing runs on the link here: unmaps the peer's ring (telling the peer).
   void close_peer();
   // Whether the peer unmapped this side's ring (or never mapped it).
