@@ -4,9 +4,10 @@
 # figure on this machine's cores; first, so that a hung test cannot take its time); runs the NCCL
 # tests (several ranks share the GPU, each with its own NCCL_HOSTID), the cyclic-order test
 # first, then benchmarks/device_streams.py (stream semantics and host cost against torch NCCL),
-# then the rest of tests/test_nccl.py, tests/test_device_collectives.py on CUDA tensors
-# (FASTCOMM_DEVICE_TEST=cuda), the MoE and pipeline examples on CUDA against torch NCCL; then
-# benchmarks/nccl_pairs.py (fastcomm vs torch NCCL).
+# then benchmarks/device_ipc.py (same-host channels over CUDA IPC against torch NCCL), then the
+# rest of tests/test_nccl.py (same-host pairs go over IPC unless FASTCOMM_DEVICE_IPC=0),
+# tests/test_device_collectives.py on CUDA tensors (FASTCOMM_DEVICE_TEST=cuda), the MoE and
+# pipeline examples on CUDA against torch NCCL; then benchmarks/nccl_pairs.py (fastcomm vs torch NCCL).
 # It writes a Markdown report to ${OUT:-reports}/gpu_check.md (each step's command, exit code,
 # wall time and output tail; the whole logs go to gpu_check.log beside it, the MWE's
 # numbers to forum_mwe.json).
@@ -202,6 +203,8 @@ if [ "$BUILT" = 1 ]; then
   step test "NCCL cyclic-order test (3 ranks, one GPU)" 150 "$RUN; $PYTEST -k cyclic"
   step bench "benchmarks/device_streams.py: run-ahead, host cost and back-to-back vs torch NCCL, memory over 10,000 pair groups" 150 \
     "$RUN; '$PY' '$ROOT/benchmarks/device_streams.py' --world 4 --ops 1000 --groups 10000 --json '$REPORT_DIR/device_streams.json'"
+  step bench "benchmarks/device_ipc.py: same-host channels over CUDA IPC vs torch NCCL, 1 and 8 pairs on one GPU (400 B back to back, the MWE shape, 16 MB vs a D2D copy, memory)" 150 \
+    "$RUN; '$PY' '$ROOT/benchmarks/device_ipc.py' --pairs 1,8 --ops 1000 --json '$REPORT_DIR/device_ipc.json'"
   step test "tests/test_nccl.py (the rest)" 300 "$RUN; $PYTEST -k 'not cyclic'"
   step test "tests/test_device_collectives.py on CUDA tensors (reduce, gather, scatter, all_to_all(_single), flat and coalesced forms, batch, plan, backend, graph capture refusal)" 150 \
     "$RUN; FASTCOMM_DEVICE_TEST=cuda '$PY' -m pytest -q -s -rA -p no:cacheprovider --rootdir='$ROOT' '$ROOT/tests/test_device_collectives.py'"

@@ -14,6 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cuda/ipc.h"
 #include "cuda/reduce.h"
 #include "engine/device.h"
 
@@ -320,6 +321,26 @@ class CudaRuntime final : public Runtime {
     }
     record_stream(t, cs(s));
   }
+
+  // ---- same-host blocks (cuda/ipc.h)
+
+  bool ipc_supported() override { return cuda::ipc_supported(device_); }
+  void* ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b) override {
+    return cuda::ipc_create(device_, bytes, nflags, h, b);
+  }
+  void* ipc_open(const IpcHandle& h, IpcBlock* b) override { return cuda::ipc_open(device_, h, b); }
+  void ipc_close(void* token) override { cuda::ipc_close(device_, token); }
+  void flag_write(uint32_t* flag, uint32_t value, Stream s) override {
+    settle_stream(cs(s), "flag_write");
+    c10::cuda::CUDAGuard g(dev());
+    cuda::flag_write(flag, value, cs(s));
+  }
+  void flag_wait(Stream s, const uint32_t* flag, uint32_t value) override {
+    settle_stream(cs(s), "flag_wait");
+    c10::cuda::CUDAGuard g(dev());
+    cuda::flag_wait(cs(s), flag, value);
+  }
+  void flag_set(uint32_t* flag, uint32_t value) override { __atomic_store_n(flag, value, __ATOMIC_RELEASE); }
 
   // ---- communicators
 

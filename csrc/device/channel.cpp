@@ -28,6 +28,11 @@ Comm ChannelEngine::new_comm(const UniqueId& id, int nranks, int rank) {
 void ChannelEngine::end_comm(Comm c, bool abort) {
   --live_comms_;
   ++ended_comms_;
+  if (IpcLink* l = ipc_->find(c)) {
+    // Its waits are released at once; its memory goes once its stream is past it.
+    ipc_->end(c, l->stream() != nullptr ? events_->record(l->stream()) : nullptr);
+    return;
+  }
   if (abort) {
     // Nothing here touches `c` again, so the abort may run on another thread.
     Runtime* rt = rt_.get();
@@ -96,9 +101,19 @@ bool ChannelEngine::pump(Channel& c) {
     }
   }
   // Transfers seen done, in launch order (a channel's stream runs them in that order).
+  IpcLink* link = ipc_->find(c.comm);
   while (!c.in_flight.empty()) {
     Part* p = c.in_flight.front();
-    if (rt_->query(p->done_event->ev) != State::kReady) break;
+    const bool ran = rt_->query(p->done_event->ev) == State::kReady;
+    // Read after the event: a receive that completed since the peer released a waiting send
+    // may hold garbage; one whose send the peer never enqueued will not complete.
+    if (link != nullptr && (link->peer_garbage() || (!ran && link->peer_starved()))) {
+      if (c.doomed_why.empty())
+        doom(c, "fastcomm: rank " + std::to_string(rank_) + ": the channel to rank " + std::to_string(c.peer) +
+                    " failed: rank " + std::to_string(c.peer) + " ended its side of the link", /*for_good=*/false);
+      if (link->peer_garbage()) break;
+    }
+    if (!ran) break;
     c.in_flight.pop_front();
     p->state = Part::kDone;
     part_done(p);
@@ -237,8 +252,13 @@ void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
     // id only with a new communicator: one still held here is done with (what runs on it ends).
     if (c.comm != nullptr) c.retired.push_back(c.comm);
     c.id = id;
-    c.comm = new_comm(c.id, 2, 1);
+    c.comm = IpcLink::is_ipc(id) ? new_link(c, &id) : new_comm(c.id, 2, 1);
     if (c.stream == nullptr) c.stream = rt_->new_stream();
+  }
+  if (h.has_id && c.leader && f.epoch == c.agree.epoch()) {
+    // The follower's answer to an IPC link's first proposal carries its own ring.
+    IpcLink* l = ipc_->find(c.comm);
+    if (l != nullptr && !l->ready() && l->epoch() == f.epoch) l->open_peer(id);
   }
   if (single_) return;  // the single-stream scheme agrees on nothing
   PairAgreement::Out out;
@@ -310,12 +330,19 @@ void ChannelEngine::apply(Channel& c, PairAgreement::Out& out, const UniqueId* g
     if (f.type == kPropose && c.leader) {
       if (c.comm == nullptr) {
         // A new epoch's (or the pair's first) communicator: its id rides on the first proposal.
-        c.id = rt_->new_id();
-        c.comm = new_comm(c.id, 2, 0);
+        if (use_ipc(c.peer)) {
+          c.comm = new_link(c, nullptr);
+        } else {
+          c.id = rt_->new_id();
+          c.comm = new_comm(c.id, 2, 0);
+        }
         if (c.stream == nullptr) c.stream = rt_->new_stream();
         c.id_sent = false;
       }
       if (!c.id_sent) id = &c.id;
+      c.id_sent = true;
+    } else if (!c.leader && !c.id_sent && ipc_->find(c.comm) != nullptr) {
+      id = &c.id;  // the follower's ring, on its first answer
       c.id_sent = true;
     }
     send_frame(c, f.type, f.entries, id);
@@ -327,6 +354,7 @@ void ChannelEngine::apply(Channel& c, PairAgreement::Out& out, const UniqueId* g
 // op, both enqueued before it: a stream never waits on work enqueued after it.
 bool ChannelEngine::launch(Channel& c) {
   if (c.comm == nullptr || (c.committed.empty() && c.launching.empty())) return false;
+  if (IpcLink* l = ipc_->find(c.comm)) return launch_ipc(c, *l);
   std::string why;
   State state = rt_->comm_state(c.comm, &why);
   bool moved = false;

@@ -6,6 +6,7 @@
 //                  faults
 //   group_comm.cpp large ops of groups of 3+ on the group's own communicator
 //   health.cpp     deadlines, peers gone, teardown
+//   ipc_channel.cpp a same-host pair's channel over CUDA IPC (device/ipc_link.h) instead of NCCL
 // Every runtime call on a communicator or an engine stream is made by the engine thread, so an
 // abort never races another call on the same communicator.
 #include <atomic>
@@ -19,6 +20,7 @@
 
 #include "device/agreement.h"
 #include "device/engine.h"
+#include "device/ipc_link.h"
 #include "device/ops.h"
 #include "device/publisher.h"
 
@@ -34,7 +36,7 @@ struct Channel {
   explicit Channel(int p, bool lead) : peer(p), leader(lead), agree(lead) {}
   int peer = -1;
   bool leader = false;
-  Comm comm = nullptr;  // this epoch's; null until its first proposal
+  Comm comm = nullptr;  // this epoch's (an NCCL communicator or an IpcLink); null until its first proposal
   bool id_sent = false;
   UniqueId id;
   Stream stream = nullptr;
@@ -169,6 +171,15 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   // Join streams of groups with nothing live go back to a pool.
   void recycle_joins();
 
+  // ---- same-host channels over IPC (ipc_channel.cpp)
+  // Whether the channel to `peer` is made over IPC (the leader decides, at each epoch's first
+  // proposal; the follower follows the id it gets).
+  bool use_ipc(int peer) const;
+  // A new epoch's link: the leader's (`leader_id` null), or the follower's for the leader's id.
+  // Sets c.id to this side's id, to go to the peer.
+  Comm new_link(Channel& c, const UniqueId* leader_id);
+  bool launch_ipc(Channel& c, IpcLink& l);
+
   // ---- group communicators (group_comm.cpp)
   void agreed(DevOp* op);
   bool pump_group(GroupComm& g);
@@ -193,6 +204,10 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   HostLink& host_;
   std::unique_ptr<Runtime> rt_;
   std::shared_ptr<EventPool> events_;
+  std::unique_ptr<IpcLinks> ipc_;  // same-host channels' links, live and ending
+  const bool ipc_on_;              // FASTCOMM_DEVICE_IPC, and the runtime can
+  const size_t ipc_ring_bytes_;
+  const std::vector<int> host_of_;
   Stream alloc_ = nullptr;  // the stream scratch is allocated on (freed only once its ops settled)
 
   mutable std::mutex mu_;  // guards the fields up to the thread's own state below

@@ -32,10 +32,15 @@ ChannelEngine::ChannelEngine(const EngineOptions& opts, HostLink& host, std::uni
       single_(opts.settings.device_single_stream),
       host_(host),
       rt_(std::move(rt)),
+      ipc_on_(!single_ && rt_->ipc_supported() &&
+              (opts.settings.device_ipc == 1 || (opts.settings.device_ipc < 0 && std::string(rt_->name()) != "fake"))),
+      ipc_ring_bytes_(opts.settings.device_ipc_ring_bytes),
+      host_of_(opts.host_of),
       idle_release_(opts.settings.device_idle_ms),
       max_comms_((size_t)opts.settings.device_max_comms),
       group_comm_bytes_(opts.settings.rsag_threshold) {
   events_ = std::make_shared<EventPool>(*rt_);
+  ipc_ = std::make_unique<IpcLinks>(*rt_);
   alloc_ = rt_->new_stream();
   if (single_) shared_ = rt_->new_stream();
   thread_ = std::thread([this] { main(); });
@@ -141,6 +146,12 @@ int64_t ChannelEngine::debug(const std::string& what, int64_t arg) {
   if (what == "ended_comms") return ended_comms_.load();
   if (what == "group_comms") return group_comms_.load();
   if (what == "join_streams") return join_streams_.load();
+  if (what == "ipc_links") return ipc_->blocks();
+  if (what == "ipc_ring_bytes") return ipc_->ring_bytes();
+  if (what == "ipc_skip_waits") {  // links made from now on
+    ipc_->set_skip_rx_waits(arg != 0);
+    return 0;
+  }
   if (what == "channel_failed") {
     std::lock_guard<std::mutex> lk(mu_);
     return failed_peers_.count((int)arg) ? 1 : 0;
@@ -191,7 +202,8 @@ void ChannelEngine::main() {
       continue;
     }
     // A control frame wakes this thread (wake()); device events do not, so they are polled.
-    if (live_.empty() && ending_.empty() && live_comms_.load() == 0 && group_comms_.load() == 0 && joins_.empty()) {
+    if (live_.empty() && ending_.empty() && live_comms_.load() == 0 && group_comms_.load() == 0 && joins_.empty() &&
+        !ipc_->closing()) {
       cv_.wait(lk, [&] { return stop_ || !incoming_.empty() || woken_; });
     } else if (live_.empty() && ending_.empty()) {
       // Idle, with communicators or join streams to release in time, and the peers' frames

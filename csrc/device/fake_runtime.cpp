@@ -38,6 +38,8 @@
 //   writes it after comm_abort. Scratch memory is poisoned when freed, and a stream that writes
 //   into freed scratch is counted (debug("late_writes")): memory must outlive every stream that
 //   may still write it.
+// - Same-host blocks (fake_ipc.h) are /dev/shm segments both processes map; a flag wait blocks
+//   its stream on the shared word, so only the flags order one process's work after another's.
 #include "device/runtime.h"
 
 #include <ATen/ATen.h>
@@ -76,6 +78,7 @@
 #include "common/errors.h"
 
 #include "device/fake_comm.h"
+#include "device/fake_ipc.h"
 #include "device/fake_streams.h"
 
 namespace fastcomm {
@@ -250,6 +253,7 @@ class FakeRuntime final : public Runtime {
       return c.invalidated ? 0 : 1;
     }
     if (what == "late_writes") return quarantine().late_writes.load();
+    if (what == "ipc_blocks") return fake::ipc_blocks();
     if (what == "abort_hold") {  // comm_abort blocks until "abort_release"
       std::lock_guard<std::mutex> lk(mu_);
       abort_hold_ = std::make_shared<Marker>();
@@ -372,6 +376,21 @@ class FakeRuntime final : public Runtime {
     if (st->host) return;
     run_on(*st, [t] {});  // the reference goes once the work before it has run
   }
+
+  // Same-host blocks (fake_ipc.h): /dev/shm segments; a flag wait holds its stream's thread.
+  bool ipc_supported() override { return true; }
+  void* ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b) override {
+    return fake::ipc_create(bytes, nflags, h, b);
+  }
+  void* ipc_open(const IpcHandle& h, IpcBlock* b) override { return fake::ipc_open(h, b); }
+  void ipc_close(void* token) override { fake::ipc_close(token); }
+  void flag_write(uint32_t* flag, uint32_t value, Stream s) override {
+    run_on(*stream_of(s, "flag_write"), [flag, value] { flag_store(flag, value); });
+  }
+  void flag_wait(Stream s, const uint32_t* flag, uint32_t value) override {
+    run_on(*stream_of(s, "flag_wait"), [flag, value] { flag_block(flag, value); });
+  }
+  void flag_set(uint32_t* flag, uint32_t value) override { flag_store(flag, value); }
 
   UniqueId new_id() override {
     UniqueId id;

@@ -34,6 +34,7 @@ bool ChannelEngine::check_health() {
     if (rt_->query(it->second.second->ev) == State::kReady) it = last_end_.erase(it);
     else ++it;
   }
+  ipc_->poll([this](int peer) { return host_.peer_alive(peer); });
   if (!single_) {
     recycle_joins();
     release_idle(now);
@@ -56,6 +57,15 @@ bool ChannelEngine::check_health() {
   for (auto& [peer, c] : channels_) chans.push_back(c.get());
   for (Channel* c : chans) {
     const int peer = c->peer;
+    IpcLink* link = ipc_->find(c->comm);
+    if (link != nullptr && !c->busy() && c->tx.empty() && link->peer_ended()) {
+      // The peer ended its side (it shut down, or a reset there raced this idle channel): unmap
+      // its ring now; the pair's next proposal brings a new link.
+      end_comm(c->comm, /*abort=*/false);
+      c->comm = nullptr;
+      c->id_sent = false;
+      moved = true;
+    }
     if (c->failed || !c->busy()) continue;
     if (!host_.peer_alive(peer)) {
       doom(*c, "fastcomm: rank " + std::to_string(rank_) + ": peer rank " + std::to_string(peer) +
@@ -130,6 +140,12 @@ void ChannelEngine::teardown() {
   }
   groups_.clear();
   aborter_.stop();  // the aborts of the channels failed above, side by side
+  // The channels' streams have drained. A live peer unmaps this side's rings once it sees them
+  // ended (its health check): a short wait for that, then they go regardless.
+  const auto until = Clock::now() + std::chrono::milliseconds(500);
+  while (ipc_->poll([this](int peer) { return host_.peer_alive(peer); }) && Clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ipc_->close_all();
   for (auto& [id, s] : joins_) {
     try {
       rt_->destroy_stream(s);

@@ -118,6 +118,36 @@ class Runtime {
   virtual void reduce_scatter(const void* in, void* out, int64_t count, c10::ScalarType dtype,
                               c10d::ReduceOp::RedOpType op, Comm c, Stream s) = 0;
 
+  // ---- same-host memory and flags (the IPC channel, device/ipc_link.h)
+  // A block two processes of one host share: `data`, device memory (the fake's: a /dev/shm
+  // segment), and `flags`, 32-bit words in host memory both processes map and the device can
+  // wait on and write (zeroed at creation). Stream memory operations on these flags, not
+  // interprocess events, order one process's work after another's: a peer that dies leaves no
+  // wait that this side cannot release (flag_set).
+  struct IpcHandle {
+    std::array<uint8_t, 112> bytes{};
+  };
+  struct IpcBlock {
+    void* data = nullptr;
+    uint32_t* flags = nullptr;
+  };
+  // Whether this runtime can make and open blocks (false: channels stay on NCCL).
+  virtual bool ipc_supported() { return false; }
+  // A new block of `bytes` and `nflags` flags; `h` gets what a process of this host opens it
+  // with. Returns the block's owner token for ipc_close.
+  virtual void* ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b);
+  // Maps another process's block (its name goes at once: nothing is left behind after a crash).
+  virtual void* ipc_open(const IpcHandle& h, IpcBlock* b);
+  // Unmaps an opened block, frees a created one. Nothing may run on it any more, and a created
+  // block's openers must have closed theirs (or be gone).
+  virtual void ipc_close(void* token);
+  // On `s`, after the work before it (whose writes it makes visible first): *flag = value.
+  virtual void flag_write(uint32_t* flag, uint32_t value, Stream s);
+  // `s` waits until (int32_t)(*flag - value) >= 0 (cyclic, as CU_STREAM_WAIT_VALUE_GEQ).
+  virtual void flag_wait(Stream s, const uint32_t* flag, uint32_t value);
+  // From the host, now: *flag = value (releases the waits it satisfies).
+  virtual void flag_set(uint32_t* flag, uint32_t value);
+
   // Test hooks (the fake's; see fake_runtime.cpp): raises for a hook this runtime lacks.
   virtual int64_t debug(const std::string& what, int64_t arg);
 };

@@ -48,6 +48,12 @@ Settings Settings::from_env() {
   if (const char* v = env("FASTCOMM_FAKE_DEVICE")) s.fake_device = std::strcmp(v, "1") == 0;
   s.device_idle_ms = env_int("FASTCOMM_DEVICE_IDLE_MS", s.device_idle_ms, 1);
   s.device_max_comms = env_int("FASTCOMM_DEVICE_MAX_COMMS", s.device_max_comms, 1);
+  if (const char* v = env("FASTCOMM_DEVICE_IPC")) {
+    TORCH_CHECK_VALUE(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0 || std::strcmp(v, "auto") == 0,
+                      "fastcomm: FASTCOMM_DEVICE_IPC must be 0, 1 or auto, got '", v, "'");
+    s.device_ipc = std::strcmp(v, "auto") == 0 ? -1 : std::atoi(v);
+  }
+  s.device_ipc_ring_bytes = (size_t)env_int("FASTCOMM_DEVICE_IPC_RING_BYTES", (int64_t)s.device_ipc_ring_bytes, 4096);
   if (const char* v = env("FASTCOMM_DEVICE_SCHEME")) {
     TORCH_CHECK_VALUE(std::strcmp(v, "channels") == 0 || std::strcmp(v, "single-stream") == 0,
                       "fastcomm: FASTCOMM_DEVICE_SCHEME must be 'channels' or 'single-stream', got '", v, "'");

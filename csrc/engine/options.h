@@ -33,6 +33,10 @@ struct Settings {
                                    // this long is released (the next op makes a new one)
   int64_t device_max_comms = 32;   // FASTCOMM_DEVICE_MAX_COMMS: past this many channel
                                    // communicators, idle ones are released, least recently used first
+  int device_ipc = -1;             // FASTCOMM_DEVICE_IPC: same-host pair channels over CUDA IPC
+                                   // (1), over NCCL (0), or auto (-1: IPC on a GPU, NCCL on the fake)
+  size_t device_ipc_ring_bytes = size_t(2) << 20;  // FASTCOMM_DEVICE_IPC_RING_BYTES: an IPC
+                                                   // channel's staging ring, per direction
 
   // Reads and validates every variable; a malformed value is a ValueError naming it.
   static Settings from_env();

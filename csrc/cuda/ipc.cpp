@@ -1,0 +1,198 @@
+// Same-host blocks on CUDA (cuda/ipc.h).
+#include "cuda/ipc.h"
+
+#include <cuda.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cstdio>
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <string>
+
+#include "cuda/runtime.h"
+
+namespace fastcomm {
+namespace cuda {
+
+namespace {
+
+using WaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+using WriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+struct Driver {
+  WaitValue32 wait = nullptr;
+  WriteValue32 write = nullptr;
+};
+
+// The driver's entry points, through the runtime (no link to libcuda).
+const Driver& driver() {
+  static Driver d = [] {
+    Driver r;
+    cudaDriverEntryPointQueryResult st;
+    void* p = nullptr;
+    if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &p, 12000, cudaEnableDefault, &st) == cudaSuccess &&
+        st == cudaDriverEntryPointSuccess)
+      r.wait = reinterpret_cast<WaitValue32>(p);
+    p = nullptr;
+    if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &p, 12000, cudaEnableDefault, &st) == cudaSuccess &&
+        st == cudaDriverEntryPointSuccess)
+      r.write = reinterpret_cast<WriteValue32>(p);
+    (void)cudaGetLastError();
+    return r;
+  }();
+  return d;
+}
+
+void check_cu(CUresult r, const char* what) {
+  if (r != CUDA_SUCCESS) throw_comm_error(std::string("fastcomm: CUDA driver error in ") + what + ": " + std::to_string((int)r));
+}
+
+struct Wire {
+  cudaIpcMemHandle_t mem;
+  char name[48];
+};
+static_assert(sizeof(Wire) <= sizeof(IpcHandle::bytes), "CUDA IPC handle layout");
+
+struct Block {
+  void* data = nullptr;
+  bool creator = false;
+  void* flags = nullptr;
+  size_t flags_size = 0;
+  std::string name;
+};
+
+size_t flags_size(int nflags) { return (((size_t)nflags * 4) + 4095) & ~size_t(4095); }
+
+void* map_flags(const char* name, size_t size, bool create) {
+  int fd = shm_open(name, create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR, 0600);
+  if (fd < 0) throw_comm_error(std::string("fastcomm: shm_open(") + name + "): " + std::strerror(errno));
+  if (create && ftruncate(fd, (off_t)size) != 0) {
+    close(fd);
+    shm_unlink(name);
+    throw_comm_error(std::string("fastcomm: ftruncate of ") + name + ": " + std::strerror(errno));
+  }
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) {
+    if (create) shm_unlink(name);
+    throw_comm_error(std::string("fastcomm: mmap of ") + name + ": " + std::strerror(errno));
+  }
+  return p;
+}
+
+}  // namespace
+
+bool ipc_supported(int device) {
+  const Driver& d = driver();
+  if (d.wait == nullptr || d.write == nullptr) return false;
+  int same_address = 0;
+  if (cudaDeviceGetAttribute(&same_address, cudaDevAttrCanUseHostPointerForRegisteredMem, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return same_address == 1;
+}
+
+void* ipc_create(int device, size_t bytes, int nflags, IpcHandle* h, IpcBlock* b) {
+  c10::cuda::CUDAGuard g((c10::DeviceIndex)device);
+  auto k = std::make_unique<Block>();
+  k->creator = true;
+  std::random_device rd;
+  char name[48];
+  std::snprintf(name, sizeof(name), "/fastcomm-dipc-%d-%08x%08x", (int)getpid(), rd(), rd());
+  k->name = name;
+  k->flags_size = flags_size(nflags);
+  k->flags = map_flags(name, k->flags_size, true);
+  try {
+    FASTCOMM_GPU_CHECK(cudaHostRegister(k->flags, k->flags_size, cudaHostRegisterMapped | cudaHostRegisterPortable));
+  } catch (...) {
+    munmap(k->flags, k->flags_size);
+    shm_unlink(name);
+    throw;
+  }
+  Wire w{};
+  try {
+    FASTCOMM_GPU_CHECK(cudaMalloc(&k->data, bytes));
+    FASTCOMM_GPU_CHECK(cudaIpcGetMemHandle(&w.mem, k->data));
+  } catch (...) {
+    if (k->data != nullptr) (void)cudaFree(k->data);
+    (void)cudaHostUnregister(k->flags);
+    munmap(k->flags, k->flags_size);
+    shm_unlink(name);
+    throw;
+  }
+  std::memcpy(w.name, name, std::min(std::strlen(name), sizeof(w.name) - 1));
+  std::memcpy(h->bytes.data(), &w, sizeof(w));
+  b->data = k->data;
+  b->flags = static_cast<uint32_t*>(k->flags);
+  return k.release();
+}
+
+void* ipc_open(int device, const IpcHandle& h, IpcBlock* b) {
+  c10::cuda::CUDAGuard g((c10::DeviceIndex)device);
+  Wire w;
+  std::memcpy(&w, h.bytes.data(), sizeof(w));
+  w.name[sizeof(w.name) - 1] = 0;
+  auto k = std::make_unique<Block>();
+  k->name = w.name;
+  struct stat st;
+  int fd = shm_open(w.name, O_RDONLY, 0600);
+  if (fd < 0 || fstat(fd, &st) != 0) {
+    if (fd >= 0) close(fd);
+    throw_comm_error(std::string("fastcomm: the peer's IPC flags ") + w.name + " are gone");
+  }
+  close(fd);
+  k->flags_size = (size_t)st.st_size;
+  k->flags = map_flags(w.name, k->flags_size, false);
+  shm_unlink(w.name);  // both map it now: a crash of either leaves nothing behind
+  try {
+    FASTCOMM_GPU_CHECK(cudaHostRegister(k->flags, k->flags_size, cudaHostRegisterMapped | cudaHostRegisterPortable));
+  } catch (...) {
+    munmap(k->flags, k->flags_size);
+    throw;
+  }
+  try {
+    FASTCOMM_GPU_CHECK(cudaIpcOpenMemHandle(&k->data, w.mem, cudaIpcMemLazyEnablePeerAccess));
+  } catch (...) {
+    (void)cudaHostUnregister(k->flags);
+    munmap(k->flags, k->flags_size);
+    throw;
+  }
+  b->data = k->data;
+  b->flags = static_cast<uint32_t*>(k->flags);
+  return k.release();
+}
+
+void ipc_close(int device, void* token) {
+  std::unique_ptr<Block> k(static_cast<Block*>(token));
+  if (!k) return;
+  c10::cuda::CUDAGuard g((c10::DeviceIndex)device);
+  if (k->creator) (void)cudaFree(k->data);
+  else (void)cudaIpcCloseMemHandle(k->data);
+  (void)cudaHostUnregister(k->flags);
+  munmap(k->flags, k->flags_size);
+  if (k->creator) shm_unlink(k->name.c_str());  // never opened: the name is still there
+  (void)cudaGetLastError();
+}
+
+void flag_write(uint32_t* flag, uint32_t value, cudaStream_t s) {
+  // The default flags put a memory fence before the write: the copies before it are visible first.
+  check_cu(driver().write(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag), value, 0),
+           "cuStreamWriteValue32");
+}
+
+void flag_wait(cudaStream_t s, const uint32_t* flag, uint32_t value) {
+  check_cu(driver().wait(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag), value,
+                         CU_STREAM_WAIT_VALUE_GEQ),
+           "cuStreamWaitValue32");
+}
+
+}  // namespace cuda
+}  // namespace fastcomm

@@ -1,0 +1,147 @@
+// The fake runtime's same-host blocks (device/fake_ipc.h).
+#include "device/fake_ipc.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <climits>
+#include <algorithm>
+#include <cstring>
+#include <ctime>
+#include <random>
+#include <string>
+
+#include "common/errors.h"
+
+namespace fastcomm {
+namespace device {
+namespace fake {
+
+namespace {
+
+constexpr uint32_t kMagic = 0x46434950;  // "FCIP"
+constexpr size_t kHead = 64;
+
+// The handle: what a peer needs to map the segment.
+struct Wire {
+  uint32_t magic;
+  uint32_t nflags;
+  uint64_t bytes;
+  char name[96];
+};
+static_assert(sizeof(Wire) <= sizeof(Runtime::IpcHandle::bytes), "fake IPC handle layout");
+
+struct Block {
+  std::string name;
+  void* base = nullptr;
+  size_t size = 0;
+  bool creator = false;
+};
+
+std::atomic<int64_t> g_blocks{0};
+
+size_t flags_bytes(int nflags) { return ((size_t)nflags * 4 + 63) & ~size_t(63); }
+
+[[noreturn]] void fail(const char* call, const std::string& what) {
+  throw_comm_error(std::string("fastcomm fake runtime: ") + call + ": " + what + " (" + std::strerror(errno) + ")");
+}
+
+void fill(const Block& k, int nflags, uint64_t bytes, Runtime::IpcBlock* b) {
+  b->flags = reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(k.base) + kHead);
+  b->data = static_cast<uint8_t*>(k.base) + kHead + flags_bytes(nflags);
+  (void)bytes;
+}
+
+}  // namespace
+
+void* ipc_create(size_t bytes, int nflags, Runtime::IpcHandle* h, Runtime::IpcBlock* b) {
+  std::random_device rd;
+  char name[64];
+  std::snprintf(name, sizeof(name), "/fastcomm-dipc-%d-%08x%08x", (int)getpid(), rd(), rd());
+  const size_t size = kHead + flags_bytes(nflags) + bytes;
+  int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) fail("ipc_create", std::string("shm_open ") + name);
+  if (ftruncate(fd, (off_t)size) != 0) {
+    close(fd);
+    shm_unlink(name);
+    fail("ipc_create", "ftruncate");
+  }
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) {
+    shm_unlink(name);
+    fail("ipc_create", "mmap");
+  }
+  auto* k = new Block{name, base, size, true};
+  fill(*k, nflags, bytes, b);
+  // Fresh device memory holds garbage: a read that no flag ordered after its write sees it.
+  std::memset(b->data, 0xa5, bytes);
+  Wire w{};
+  w.magic = kMagic;
+  w.nflags = (uint32_t)nflags;
+  w.bytes = bytes;
+  std::memcpy(w.name, name, std::min(std::strlen(name), sizeof(w.name) - 1));
+  std::memcpy(h->bytes.data(), &w, sizeof(w));
+  ++g_blocks;
+  return k;
+}
+
+void* ipc_open(const Runtime::IpcHandle& h, Runtime::IpcBlock* b) {
+  Wire w;
+  std::memcpy(&w, h.bytes.data(), sizeof(w));
+  if (w.magic != kMagic) throw_comm_error("fastcomm fake runtime: ipc_open: not a fake IPC handle");
+  w.name[sizeof(w.name) - 1] = 0;
+  const size_t size = kHead + flags_bytes((int)w.nflags) + w.bytes;
+  int fd = shm_open(w.name, O_RDWR, 0600);
+  if (fd < 0) fail("ipc_open", std::string("shm_open ") + w.name);
+  struct stat st;
+  if (fstat(fd, &st) != 0 || (size_t)st.st_size != size) {
+    close(fd);
+    throw_comm_error(std::string("fastcomm fake runtime: ipc_open: ") + w.name + " has an unexpected size");
+  }
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) fail("ipc_open", "mmap");
+  // Both sides have it mapped now: the name can go, so a crash of either leaves nothing.
+  shm_unlink(w.name);
+  auto* k = new Block{w.name, base, size, false};
+  fill(*k, (int)w.nflags, w.bytes, b);
+  ++g_blocks;
+  return k;
+}
+
+void ipc_close(void* token) {
+  auto* k = static_cast<Block*>(token);
+  if (k == nullptr) return;
+  munmap(k->base, k->size);
+  if (k->creator) shm_unlink(k->name.c_str());  // never opened: the name is still there
+  delete k;
+  --g_blocks;
+}
+
+void flag_store(uint32_t* flag, uint32_t value) {
+  __atomic_store_n(flag, value, __ATOMIC_RELEASE);
+  syscall(SYS_futex, flag, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+void flag_block(const uint32_t* flag, uint32_t value) {
+  for (;;) {
+    const uint32_t v = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+    if ((int32_t)(v - value) >= 0) return;
+    // Shared (not FUTEX_PRIVATE): the writer is another process. The timeout only bounds a
+    // wake-up lost to a store between the load and the wait.
+    struct timespec ts{0, 2000000};
+    syscall(SYS_futex, const_cast<uint32_t*>(flag), FUTEX_WAIT, v, &ts, nullptr, 0);
+  }
+}
+
+int64_t ipc_blocks() { return g_blocks.load(); }
+
+}  // namespace fake
+}  // namespace device
+}  // namespace fastcomm

@@ -1,0 +1,263 @@
+// A pair channel's same-host transport (device/ipc_link.h), and the Runtime's defaults for a
+// runtime without one.
+#include "device/ipc_link.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/errors.h"
+
+namespace fastcomm {
+namespace device {
+
+namespace {
+
+constexpr uint32_t kTag = 0x4C435049;  // "IPCL": the id is a link's, not an NCCL unique id
+
+// The channel id of a link: its ring's geometry and the runtime's handle.
+struct Wire {
+  uint32_t tag;
+  uint32_t slots;
+  uint64_t slot_bytes;
+  Runtime::IpcHandle handle;
+};
+static_assert(sizeof(Wire) == sizeof(UniqueId), "an IPC link's id fills a communicator id");
+
+// Flags of a ring: filled[K], consumed[K], then what the opener says (it closed, it opened,
+// it ended the link) and what the owner says (it ended the link; the chunks it enqueued; it
+// released a send still waiting for room, so what it wrote since may be garbage). Host words
+// that no stream waits on are plain stores.
+size_t closed_flag(uint32_t k) { return 2 * (size_t)k; }
+size_t opened_flag(uint32_t k) { return 2 * (size_t)k + 1; }
+size_t opener_ended_flag(uint32_t k) { return 2 * (size_t)k + 2; }
+size_t owner_ended_flag(uint32_t k) { return 2 * (size_t)k + 3; }
+size_t tx_enqueued_flag(uint32_t k) { return 2 * (size_t)k + 4; }
+size_t garbage_flag(uint32_t k) { return 2 * (size_t)k + 5; }
+constexpr int kExtraFlags = 6;
+
+uint32_t load(const uint32_t* f) { return __atomic_load_n(f, __ATOMIC_ACQUIRE); }
+void store(uint32_t* f, uint32_t v) { __atomic_store_n(f, v, __ATOMIC_RELEASE); }
+
+}  // namespace
+
+void* Runtime::ipc_create(size_t, int, IpcHandle*, IpcBlock*) {
+  TORCH_CHECK(false, "fastcomm: the ", name(), " device runtime has no same-host IPC");
+}
+void* Runtime::ipc_open(const IpcHandle&, IpcBlock*) {
+  TORCH_CHECK(false, "fastcomm: the ", name(), " device runtime has no same-host IPC");
+}
+void Runtime::ipc_close(void*) {}
+void Runtime::flag_write(uint32_t*, uint32_t, Stream) {
+  TORCH_CHECK(false, "fastcomm: the ", name(), " device runtime has no stream flags");
+}
+void Runtime::flag_wait(Stream, const uint32_t*, uint32_t) {
+  TORCH_CHECK(false, "fastcomm: the ", name(), " device runtime has no stream flags");
+}
+void Runtime::flag_set(uint32_t*, uint32_t) {
+  TORCH_CHECK(false, "fastcomm: the ", name(), " device runtime has no stream flags");
+}
+
+IpcLink::IpcLink(Runtime& rt, int peer, uint32_t epoch, size_t ring_bytes, uint32_t slots)
+    : rt_(rt), peer_(peer), epoch_(epoch), slots_(std::max<uint32_t>(slots, 1)) {
+  // Slots of whole 256-byte lines, so every chunk of a tensor stays aligned for the copies.
+  slot_bytes_ = std::max<size_t>(256, (ring_bytes / slots_) & ~size_t(255));
+  Wire w{};
+  w.tag = kTag;
+  w.slots = slots_;
+  w.slot_bytes = slot_bytes_;
+  own_token_ = rt_.ipc_create(slots_ * slot_bytes_, (int)(2 * slots_ + kExtraFlags), &w.handle, &own_);
+  std::memcpy(id_.bytes.data(), &w, sizeof(w));
+  tx_wait_.assign(slots_, 0);
+}
+
+IpcLink::~IpcLink() {
+  abort();
+  close_peer();
+  if (own_token_ != nullptr) rt_.ipc_close(own_token_);
+}
+
+bool IpcLink::is_ipc(const UniqueId& id) {
+  uint32_t tag;
+  std::memcpy(&tag, id.bytes.data(), sizeof(tag));
+  return tag == kTag;
+}
+
+void IpcLink::open_peer(const UniqueId& id) {
+  TORCH_INTERNAL_ASSERT(peer_token_ == nullptr, "IPC link opened twice");
+  Wire w;
+  std::memcpy(&w, id.bytes.data(), sizeof(w));
+  TORCH_INTERNAL_ASSERT(w.tag == kTag && w.slots > 0 && w.slot_bytes > 0, "not an IPC link id");
+  Runtime::IpcBlock b;
+  peer_token_ = rt_.ipc_open(w.handle, &b);
+  theirs_ = b;
+  peer_slots_ = w.slots;
+  peer_slot_bytes_ = w.slot_bytes;
+  rx_wait_.assign(peer_slots_, 0);
+  rt_.flag_set(peer_flag(opened_flag(peer_slots_)), 1);
+}
+
+void IpcLink::enqueue(const Part& p, Stream s) {
+  TORCH_INTERNAL_ASSERT(ready(), "IPC link used before the peer's ring was mapped");
+  TORCH_INTERNAL_ASSERT(stream_ == nullptr || stream_ == s, "an IPC link's parts go on one stream");
+  stream_ = s;
+  auto tx = [&](const uint8_t* src, size_t n) {
+    const uint32_t k = (uint32_t)(tx_seq_ % slots_);
+    const uint32_t use = (uint32_t)(tx_seq_ / slots_ + 1);
+    ++tx_seq_;
+    if (use > 1) {
+      rt_.flag_wait(s, own_flag(slots_ + k), use - 1);
+      tx_wait_[k] = use - 1;
+    }
+    rt_.copy((uint8_t*)own_.data + (size_t)k * slot_bytes_, src, n, s);
+    rt_.flag_write(own_flag(k), use, s);
+  };
+  auto rx = [&](uint8_t* dst, size_t n) {
+    const uint32_t k = (uint32_t)(rx_seq_ % peer_slots_);
+    const uint32_t use = (uint32_t)(rx_seq_ / peer_slots_ + 1);
+    ++rx_seq_;
+    if (!skip_rx_waits) {
+      rt_.flag_wait(s, peer_flag(k), use);
+      rx_wait_[k] = use;
+    }
+    rt_.copy(dst, (const uint8_t*)theirs_.data + (size_t)k * peer_slot_bytes_, n, s);
+    rt_.flag_write(peer_flag(peer_slots_ + k), use, s);
+  };
+  // Chunk i of the part's sends, then chunk i of its receives (the order ipc_link.h argues from).
+  struct Cursor {
+    size_t buf = 0, off = 0;
+  } cs, cr;
+  auto next_send = [&](const std::vector<std::pair<const void*, size_t>>& v, Cursor& c) -> bool {
+    while (c.buf < v.size() && c.off >= v[c.buf].second) c.buf++, c.off = 0;
+    if (c.buf == v.size()) return false;
+    const size_t n = std::min(slot_bytes_, v[c.buf].second - c.off);
+    tx((const uint8_t*)v[c.buf].first + c.off, n);
+    c.off += n;
+    return true;
+  };
+  auto next_recv = [&](const std::vector<std::pair<void*, size_t>>& v, Cursor& c) -> bool {
+    while (c.buf < v.size() && c.off >= v[c.buf].second) c.buf++, c.off = 0;
+    if (c.buf == v.size()) return false;
+    const size_t n = std::min(peer_slot_bytes_, v[c.buf].second - c.off);
+    rx((uint8_t*)v[c.buf].first + c.off, n);
+    c.off += n;
+    return true;
+  };
+  for (;;) {
+    const bool a = next_send(p.sends, cs);
+    const bool b = next_recv(p.recvs, cr);
+    if (!a && !b) break;
+  }
+  store(own_flag(tx_enqueued_flag(slots_)), (uint32_t)tx_seq_);
+}
+
+void IpcLink::abort() {
+  // First the peer is told: data its receives get from here on may be garbage (this side's
+  // sends stop waiting for room), so it trusts none it sees complete after this.
+  if (own_token_ != nullptr) {
+    // A send still waiting for room, once released, overwrites chunks the peer has not read.
+    bool garbage = false;
+    for (uint32_t k = 0; k < slots_; ++k)
+      garbage = garbage || (tx_wait_[k] != 0 && (int32_t)(load(own_flag(slots_ + k)) - tx_wait_[k]) < 0);
+    if (garbage) store(own_flag(garbage_flag(slots_)), 1);
+    store(own_flag(owner_ended_flag(slots_)), 1);
+  }
+  if (peer_token_ != nullptr) store(peer_flag(opener_ended_flag(peer_slots_)), 1);
+  // A released wait leaves the flag at the value it waited for: cyclic-later values stay.
+  auto release = [&](uint32_t* f, uint32_t v) {
+    if (v == 0) return;
+    const uint32_t cur = __atomic_load_n(f, __ATOMIC_ACQUIRE);
+    if ((int32_t)(cur - v) < 0) rt_.flag_set(f, v);
+  };
+  if (own_token_ != nullptr)
+    for (uint32_t k = 0; k < slots_; ++k) release(own_flag(slots_ + k), tx_wait_[k]);
+  if (peer_token_ != nullptr)
+    for (uint32_t k = 0; k < peer_slots_; ++k) release(peer_flag(k), rx_wait_[k]);
+}
+
+void IpcLink::close_peer() {
+  if (peer_token_ == nullptr) return;
+  rt_.flag_set(peer_flag(closed_flag(peer_slots_)), 1);
+  rt_.ipc_close(peer_token_);
+  peer_token_ = nullptr;
+  theirs_ = Runtime::IpcBlock{};
+}
+
+bool IpcLink::peer_opened() const {
+  return __atomic_load_n(own_.flags + opened_flag(slots_), __ATOMIC_ACQUIRE) != 0;
+}
+
+bool IpcLink::peer_ended() const {
+  return __atomic_load_n(own_.flags + opener_ended_flag(slots_), __ATOMIC_ACQUIRE) != 0 ||
+         (peer_token_ != nullptr && __atomic_load_n(theirs_.flags + owner_ended_flag(peer_slots_), __ATOMIC_ACQUIRE) != 0);
+}
+
+bool IpcLink::peer_garbage() const {
+  return peer_token_ != nullptr && load(theirs_.flags + garbage_flag(peer_slots_)) != 0;
+}
+
+bool IpcLink::peer_starved() const {
+  return peer_ended() && peer_token_ != nullptr &&
+         (int32_t)((uint32_t)rx_seq_ - load(theirs_.flags + tx_enqueued_flag(peer_slots_))) > 0;
+}
+
+bool IpcLink::peer_done() const {
+  return __atomic_load_n(own_.flags + closed_flag(slots_), __ATOMIC_ACQUIRE) != 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+Comm IpcLinks::add(std::unique_ptr<IpcLink> l) {
+  Comm c = l.get();
+  l->skip_rx_waits = skip_rx_waits_.load();
+  ++blocks_;
+  bytes_ += (int64_t)l->ring_bytes();
+  live_[c] = std::move(l);
+  return c;
+}
+
+void IpcLinks::end(Comm c, EventPtr drained) {
+  auto it = live_.find(c);
+  TORCH_INTERNAL_ASSERT(it != live_.end(), "unknown IPC link");
+  Closing x;
+  x.link = std::move(it->second);
+  live_.erase(it);
+  x.link->abort();
+  x.drained = std::move(drained);
+  x.since = Clock::now();
+  closing_.push_back(std::move(x));
+}
+
+bool IpcLinks::poll(const std::function<bool(int)>& peer_alive) {
+  // A peer that never mapped this side's ring gets this long to do it (its proposal may be on
+  // the way) before the ring goes without it.
+  constexpr auto kUnopenedGrace = std::chrono::seconds(2);
+  const auto now = Clock::now();
+  for (size_t i = 0; i < closing_.size();) {
+    Closing& x = closing_[i];
+    if (x.drained && rt_.query(x.drained->ev) != State::kReady) {
+      ++i;
+      continue;
+    }
+    x.drained.reset();
+    x.link->close_peer();
+    const bool done = x.link->peer_done() || !peer_alive(x.link->peer()) ||
+                      (!x.link->peer_opened() && now - x.since > kUnopenedGrace);
+    if (!done) {
+      ++i;
+      continue;
+    }
+    gone(*x.link);
+    closing_.erase(closing_.begin() + (long)i);
+  }
+  return !closing_.empty();
+}
+
+void IpcLinks::close_all() {
+  for (auto& [c, l] : live_) gone(*l);
+  for (auto& x : closing_) gone(*x.link);
+  live_.clear();
+  closing_.clear();
+}
+
+}  // namespace device
+}  // namespace fastcomm

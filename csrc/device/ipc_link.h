@@ -1,0 +1,142 @@
+#pragma once
+// A pair channel's transport between two processes of one host, beside NCCL's communicator
+// (device/channel_engine.h): a staging ring per direction in device memory the sender owns
+// and the receiver maps (Runtime::ipc_create/ipc_open), ordered by flags on the streams.
+//
+// A message is cut into the ring's slots. Chunk c of a direction uses slot c % K for the u-th
+// time (u = c / K + 1). The sender's stream waits until the receiver consumed the slot's
+// (u-1)-th use, copies the chunk in and writes filled[slot] = u; the receiver's stream waits for
+// filled[slot] >= u, copies the chunk out and writes consumed[slot] = u. No host handshake: both
+// sides enqueue the parts in the channel's agreed order and number the chunks alike, so a wait
+// may be enqueued before the write it waits for, as NCCL's receives are.
+//
+// No deadlock: within a part each side enqueues send chunk i, then receive chunk i, for i = 0,
+// 1, ...; parts go in agreed order. A receive chunk waits on the peer's send chunk of the same
+// (part, i), a send chunk on the peer's receive of a chunk K earlier in that direction: every
+// wait points at an earlier place in one order both streams follow.
+//
+// One link per channel epoch, made by the leader at its first proposal (its handle rides on the
+// proposal as the communicator id does) and by the follower when that arrives (its handle goes
+// back on its first answer). Ending an epoch (abort) first tells the peer (flags), then
+// releases every wait this side enqueued: what is left runs, as work after ncclCommAbort
+// completes. Chunks this side had written stay good (a sender may finish and end its side before
+// the receiver read them); but a released send that still waited for room overwrites chunks the
+// peer has not read, so that is flagged first, and the peer trusts no receive it sees complete
+// after seeing the flag. A receive whose send the peer never enqueued before ending fails at once.
+// The peer's ring is unmapped once this side's stream has drained; this side's ring is freed
+// once the peer unmapped it, is gone, or never mapped it.
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "device/ops.h"
+
+namespace fastcomm {
+namespace device {
+
+class IpcLink {
+ public:
+  // This side's ring: `ring_bytes` in `slots` slots.
+  IpcLink(Runtime& rt, int peer, uint32_t epoch, size_t ring_bytes, uint32_t slots);
+  ~IpcLink();
+  IpcLink(const IpcLink&) = delete;
+  IpcLink& operator=(const IpcLink&) = delete;
+
+  // What the peer opens this side's ring with, as a channel's communicator id.
+  const UniqueId& id() const { return id_; }
+  static bool is_ipc(const UniqueId& id);
+  // Maps the peer's ring; raises if the id is not one (or the ring is gone).
+  void open_peer(const UniqueId& id);
+  bool ready() const { return peer_token_ != nullptr; }
+  int peer() const { return peer_; }
+  uint32_t epoch() const { return epoch_; }
+  size_t ring_bytes() const { return slots_ * slot_bytes_; }
+
+  // Enqueues the part's transfers on `s` (every part of the link on the same stream).
+  void enqueue(const Part& p, Stream s);
+  Stream stream() const { return stream_; }
+  // Tells the peer the link ended, then releases every wait this side enqueued; safe to repeat.
+  void abort();
+  // The peer ended its side.
+  bool peer_ended() const;
+  // ... releasing a send that waited for room: a receive seen complete from now on may hold
+  // garbage.
+  bool peer_garbage() const;
+  // ... before enqueueing sends that receives enqueued here wait for: they never complete.
+  bool peer_starved() const;
+  // Once nothing runs on the link here: unmaps the peer's ring (telling the peer).
+  void close_peer();
+  // Whether the peer unmapped this side's ring (or never mapped it).
+  bool peer_done() const;
+  bool peer_opened() const;
+
+  bool skip_rx_waits = false;  // test hook: the receive copies wait for nothing
+
+ private:
+  uint32_t* own_flag(size_t i) const { return own_.flags + i; }
+  uint32_t* peer_flag(size_t i) const { return theirs_.flags + i; }
+
+  Runtime& rt_;
+  const int peer_;
+  const uint32_t epoch_;
+  uint32_t slots_ = 0;
+  size_t slot_bytes_ = 0;
+  void* own_token_ = nullptr;
+  Runtime::IpcBlock own_;
+  void* peer_token_ = nullptr;
+  Runtime::IpcBlock theirs_;
+  uint32_t peer_slots_ = 0;
+  size_t peer_slot_bytes_ = 0;
+  uint64_t tx_seq_ = 0, rx_seq_ = 0;
+  std::vector<uint32_t> tx_wait_, rx_wait_;  // the last value waited on, per flag (0: none)
+  Stream stream_ = nullptr;
+  UniqueId id_;
+};
+
+// The engine's links: live ones by the Comm handle their channel holds, and ended ones until
+// their memory can go.
+class IpcLinks {
+ public:
+  explicit IpcLinks(Runtime& rt) : rt_(rt) {}
+  Comm add(std::unique_ptr<IpcLink> l);
+  IpcLink* find(Comm c) const {
+    if (c == nullptr || live_.empty()) return nullptr;
+    auto it = live_.find(c);
+    return it == live_.end() ? nullptr : it->second.get();
+  }
+  // The link's epoch is over: its waits are released now; `drained` (recorded behind its work,
+  // or null) tells when its stream is done with it.
+  void end(Comm c, EventPtr drained);
+  // Releases what can go; true while some ended link still holds memory.
+  bool poll(const std::function<bool(int)>& peer_alive);
+  // Teardown: the streams have drained; everything goes.
+  void close_all();
+  bool closing() const { return !closing_.empty(); }
+  // Links that hold memory, and this side's rings' bytes (any thread: debug).
+  int64_t blocks() const { return blocks_.load(); }
+  int64_t ring_bytes() const { return bytes_.load(); }
+  void set_skip_rx_waits(bool on) { skip_rx_waits_ = on; }
+
+ private:
+  struct Closing {
+    std::unique_ptr<IpcLink> link;
+    EventPtr drained;
+    Clock::time_point since;
+    bool peer_closed = false;
+  };
+  Runtime& rt_;
+  std::unordered_map<Comm, std::unique_ptr<IpcLink>> live_;
+  std::vector<Closing> closing_;
+  std::atomic<int64_t> blocks_{0}, bytes_{0};
+  std::atomic<bool> skip_rx_waits_{false};
+  void gone(const IpcLink& l) {
+    --blocks_;
+    bytes_ -= (int64_t)l.ring_bytes();
+  }
+};
+
+}  // namespace device
+}  // namespace fastcomm

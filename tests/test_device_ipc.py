@@ -1,0 +1,298 @@
+"""Same-host device channels over IPC (csrc/device/ipc_link.h), on the fake device runtime:
+FASTCOMM_DEVICE_IPC=1 makes every pair channel between ranks of one host an IPC link (a staging
+ring per direction in a /dev/shm segment the sender owns and the receiver maps, ordered by flags
+on the streams) instead of a fake NCCL communicator.
+
+- results against local references (sizes incl. 0 and odd, dtypes, pairs, a triple, the world;
+  batches; messages many times the ring, in odd chunks), any issue order, several threads, the
+  host running ahead through 1,000 pipelined ops (plans hold host ops only: not on this path);
+- the fake enforces the order: a receive that waits for nothing reads fresh (poisoned) ring
+  memory or an older message, so skipping the wait fails the results;
+- a peer killed with ops in flight, or one that stalls, fails only its ops, naming it, within the
+  timeout; a timed-out channel goes on over a new link; idle links are released and made again; a
+  peer that shuts down takes its link with it; scratch outlives a stream whose waits an abort
+  released; links are released, and /dev/shm is left as it was (the autouse fixture);
+- FASTCOMM_DEVICE_IPC=0 keeps the channels on NCCL; a simulated second host does too.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import harness
+import test_device_streams as tds
+import test_fake_device as tfd
+from _helpers import expect, fold, gen
+
+import fastcomm as fc
+
+IPC = {"FASTCOMM_FAKE_DEVICE": "1", "FASTCOMM_DEVICE_IPC": "1"}
+# A 4 KiB ring (four 1 KiB slots): most messages below take many turns of it.
+SMALL_RING = dict(IPC, FASTCOMM_DEVICE_IPC_RING_BYTES="4096")
+
+
+def dbg(what, arg=0):
+    return fc._state._engine.device_debug("cpu", what, arg)
+
+
+def _until(pred, what, limit=30.0):
+    end = time.monotonic() + limit
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"never happened: {what}")
+        time.sleep(0.01)
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+
+
+@pytest.mark.parametrize("world,env", [(2, IPC), (3, SMALL_RING)])
+def test_collectives_match_the_reference(world, env):
+    sizes, dtypes = [0, 1, 7, 1000], ["float32", "bfloat16", "int64"]
+    ops = ["SUM", "AVG", "MAX", "MIN", "PRODUCT"]
+    res = harness.run(_links_after(tfd._collectives_body), world, sizes, dtypes, ops, timeout=240, env=env)
+    for checked, links, ring in res:
+        assert checked > 0
+        assert links == world - 1 and ring > 0, (links, ring)  # every channel went over IPC
+
+
+def _links_after(body):
+    def run(rank, world, *args):
+        r = body(rank, world, *args)
+        return r, dbg("ipc_links"), dbg("ipc_ring_bytes")
+    run.__name__ = body.__name__
+    return run
+
+
+def _large_body(rank, world, numels):
+    g = fc.new_group([0, 1])
+    out = []
+    for numel in numels:
+        for dt in ("float32", "float64", "float16", "int32"):
+            t = gen(rank, numel, dt, numel, "SUM")
+            fc.all_reduce(t, group=g)
+            tfd.assert_close(t, fold([gen(r, numel, dt, numel, "SUM") for r in (0, 1)], "SUM"), rtol=0, atol=0)
+        # one direction at a time: broadcast, then send/recv
+        b = gen(rank, numel + 1, "float32", numel)
+        fc.broadcast(b, src=1, group=g)
+        tfd.assert_close(b, gen(1, numel + 1, "float32", numel), rtol=0, atol=0)
+        if rank == 0:
+            fc.send(gen(0, numel + 2, "float32", numel), 1)
+            tfd.dsync()  # its copies have run before the process may exit
+        else:
+            got = torch.empty(numel)
+            fc.recv(got, 0)
+            tfd.assert_close(got, gen(0, numel + 2, "float32", numel), rtol=0, atol=0)
+        out.append(numel)
+    return out, dbg("ipc_links")
+
+
+def test_messages_many_times_the_ring():
+    """A 4 KiB ring carries messages of up to 100x its size, in odd-sized last chunks, both
+    directions at once (all_reduce) and one (broadcast, send/recv)."""
+    numels = [255, 256, 257, 1023, 100_003]
+    for out, links in harness.run(_large_body, 2, numels, timeout=120, env=SMALL_RING):
+        assert out == numels and links == 1
+
+
+def _batch_body(rank, world, count):
+    lists = [[a, b] for a in range(world) for b in range(a + 1, world)] * (count // 6 + 1)
+    lists = lists[:count]
+    groups = fc.new_groups(lists)
+    ts = {}
+    with fc.batch() as b:
+        for i, (ranks, g) in enumerate(zip(lists, groups)):
+            if rank in ranks:
+                ts[i] = gen(rank, i, "float32", 1 + i % 13)
+                fc.all_reduce(ts[i], group=g)
+    b.wait()
+    for i, t in ts.items():
+        tfd.assert_close(t, fold([gen(r, i, "float32", 1 + i % 13) for r in lists[i]], "SUM"), rtol=0, atol=0)
+    return len(ts)
+
+
+def test_a_batch_over_many_groups():
+    res = harness.run(_batch_body, 4, 120, timeout=120, env=SMALL_RING, init_timeout=20)
+    assert sum(res) == 2 * 120
+
+
+def test_random_issue_orders_over_overlapping_groups():
+    res = harness.run(tfd._random_order_body, 4, 7, 3, timeout=120, env=SMALL_RING, init_timeout=20)
+    assert all(r for r in res)
+
+
+def test_cyclic_issue_order_completes():
+    for r in harness.run(tfd._cyclic_body, 3, timeout=60, env=IPC, init_timeout=10):
+        assert r
+
+
+def test_several_threads():
+    for errors in harness.run(tfd._threads_body, 3, timeout=120, env=IPC, init_timeout=20):
+        assert not errors
+
+
+def test_the_host_runs_ahead_of_the_device_through_1000_pipelined_ops():
+    for r in harness.run(tds._run_ahead_body, 2, 1000, timeout=120, env=IPC, init_timeout=60):
+        assert r == (True, True, True, True), r
+
+
+# ---------------------------------------------------------------------------------------------
+# The fake keeps the order the flags give
+
+
+def _skip_waits_body(rank, world, skip):
+    g = fc.new_group([0, 1])
+    if skip:
+        dbg("ipc_skip_waits", 1)
+    bad = 0
+    for i in range(4):
+        if rank == 0:
+            dbg("spin", 200)  # rank 0's copies into its ring come late
+        t = torch.full((300,), float(rank + 10 * i))
+        fc.all_reduce(t, group=g)
+        tfd.dsync()
+        bad += int(not torch.equal(t, torch.full((300,), float(1 + 20 * i))))
+    return bad
+
+
+def test_a_receive_that_waits_for_nothing_reads_wrong_data():
+    """The engine's wait is what makes the result right: without it, rank 1 reads rank 0's
+    ring before rank 0 wrote it (fresh poisoned memory, then an older message)."""
+    assert harness.run(_skip_waits_body, 2, False, timeout=60, env=IPC) == [0, 0]
+    bad = harness.run(_skip_waits_body, 2, True, timeout=60, env=IPC)
+    assert bad[1] > 0, bad
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults
+
+
+def _killed_body(rank, world, flag_dir):
+    g01, g02, g12 = fc.new_groups([[0, 1], [0, 2], [1, 2]])
+    warm = torch.ones(1000)
+    if rank in (0, 2):
+        fc.all_reduce(warm, group=g02)  # the link is up
+    if rank in (1, 2):
+        fc.all_reduce(torch.ones(1000), group=g12)
+    tfd.dsync()
+    if rank == 2:
+        dbg("hold")  # its copies never run: ops in flight on both links
+        fc.all_reduce(torch.ones(5000), group=g02, async_op=True)
+        fc.all_reduce(torch.ones(5000), group=g12, async_op=True)
+        open(os.path.join(flag_dir, "issued"), "w").close()
+        time.sleep(0.3)
+        os._exit(0)
+    peer_group = g02 if rank == 0 else g12
+    w = fc.all_reduce(torch.ones(5000), group=peer_group, async_op=True)
+    t0 = time.monotonic()
+    _until(w.is_completed, "the op with the dead peer settled")
+    took = time.monotonic() - t0
+    msg = str(w.exception())
+    assert "rank 2" in msg, msg
+    ok = torch.full((1001,), float(rank + 1))
+    fc.all_reduce(ok, group=g01)
+    tfd.dsync()
+    _until(lambda: dbg("ipc_links") == 1, "the dead peer's link released")
+    return msg, took, ok[:2].tolist(), dbg("ipc_ring_bytes")
+
+
+def test_a_peer_killed_mid_run_fails_only_its_ops(tmp_path):
+    res = harness.run(_killed_body, 3, str(tmp_path), timeout=90, env=IPC, init_timeout=5, allow_fail=(2,))
+    for msg, took, ok, ring in res[:2]:
+        assert took < 5 + 3, (took, msg)
+        assert ok == [3.0, 3.0]
+        assert ring > 0  # the link with the live peer stays
+
+
+def test_a_stalled_peer_times_out_and_others_go_on():
+    res = harness.run(tfd._stalled_peer_body, 3, timeout=90, env=IPC, init_timeout=3)
+    assert res[0][1] == [3.0, 3.0] and res[1][1] == [3.0, 3.0]
+
+
+def test_an_error_after_a_blocking_call_returned_is_raised_by_the_next_op():
+    res = harness.run(tds._late_error_body, 2, timeout=60, env=IPC, init_timeout=5, allow_fail=(1,))
+    assert "rank 1" in res[0]
+
+
+def test_memory_outlives_the_streams_that_may_write_it():
+    """An aborted link lets its stream run on (its waits released): the receives then write
+    garbage into scratch that must still be there."""
+    for msg, late in harness.run(tds._late_write_body, 2, timeout=60, env=IPC, init_timeout=2):
+        assert late == 0, msg
+
+
+def test_a_timed_out_channel_recovers_on_a_new_link():
+    for first, a, b in harness.run(tds._recovery_body, 2, timeout=60, env=IPC, init_timeout=30):
+        assert a == [3.0] * 4 and b == [21.0] * 4, (first, a, b)
+
+
+def test_idle_links_are_released_and_made_again():
+    env = dict(IPC, FASTCOMM_DEVICE_IDLE_MS="100")
+    res = harness.run(tds._release_body, 3, timeout=90, env=env, init_timeout=30)
+    for rank, r in enumerate(res):
+        if rank < 2:
+            assert r[:2] == [[3.0] * 3, [6.0] * 3], r
+            r = r[2:]
+        assert r[:30] == [3.0] * 30, r
+
+
+def test_shutdown_with_ops_in_flight_does_not_hang(tmp_path):
+    res = harness.run(tfd._shutdown_inflight_body, 2, str(tmp_path), timeout=60, env=IPC, init_timeout=30)
+    assert len(res) == 2
+
+
+def _peer_shutdown_body(rank, world, flag_dir):
+    g = fc.new_group([0, 1])
+    t = torch.full((700,), float(rank + 1))
+    fc.all_reduce(t, group=g)
+    tfd.dsync()
+    done = os.path.join(flag_dir, "released")
+    if rank == 1:
+        fc.shutdown()  # ends its links, waits a little for rank 0 to unmap its ring
+        _until(lambda: os.path.exists(done), "rank 0 released its side")
+        return t[0].item(), 0
+    # Rank 0 is idle: its health check sees the peer's side ended and lets its own go; the
+    # peer is alive, so its ring is freed only once the peer unmapped it.
+    _until(lambda: dbg("ipc_links") == 0, "the link of a peer that shut down released")
+    open(done, "w").close()
+    return t[0].item(), dbg("ipc_ring_bytes")
+
+
+def test_a_peer_that_shuts_down_takes_its_link_with_it(tmp_path):
+    assert harness.run(_peer_shutdown_body, 2, str(tmp_path), timeout=60, env=IPC) == [(3.0, 0)] * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The choice of transport
+
+
+def _kind_body(rank, world, two_hosts):
+    if two_hosts:
+        os.environ["FASTCOMM_HOST_ID"] = f"host-{rank}"
+    harness.init_child(rank, world, timeout=10)
+    g = fc.new_group([0, 1])
+    t = torch.full((9,), float(rank + 1))
+    fc.all_reduce(t, group=g)
+    tfd.dsync()
+    try:
+        return t.tolist(), dbg("ipc_links"), dbg("live_comms")
+    finally:
+        fc.shutdown()
+
+
+@pytest.mark.parametrize("env,two_hosts,links", [
+    ({"FASTCOMM_FAKE_DEVICE": "1", "FASTCOMM_DEVICE_IPC": "0"}, False, 0),
+    ({"FASTCOMM_FAKE_DEVICE": "1"}, False, 0),  # auto: NCCL on the fake
+    (IPC, True, 0),  # another (simulated) host: NCCL
+    (IPC, False, 1),
+])
+def test_ipc_only_between_ranks_of_one_host_and_when_enabled(env, two_hosts, links):
+    res = harness.run(_kind_body, 2, two_hosts, timeout=60, env=env, init=False)
+    for t, n, comms in res:
+        assert t == [3.0] * 9
+        assert n == links and comms == 1
