@@ -32,6 +32,10 @@ ENV = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"} if ON_GPU else {"FAST
 SIZES = [0, 1, 7]
 DTYPES = ["float32", "bfloat16", "int64"]
 fake_only = pytest.mark.skipif(ON_GPU, reason="uses the fake runtime's test hooks")
+# Same-host pair channels are NCCL communicators or IPC links (FASTCOMM_DEVICE_IPC); the
+# collectives must not care which.
+channels = pytest.mark.parametrize("channel", [{"FASTCOMM_DEVICE_IPC": "0"}, {"FASTCOMM_DEVICE_IPC": "1"}],
+                                   ids=["nccl", "ipc"])
 
 
 def setup(rank):
@@ -158,8 +162,9 @@ def _native_body(rank, world):
     return checked
 
 
-def test_each_collective_matches_the_reference_on_every_group_shape():
-    res = harness.run(_native_body, 5, timeout=300, env=ENV, init_timeout=20)
+@channels
+def test_each_collective_matches_the_reference_on_every_group_shape(channel):
+    res = harness.run(_native_body, 5, timeout=300, env={**ENV, **channel}, init_timeout=20)
     assert all(r > 0 for r in res), res
 
 
@@ -243,8 +248,9 @@ def _async_batch_plan_body(rank, world):
     return len(p)
 
 
-def test_async_batched_and_planned_ops():
-    assert harness.run(_async_batch_plan_body, 3, timeout=120, env=ENV, init_timeout=20) == [2, 2, 2]
+@channels
+def test_async_batched_and_planned_ops(channel):
+    assert harness.run(_async_batch_plan_body, 3, timeout=120, env={**ENV, **channel}, init_timeout=20) == [2, 2, 2]
 
 
 # ---------------------------------------------------------------------------------------------
