@@ -139,6 +139,11 @@ def run_mpi(mpirun, world, numel, iters, warmup, fresh=False, timeout=JOB_TIMEOU
 # Reference: single-core memcpy bandwidth
 # --------------------------------------------------------------------------------------------
 
+def of_memcpy(cell, nbytes, memcpy_gbps):
+    """A cell's algorithm bandwidth as a fraction of single-core memcpy's."""
+    return "n/a" if "error" in cell else f"{nbytes / cell['per_op_s'] / 1e9 / memcpy_gbps:.2f}"
+
+
 def memcpy_bandwidth(nbytes, reps):
     """Bytes copied per second by one core, best of ``reps`` copies of ``nbytes``."""
     src = torch.ones(nbytes // 4)
@@ -417,7 +422,8 @@ def main():
     head = ["size", "torch Gloo µs/op", "Gloo GB/s", "fastcomm µs/op", "fastcomm GB/s",
             "fc.empty µs/op", "fc.empty GB/s"]
     head += ["MPI µs/op", "MPI GB/s"] if mpi_cols else []
-    head += ["fastcomm vs Gloo", "fc.empty / memcpy"] + (["fc.empty vs MPI"] if mpi_cols else [])
+    head += ["fastcomm vs Gloo", "fastcomm / memcpy", "fc.empty / memcpy"]
+    head += ["fastcomm vs MPI", "fc.empty vs MPI"] if mpi_cols else []
     rows = []
     for nbytes in args.sizes:
         row = results["large"][str(nbytes)]
@@ -427,8 +433,9 @@ def main():
                  fmt_us(shared), fmt_gbs(shared, nbytes)]
         cells += [fmt_us(row["mpi"]), fmt_gbs(row["mpi"], nbytes)] if mpi_cols else []
         cells += [fmt_ratio(row["gloo"], row["fastcomm"]),
-                  "n/a" if "error" in shared else f"{nbytes / shared['per_op_s'] / 1e9 / results['memcpy_GBps']:.2f}"]
-        cells += [fmt_ratio(row["mpi"], shared)] if mpi_cols else []
+                  of_memcpy(row["fastcomm"], nbytes, results["memcpy_GBps"]),
+                  of_memcpy(shared, nbytes, results["memcpy_GBps"])]
+        cells += [fmt_ratio(row["mpi"], row["fastcomm"]), fmt_ratio(row["mpi"], shared)] if mpi_cols else []
         rows.append(cells)
     print_table(head, rows)
     print(f"\nGB/s = algorithm bandwidth: tensor bytes / time per op (1 GB = 1e9 B). "

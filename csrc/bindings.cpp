@@ -94,6 +94,9 @@ struct Batch {
 // reference): a pybind11 Batch (begin_batch) or a fastcomm.batch, which holds its own.
 thread_local PyObject* t_batch = nullptr;
 thread_local Batch* t_recording = nullptr;
+// Ops in the last batch this thread posted: the next one reserves room for as many, since a
+// loop records the same block again and again, and growing moves every op recorded so far.
+thread_local size_t t_batch_hint = 0;
 
 void add_to_batch(Engine& e, Batch& b, Engine::Prepared prep) {
   TORCH_CHECK(!b.posted, "fastcomm: rank ", e.rank(), ": op issued into a batch that was already posted");
@@ -371,6 +374,7 @@ std::array<PyMethodDef, std::size(g_entries)> g_fast_defs =
 py::object post_batch(Engine& e, Batch& b, bool async_op) {
   TORCH_CHECK(!b.posted, "fastcomm: rank ", e.rank(), ": batch posted twice");
   b.posted = true;
+  t_batch_hint = b.ops.size();
   c10::intrusive_ptr<Work> w;
   {
     // A blocking batch is driven by the caller alone: no background thread is woken.
@@ -397,6 +401,7 @@ void check_not_recording(const std::string& api) {
 void begin_recording(PyObject* owner, Batch& b) {
   set_ref(t_batch, owner);
   t_recording = &b;
+  b.ops.reserve(std::min<size_t>(t_batch_hint, 4096));
 }
 
 void end_recording() {

@@ -437,3 +437,45 @@ def test_group_usable_after_large_mismatch():
         res = harness.run(_large_mismatch_then_large_op_body, 2, n, timeout=60, env=RING_ENV,
                           init_timeout=2)
         assert res == ["ok", "ok"], f"launch {launch}: {res}"
+
+
+def _interleaved_batches_body(rank, world, rounds, k):
+    """Batches over k pair groups, some groups with several ops, each round's group order
+    shuffled differently on each rank (a group's own ops in the same order everywhere), and
+    rank 1 sometimes a little late: the peer's messages arrive before, during and after a
+    pass, are taken in place or set aside, and every result must still be exact."""
+    import random
+    import time
+
+    groups = fc.new_groups([[0, 1]] * k)
+    sizes = [0, 1, 7, 100, 1001]
+    dtypes = [torch.float32, torch.int64, torch.float64, torch.int32]
+    for it in range(rounds):
+        plan_rng = random.Random(1000 + it)  # the same on both ranks: what each op is
+        ops = []
+        for gi in range(k):
+            for j in range(plan_rng.choice([1, 1, 2, 3])):
+                n, dt = plan_rng.choice(sizes), plan_rng.choice(dtypes)
+                ops.append((gi, j, n, dt))
+        order = list(range(k))
+        random.Random(7 * it + rank).shuffle(order)  # differs between the ranks
+        by_group = {gi: [op for op in ops if op[0] == gi] for gi in range(k)}
+        if rank == 1 and it % 3 == 1:
+            time.sleep(0.002)
+        tensors = {}
+        with fc.batch() as b:
+            for gi in order:
+                for (_, j, n, dt) in by_group[gi]:
+                    t = (torch.arange(n) % 13 + 100 * rank + 10 * j + gi).to(dt)
+                    tensors[(gi, j)] = t
+                    fc.all_reduce(t, group=groups[gi])
+        b.wait()
+        for (gi, j, n, dt) in ops:
+            exp = (2 * (torch.arange(n) % 13) + 100 + 20 * j + 2 * gi).to(dt)
+            if not torch.equal(tensors[(gi, j)], exp):
+                return f"rank {rank} round {it}: group {gi} op {j} ({n} x {dt}) wrong"
+    return "ok"
+
+
+def test_interleaved_batches_over_many_groups():
+    assert harness.run(_interleaved_batches_body, 2, 40, 24, timeout=120) == ["ok", "ok"]

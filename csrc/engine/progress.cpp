@@ -225,6 +225,24 @@ Progress::Alone Progress::step_alone_locked(GroupState& g, Op& op, int spins, Do
 }
 
 bool Progress::pass_locked(Done& done) {
+  // First with messages of ops further up the list left where they are (no copy into the
+  // stash): a batch's ops come in the order the peer posted them, and a pass that is past the
+  // first of them when they arrive finds them all on its rerun, in place.
+  struct Defer {
+    MessageRouter& r;
+    explicit Defer(MessageRouter& router) : r(router) { r.set_defer(true); }
+    ~Defer() { r.set_defer(false); }
+  };
+  bool any;
+  {
+    Defer defer(router_);
+    any = pass_once_locked(done);
+  }
+  if (router_.took_deferred()) any |= pass_once_locked(done);
+  return any;
+}
+
+bool Progress::pass_once_locked(Done& done) {
   if (stopped_) return false;
   // (Read first: a store on every pass would be a locked instruction for a flag rarely set.)
   if (rerun_.load()) rerun_.store(false);

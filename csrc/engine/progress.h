@@ -101,6 +101,7 @@ class Progress {
   // passes step them in that order, the order their peers' messages come in, so a pass does
   // not set aside (stash) the messages of groups it has yet to reach.
   void drop_idle_locked();
+  bool pass_once_locked(Done& done);  // pass_locked's pass
   void idle_port_locked(size_t i);  // drops busy_ports_[i], with no receive waiting
   void enqueue_locked(GroupState& g, Pending p);
   // The pass a post runs at once, and a second one when the first may have left work for it.

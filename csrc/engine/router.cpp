@@ -15,6 +15,13 @@ const Message* MessageRouter::peek(const GroupState& g, uint64_t seq, int peer, 
       discard(tr, peer, *m);
       continue;
     }
+    if (defer_) {
+      const GroupState* owner = groups_.find(m->hdr.group);
+      if (owner != nullptr && owner != &g && !owner->queue.empty() && owner->head_seq == m->hdr.seq) {
+        deferred_ = true;
+        return nullptr;
+      }
+    }
     auto& q = stash_[Key{m->hdr.group, m->hdr.seq, peer}];
     q.emplace_back();
     Stashed& s = q.back();

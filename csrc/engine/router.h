@@ -28,6 +28,15 @@ class MessageRouter {
   // Drops messages of finished ops at the head of `g`'s members' streams; true if any.
   bool drop_stale(const GroupState& g, int self);
   size_t stashed() const { return stash_msgs_; }
+  // While set (a progress pass), a message at the head of a stream that belongs to the front
+  // op of another busy group is left there instead of stashed (copied): that group's op takes
+  // it in place on the pass's rerun. took_deferred() says whether any was left (and clears it).
+  void set_defer(bool on) { defer_ = on; }
+  bool took_deferred() {
+    const bool d = deferred_;
+    deferred_ = false;
+    return d;
+  }
   void clear();
 
  private:
@@ -55,6 +64,7 @@ class MessageRouter {
   GroupRegistry& groups_;
   std::unordered_map<Key, std::deque<Stashed>, KeyHash> stash_;
   size_t stash_msgs_ = 0;
+  bool defer_ = false, deferred_ = false;
 };
 
 }  // namespace fastcomm
