@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _launch import add_launcher_arg, use_launcher  # noqa: E402
 from _launch import (MIN_BATCHED_STEPS, STORE_TIMEOUT, Progress, all_reduce_steps,  # noqa: E402
                      alternate_launches, batched_steps, finish, print_header, print_table,
                      pyplot_or_none, ratio_cell, save_plot, us_cell)
@@ -190,7 +191,9 @@ def main():
                     help="also time plain Gloo send/recv of the same bytes (see above)")
     ap.add_argument("--plot", metavar="FILE.png", help="write a plot (needs matplotlib)")
     ap.add_argument("--json", metavar="FILE", help="dump the raw numbers as JSON")
+    add_launcher_arg(ap)
     args = ap.parse_args()
+    use_launcher(args.launcher)
     bodies = dict(BODIES, **(REFERENCE if args.reference else {}))
     if min(args.pairs) < 1 or args.iters < 1 or args.repeat < 1 or min(args.k) < 1:
         ap.error("--pairs, --iters, --repeat and --k must be positive")

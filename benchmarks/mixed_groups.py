@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _launch import add_launcher_arg, use_launcher  # noqa: E402
 from _launch import (STORE_TIMEOUT, Progress, all_reduce_steps, alternate_launches,  # noqa: E402
                      batched_steps, finish, print_header, print_table, pyplot_or_none,
                      ratio_cell, save_plot, us_cell)
@@ -134,7 +135,9 @@ def main():
     ap.add_argument("--placement", choices=["hosts", "free"], default="hosts")
     ap.add_argument("--plot", metavar="FILE.png", help="write a plot (needs matplotlib)")
     ap.add_argument("--json", metavar="FILE", help="dump the raw numbers as JSON")
+    add_launcher_arg(ap)
     args = ap.parse_args()
+    use_launcher(args.launcher)
     hosts = list(args.hosts)
     if len(hosts) < 2 or args.iters < 1 or args.repeat < 1 or args.k < 1:
         ap.error("--hosts needs 2+ ranks; --iters, --repeat and --k must be positive")

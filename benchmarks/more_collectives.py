@@ -29,6 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from _launch import add_launcher_arg, use_launcher  # noqa: E402
 from _launch import (STORE_TIMEOUT, JobError, best_of_loops, cpu_model, finish, print_header, print_table,
                      run_job)
 
@@ -163,7 +164,9 @@ def main():
     ap.add_argument("--pairs", type=int, nargs="*", default=[1],
                     help="pairs for gather/scatter/reduce (none: skip)")
     ap.add_argument("--json", metavar="FILE", help="dump the raw numbers as JSON")
+    add_launcher_arg(ap)
     args = ap.parse_args()
+    use_launcher(args.launcher)
     fc_iters = args.iters or (300 if args.quick else 2000)
     iters = {"fastcomm": fc_iters, "gloo": max(20, fc_iters // 4)}
     repeat = args.repeat or (1 if args.quick else 3)
