@@ -211,13 +211,20 @@ def fairness(cell):
             max(ratios), sum(r <= 2 for r in ratios))
 
 
+SKIPPED = {"skipped": True}  # torch Gloo's cells under --no-gloo
+
+
 def fmt_us(cell):
+    if "skipped" in cell:
+        return "-"
     if "error" in cell:
         return "FAILED"
     return f"{cell['per_op_s'] * 1e6:,.1f}"
 
 
 def fmt_ratio(slow, fast):
+    if "skipped" in slow or "skipped" in fast:
+        return "-"
     if "error" in slow or "error" in fast:
         return "n/a"
     ratio = slow["per_op_s"] / fast["per_op_s"]
@@ -225,7 +232,7 @@ def fmt_ratio(slow, fast):
 
 
 def fmt_gbs(cell, nbytes):
-    if "error" in cell:
+    if "skipped" in cell or "error" in cell:
         return "n/a"
     return f"{nbytes / cell['per_op_s'] / 1e9:.2f}"
 
@@ -331,6 +338,8 @@ def main():
                          "timed loop through two barriers, instead of the forum post's loop (a "
                          "barrier, then a new torch.randn(10, 10) for every op; MPI: a new numpy "
                          "array)")
+    ap.add_argument("--no-gloo", action="store_true",
+                    help="leave torch Gloo out (its MWE takes the longest: seconds per launch)")
     add_launcher_arg(ap, default="spawn")
     ap.add_argument("--plot", metavar="FILE.png",
                     help="write a plot (needs matplotlib): µs per op against pairs, bandwidth "
@@ -354,7 +363,7 @@ def main():
     t_start = time.monotonic()
     cores = os.cpu_count()
     mpirun, mpi_note = find_mpi()
-    backends = ["gloo", "fastcomm"] + (["mpi"] if mpirun else [])
+    backends = ([] if args.no_gloo else ["gloo"]) + ["fastcomm"] + (["mpi"] if mpirun else [])
 
     print("# fastcomm benchmark: forum MWE and large messages, fastcomm vs torch Gloo\n")
     print(f"- command: {command()}")
@@ -387,6 +396,10 @@ def main():
             sized(large_warmup, nbytes, warmup),
             mpirun, args.repeat, f"large, {fmt_size(nbytes)}", progress)
     results["memcpy_GBps"] = memcpy_bandwidth(16 * 2**20, 20) / 1e9
+    if args.no_gloo:
+        for part in ("mwe", "large"):
+            for row in results[part].values():
+                row["gloo"] = SKIPPED
 
     mpi_cols = mpirun is not None
     launches = f"median of {args.repeat} launches" if args.repeat > 1 else "1 launch"
