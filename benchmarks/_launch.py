@@ -59,7 +59,7 @@ def batched_steps(iters, k):
 
 def all_reduce_steps(all_reduce, groups, numel, rank, members, iters, warmup, batch=None,
                      async_wait=False):
-    """Median seconds per op over `iters` steps of one float32 all_reduce of `numel` elements
+    """Mean seconds per op over `iters` steps of one float32 all_reduce of `numel` elements
     per group, then a checked step (each member r contributes r + 1 + i on group i; `members`:
     the global ranks of every group). `batch`: issue each step inside fastcomm's batch;
     `async_wait`: issue every op with async_op=True, then wait for all."""
@@ -92,7 +92,7 @@ def all_reduce_steps(all_reduce, groups, numel, rank, members, iters, warmup, ba
         exp = float(sum(r + 1 + i for r in members))
         if not torch.equal(t, torch.full_like(t, exp)):
             raise AssertionError(f"wrong all_reduce result {t[:3]} != {exp}")
-    return statistics.median(per)
+    return statistics.fmean(per)  # the mean, as a user's loop sees it (one slow step included)
 
 
 class JobError(RuntimeError):
@@ -126,19 +126,25 @@ class Progress:
         self.total -= n
 
 
-def best_of_loops(step, barrier, iters, warmup, reps=3):
-    """Seconds per call of ``step`` on this rank: the best of ``reps`` timed loops of ``iters``
-    calls (the machine may be shared), each started by all ranks together after ``barrier``."""
+def timed_loops(step, barrier, iters, warmup, reps=3):
+    """(mean, best) seconds per call of ``step`` on this rank over ``reps`` timed loops of
+    ``iters`` calls, each started by all ranks together after ``barrier``: the mean over all
+    the calls, as a user's loop sees it, and the best loop's (the machine may be shared)."""
     for _ in range(warmup):
         step()
-    best = float("inf")
+    loops = []
     for _ in range(reps):
         barrier()
         start = time.perf_counter()
         for _ in range(iters):
             step()
-        best = min(best, (time.perf_counter() - start) / iters)
-    return best
+        loops.append((time.perf_counter() - start) / iters)
+    return sum(loops) / len(loops), min(loops)
+
+
+def best_of_loops(step, barrier, iters, warmup, reps=3):
+    """Seconds per call of ``step``: the best of timed_loops' loops."""
+    return timed_loops(step, barrier, iters, warmup, reps)[1]
 
 
 def _duration(s):

@@ -26,7 +26,7 @@ both torch Gloo and fastcomm are near it is bound by the transport, not by eithe
 (For small messages it is no floor: several Gloo messages in flight on one tag and pair take
 milliseconds to complete on this kind of machine.)
 
-Reported: the median over timed steps of the step time divided by the ops in it (µs per op),
+Reported: the mean over timed steps of the step time divided by the ops in it (µs per op),
 max over ranks, then the median over --repeat launches (fresh processes each). The launches of
 torch Gloo and fastcomm alternate, so a slow spell of a shared machine hits both alike, and a
 batched loop times at least MIN_BATCHED_STEPS steps. Every loop is followed by a checked op, so
@@ -128,7 +128,7 @@ def _exchange_steps(pg, peer, numel, k, iters, warmup):
         per.append((time.perf_counter() - t0) / k)
     if not all(torch.equal(d, t) for d, t in zip(dst, src)):
         raise AssertionError("Gloo send/recv delivered wrong bytes")
-    return statistics.median(per)
+    return statistics.fmean(per)
 
 
 def _exchange_body(store, rank, world, numel, k, iters, warmup, placement):
@@ -210,7 +210,7 @@ def main():
         where = "free (the scheduler places every rank)"
     print(f"- hosts simulated on this machine (FASTCOMM_HOST_ID), TCP over loopback; placement: "
           f"{where}")
-    print(f"- float32 all_reduce, median µs per op over the timed steps (max over ranks), median "
+    print(f"- float32 all_reduce, mean µs per op over the timed steps (max over ranks), median "
           f"of {args.repeat} launch(es), the launches of {', '.join(bodies)} alternating; "
           f"batched = k groups over the same pair per step (k = "
           f"{', '.join(map(str, args.k))}), at least {MIN_BATCHED_STEPS} steps\n", flush=True)

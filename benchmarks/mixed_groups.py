@@ -15,7 +15,7 @@ the group of all ranks:
 
 Two loops per size: one all_reduce per step, and k groups over the same ranks with one
 all_reduce each per step (torch: async_op=True, then wait for all; fastcomm: one ``fc.batch``).
-Reported: the median step time divided by the ops in it (µs per op), max over ranks, median
+Reported: the mean step time divided by the ops in it (µs per op), max over ranks, median
 over --repeat launches, the forms' launches alternating. Every loop ends with a checked op.
 
     python benchmarks/mixed_groups.py [--hosts AABB] [--sizes 100 2500 262144] [--k 8]
@@ -150,7 +150,7 @@ def main():
                          if args.placement == "hosts" else "")
                       for h in dict.fromkeys(hosts))
     print(f"- hosts simulated on this machine (FASTCOMM_HOST_ID), TCP over loopback; {where}")
-    print(f"- float32 all_reduce over all {len(hosts)} ranks, median µs per op (max over ranks), "
+    print(f"- float32 all_reduce over all {len(hosts)} ranks, mean µs per op (max over ranks), "
           f"median of {args.repeat} launch(es), forms alternating; batched = {args.k} groups "
           f"over the same ranks per step\n", flush=True)
     results = {"command": sys.argv, "hosts": args.hosts, "placement": args.placement, "k": args.k,
