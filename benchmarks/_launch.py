@@ -1,9 +1,14 @@
-"""What the benchmarks share: the local-rank launcher and the report helpers.
+"""What the benchmarks share: the local-rank launchers and the report helpers.
 
 ``run_job(body, world, *args, timeout=...)`` runs ``body(store, rank, world, *args)`` on
-``world`` local ranks, forked from the calling script, and returns their results in rank
-order or raises ``JobError``. Each launch rendezvouses through its own TCPStore on a free port,
-has a hard timeout, and every child is joined or killed before it returns.
+``world`` local ranks and returns their results in rank order or raises ``JobError``. The ranks
+start the way the script's ``--launcher`` says (``use_launcher``), as users start theirs:
+``fork`` (children forked from the calling script: quick, no torch re-import), ``spawn``
+(``torch.multiprocessing.start_processes(..., start_method="spawn")``, what
+``torch.multiprocessing.spawn`` runs: every rank re-imports torch) or ``torchrun`` (the script's
+body under ``python -m torch.distributed.run --standalone``, whose workers each start a session
+of their own). Each launch rendezvouses through its own store on a free port, has a hard
+timeout, and every rank is joined or killed before it returns.
 
 ``all_reduce_steps`` is the timed loop the all_reduce benchmarks share (one op per group per
 step, then a checked step). ``Progress`` writes a line per launch on stderr with an estimate of
@@ -16,6 +21,7 @@ import importlib.util
 import json
 import multiprocessing as mp
 import os
+import pickle
 import platform
 import shlex
 import shutil
@@ -23,6 +29,7 @@ import signal
 import subprocess
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -30,10 +37,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# fork, not spawn: a spawned child re-imports torch (seconds each, times 16 ranks on 2 cores).
-# Forking is safe because the parent never initializes fastcomm or a process group, and never
-# runs a parallel torch op (the scripts set one torch thread before the first launch).
+# The fork launcher: a forked child needs no torch re-import (seconds each on 2 cores). Forking
+# is safe because the parent never initializes fastcomm or a process group, and never runs a
+# parallel torch op (the scripts set one torch thread before the first launch).
 _ctx = mp.get_context("fork")
+
+LAUNCHERS = ("fork", "spawn", "torchrun")
+_launcher = "fork"
+WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torchrun_worker.py")
 
 STORE_TIMEOUT = timedelta(seconds=60)
 
@@ -48,7 +59,7 @@ def batched_steps(iters, k):
 
 def all_reduce_steps(all_reduce, groups, numel, rank, members, iters, warmup, batch=None,
                      async_wait=False):
-    """Median seconds per op over `iters` steps of one float32 all_reduce of `numel` elements
+    """Mean seconds per op over `iters` steps of one float32 all_reduce of `numel` elements
     per group, then a checked step (each member r contributes r + 1 + i on group i; `members`:
     the global ranks of every group). `batch`: issue each step inside fastcomm's batch;
     `async_wait`: issue every op with async_op=True, then wait for all."""
@@ -81,7 +92,7 @@ def all_reduce_steps(all_reduce, groups, numel, rank, members, iters, warmup, ba
         exp = float(sum(r + 1 + i for r in members))
         if not torch.equal(t, torch.full_like(t, exp)):
             raise AssertionError(f"wrong all_reduce result {t[:3]} != {exp}")
-    return statistics.median(per)
+    return statistics.fmean(per)  # the mean, as a user's loop sees it (one slow step included)
 
 
 class JobError(RuntimeError):
@@ -115,19 +126,25 @@ class Progress:
         self.total -= n
 
 
-def best_of_loops(step, barrier, iters, warmup, reps=3):
-    """Seconds per call of ``step`` on this rank: the best of ``reps`` timed loops of ``iters``
-    calls (the machine may be shared), each started by all ranks together after ``barrier``."""
+def timed_loops(step, barrier, iters, warmup, reps=3):
+    """(mean, best) seconds per call of ``step`` on this rank over ``reps`` timed loops of
+    ``iters`` calls, each started by all ranks together after ``barrier``: the mean over all
+    the calls, as a user's loop sees it, and the best loop's (the machine may be shared)."""
     for _ in range(warmup):
         step()
-    best = float("inf")
+    loops = []
     for _ in range(reps):
         barrier()
         start = time.perf_counter()
         for _ in range(iters):
             step()
-        best = min(best, (time.perf_counter() - start) / iters)
-    return best
+        loops.append((time.perf_counter() - start) / iters)
+    return sum(loops) / len(loops), min(loops)
+
+
+def best_of_loops(step, barrier, iters, warmup, reps=3):
+    """Seconds per call of ``step``: the best of timed_loops' loops."""
+    return timed_loops(step, barrier, iters, warmup, reps)[1]
 
 
 def _duration(s):
@@ -207,18 +224,50 @@ def _child(body, rank, world, conn, args):
 
 
 def _summarize(errors):
-    """One line per distinct error, naming the ranks that reported it."""
+    """One line per distinct error, naming the ranks that reported it (rank None: the launch
+    as a whole, a hang or a launcher that failed)."""
     by_msg = {}
     for rank, msg in errors:
         by_msg.setdefault(msg[:300] + ("..." if len(msg) > 300 else ""), []).append(rank)
-    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}: {m}"
-                     for m, r in by_msg.items())
+    return "; ".join((f"rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}: " if None not in r else "")
+                     + m for m, r in by_msg.items())
+
+
+def add_launcher_arg(ap, default="fork"):
+    """The ``--launcher`` option every benchmark takes (pass its value to use_launcher)."""
+    ap.add_argument("--launcher", choices=LAUNCHERS, default=default,
+                    help=f"how the ranks start (default {default}): fork (children of this "
+                         "script), spawn (torch.multiprocessing.spawn's way: each rank a fresh "
+                         "Python that re-imports torch, a second or more each), torchrun (python -m "
+                         "torch.distributed.run --standalone; each rank in its own session)")
+
+
+def use_launcher(name):
+    """Makes ``run_job`` start ranks with launcher ``name`` (one of LAUNCHERS)."""
+    global _launcher
+    if name not in LAUNCHERS:
+        raise ValueError(f"unknown launcher {name!r}; one of {', '.join(LAUNCHERS)}")
+    _launcher = name
+
+
+def launcher():
+    return _launcher
 
 
 def run_job(body, world, *args, timeout):
-    """Runs ``body(store, rank, world, *args)`` on ``world`` forked ranks; returns their
-    results in rank order, or raises JobError. Past ``timeout`` seconds every rank still alive
-    is killed and the job fails; nothing outlives the call."""
+    """Runs ``body(store, rank, world, *args)`` on ``world`` ranks started by the launcher of
+    use_launcher (fork unless set); returns their results in rank order, or raises JobError.
+    Past ``timeout`` seconds every rank still alive is killed and the job fails; nothing
+    outlives the call. ``body`` and ``args`` must pickle (a module-level function of the
+    script, plain values) for the spawn and torchrun launchers."""
+    if _launcher == "spawn":
+        return _run_spawned(body, world, args, timeout)
+    if _launcher == "torchrun":
+        return _run_torchrun(body, world, args, timeout)
+    return _run_forked(body, world, args, timeout)
+
+
+def _run_forked(body, world, args, timeout):
     procs, conns, server = [], [], None
     deadline = time.monotonic() + timeout
     errors, results = [], [None] * world
@@ -261,6 +310,114 @@ def run_job(body, world, *args, timeout):
         for conn in conns:
             conn.close()
         del server
+    if errors:
+        raise JobError(_summarize(errors))
+    return results
+
+
+def run_rank(body, rank, world, store, args, outdir):
+    """A spawned or torchrun rank: runs the body and leaves ("ok", result) or ("error", text)
+    in ``outdir``/rank<N>.pkl for the parent (written to a temporary name first, so the parent
+    never reads half a file)."""
+    try:
+        torch.set_num_threads(1)
+        out = ("ok", body(store, rank, world, *args))
+    except BaseException as e:  # a failed correctness check included
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        out = ("error", f"{type(e).__name__}: {e} (at {os.path.basename(where.filename)}:{where.lineno})")
+    path = os.path.join(outdir, f"rank{rank}.pkl")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(out, f)
+    os.replace(path + ".tmp", path)
+
+
+def _spawned_rank(rank, body, world, port, outdir, args):
+    # torch.multiprocessing's entry: fn(i, *args)
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=STORE_TIMEOUT)
+    run_rank(body, rank, world, store, args, outdir)
+
+
+def _collect(outdir, world, errors, results):
+    """Reads the ranks' result files; a missing one is an error naming the rank."""
+    for rank in range(world):
+        path = os.path.join(outdir, f"rank{rank}.pkl")
+        if not os.path.exists(path):
+            if not any(r == rank for r, _ in errors):
+                errors.append((rank, "died without a result"))
+            continue
+        with open(path, "rb") as f:
+            status, value = pickle.load(f)
+        if status == "ok":
+            results[rank] = value
+        else:
+            errors.append((rank, value))
+
+
+def _run_spawned(body, world, args, timeout):
+    import torch.multiprocessing as tmp
+
+    deadline = time.monotonic() + timeout
+    errors, results = [], [None] * world
+    # Spawned children exec a fresh interpreter, so the store server can start first (no fork
+    # of its thread to fear) and the port travels in the arguments.
+    server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
+    with tempfile.TemporaryDirectory(prefix="fastcomm-bench-") as outdir:
+        ctx = tmp.start_processes(_spawned_rank, args=(body, world, server.port, outdir, args),
+                                  nprocs=world, join=False, start_method="spawn")
+        try:
+            while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    errors.append((None, f"no result within {timeout:.0f} s (hung)"))
+                    break
+        except Exception as e:  # a rank exited with a non-zero status (the others were stopped)
+            errors.append((None, f"{type(e).__name__}: {str(e).strip()[-300:]}"))
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+        _collect(outdir, world, errors, results)
+    del server
+    if errors:
+        raise JobError(_summarize(errors))
+    return results
+
+
+def _run_torchrun(body, world, args, timeout):
+    """The body under torchrun: _torchrun_worker.py loads the script that defines it (as a
+    module, so its main() does not run), rendezvouses through env:// as init_process_group
+    would, and leaves its result in a file."""
+    errors, results = [], [None] * world
+    main_file = os.path.abspath(sys.modules["__main__"].__file__)
+    with tempfile.TemporaryDirectory(prefix="fastcomm-bench-") as outdir:
+        spec = os.path.join(outdir, "spec.pkl")
+        with open(spec, "wb") as f:
+            # (The arguments pickled apart: they may refer to the script's own names, which
+            # resolve only once the worker has loaded it.)
+            pickle.dump({"script": main_file, "module": body.__module__, "body": body.__name__,
+                         "args": pickle.dumps(args), "outdir": outdir, "sys_path": sys.path}, f)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={world}", "--max-restarts=0", WORKER_SCRIPT, spec]
+        # Not a session of its own (a user's torchrun runs in the shell's): its own process
+        # group, for a timeout to stop it; torchrun starts every worker in a new session, and
+        # the workers write their pids for the kill of a hang.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                process_group=0)
+        try:
+            _, err = proc.communicate(timeout=timeout)
+            if proc.returncode != 0:
+                errors.append((None, f"torchrun exited with {proc.returncode}: {err.strip()[-300:]}"))
+        except subprocess.TimeoutExpired:
+            errors.append((None, f"no result within {timeout:.0f} s (hung)"))
+            for rank in range(world):
+                try:
+                    with open(os.path.join(outdir, f"pid{rank}")) as f:
+                        os.kill(int(f.read()), signal.SIGKILL)
+                except (OSError, ValueError):
+                    pass
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        _collect(outdir, world, errors, results)
     if errors:
         raise JobError(_summarize(errors))
     return results
@@ -341,7 +498,8 @@ def print_header(title):
     print(f"# {title}\n")
     print(f"- command: {command()}")
     print(f"- machine: {machine()}")
-    print(f"- torch {torch.__version__}, Python {platform.python_version()}; every rank uses 1 torch thread")
+    print(f"- torch {torch.__version__}, Python {platform.python_version()}; ranks started by the "
+          f"{_launcher} launcher, each with 1 torch thread")
     env = {k: os.environ[k] for k in os.environ if k.startswith("FASTCOMM_")}
     print(f"- fastcomm environment: {env or 'defaults'}")
 

@@ -4,8 +4,9 @@
 
 Ranks 2i and 2i+1 form pair i (a communicator split from COMM_WORLD). Each rank times ITERS
 in-place Allreduce(SUM) calls on a float32 numpy buffer of NUMEL elements after WARMUP
-untimed ones (with "fresh", on a new random array each call, as the forum post's loop does),
-then checks one result. Rank 0 prints one JSON line:
+untimed ones, all ranks entering the timed loop through two barriers; with "fresh", as the
+forum post's loop does, a barrier and then a new random array for each call (WARMUP is 0
+there). Then it checks one result. Rank 0 prints one JSON line:
 {"per_op_s": [seconds per op of every rank], "errors": [...]}. Imports no torch, so that the
 ranks start quickly."""
 import json
@@ -27,13 +28,15 @@ def main():
     buf = np.zeros(numel, dtype=np.float32)  # zeros: the sum never overflows, as in forum_mwe.py
     for _ in range(warmup):
         pair.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-    world.Barrier()  # all pairs enter the timed loop together; twice, as forum_mwe.py does
-    world.Barrier()
-    start = time.perf_counter()
     if fresh:
+        world.Barrier()
+        start = time.perf_counter()
         for _ in range(iters):
             pair.Allreduce(MPI.IN_PLACE, rng.standard_normal(numel, dtype=np.float32), op=MPI.SUM)
     else:
+        world.Barrier()  # all pairs enter the timed loop together; twice, as forum_mwe.py does
+        world.Barrier()
+        start = time.perf_counter()
         for _ in range(iters):
             pair.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
     per_op = (time.perf_counter() - start) / iters

@@ -39,6 +39,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from _launch import add_launcher_arg, use_launcher  # noqa: E402
 from _launch import (STORE_TIMEOUT, JobError, Progress, assert_no_children, command, print_table,
                      run_job)
 
@@ -134,7 +135,9 @@ def main():
     ap.add_argument("--iters", type=int, default=1024, help="all_reduces per timed loop (the MWE's 1024)")
     ap.add_argument("--repeats", type=int, default=5, help="timed loops per launch (median reported)")
     ap.add_argument("--warmup", type=int, default=100)
+    add_launcher_arg(ap)
     args = ap.parse_args()
+    use_launcher(args.launcher)
     torch.set_num_threads(1)
 
     print("# The forum MWE through torch.distributed (backend \"fastcomm\") vs fastcomm's API\n")

@@ -48,6 +48,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from _launch import add_launcher_arg, use_launcher  # noqa: E402
 from _launch import (STORE_TIMEOUT, best_of_loops, cpu_model, finish, JobError, print_header,
                      print_table, Progress, pyplot_or_none, run_job, save_plot)
 
@@ -346,7 +347,9 @@ def main():
                     help="launches of (b)'s fastcomm variants, each starting with the next variant "
                          "(default 5; 1 with --quick)")
     ap.add_argument("--parts", default="abc", help="which parts to run (default abc)")
+    add_launcher_arg(ap)
     args = ap.parse_args()
+    use_launcher(args.launcher)
     repeat = args.repeat or (1 if args.quick else 5)
     parts = set(args.parts)
     # Timed all_reduces per rank per cell of (a); steps = ops // k (at least 20).

@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from _launch import add_launcher_arg, use_launcher  # noqa: E402
 from _launch import (STORE_TIMEOUT, JobError, Progress, find_mpi, finish, print_header, print_table, run_job,
                      run_mpi_worker)
 from _partners import NUMEL, issue_mode, workload
@@ -106,7 +107,9 @@ def main():
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", metavar="FILE")
+    add_launcher_arg(ap)
     args = ap.parse_args()
+    use_launcher(args.launcher)
     torch.set_num_threads(1)
     t_start = time.monotonic()
 

@@ -26,7 +26,7 @@ both torch Gloo and fastcomm are near it is bound by the transport, not by eithe
 (For small messages it is no floor: several Gloo messages in flight on one tag and pair take
 milliseconds to complete on this kind of machine.)
 
-Reported: the median over timed steps of the step time divided by the ops in it (µs per op),
+Reported: the mean over timed steps of the step time divided by the ops in it (µs per op),
 max over ranks, then the median over --repeat launches (fresh processes each). The launches of
 torch Gloo and fastcomm alternate, so a slow spell of a shared machine hits both alike, and a
 batched loop times at least MIN_BATCHED_STEPS steps. Every loop is followed by a checked op, so
@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _launch import add_launcher_arg, use_launcher  # noqa: E402
 from _launch import (MIN_BATCHED_STEPS, STORE_TIMEOUT, Progress, all_reduce_steps,  # noqa: E402
                      alternate_launches, batched_steps, finish, print_header, print_table,
                      pyplot_or_none, ratio_cell, save_plot, us_cell)
@@ -127,7 +128,7 @@ def _exchange_steps(pg, peer, numel, k, iters, warmup):
         per.append((time.perf_counter() - t0) / k)
     if not all(torch.equal(d, t) for d, t in zip(dst, src)):
         raise AssertionError("Gloo send/recv delivered wrong bytes")
-    return statistics.median(per)
+    return statistics.fmean(per)
 
 
 def _exchange_body(store, rank, world, numel, k, iters, warmup, placement):
@@ -190,7 +191,9 @@ def main():
                     help="also time plain Gloo send/recv of the same bytes (see above)")
     ap.add_argument("--plot", metavar="FILE.png", help="write a plot (needs matplotlib)")
     ap.add_argument("--json", metavar="FILE", help="dump the raw numbers as JSON")
+    add_launcher_arg(ap)
     args = ap.parse_args()
+    use_launcher(args.launcher)
     bodies = dict(BODIES, **(REFERENCE if args.reference else {}))
     if min(args.pairs) < 1 or args.iters < 1 or args.repeat < 1 or min(args.k) < 1:
         ap.error("--pairs, --iters, --repeat and --k must be positive")
@@ -207,7 +210,7 @@ def main():
         where = "free (the scheduler places every rank)"
     print(f"- hosts simulated on this machine (FASTCOMM_HOST_ID), TCP over loopback; placement: "
           f"{where}")
-    print(f"- float32 all_reduce, median µs per op over the timed steps (max over ranks), median "
+    print(f"- float32 all_reduce, mean µs per op over the timed steps (max over ranks), median "
           f"of {args.repeat} launch(es), the launches of {', '.join(bodies)} alternating; "
           f"batched = k groups over the same pair per step (k = "
           f"{', '.join(map(str, args.k))}), at least {MIN_BATCHED_STEPS} steps\n", flush=True)

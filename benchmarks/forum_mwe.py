@@ -3,11 +3,15 @@
 
 The forum thread "Improving inter-process communication costs for pytorch.distributed" times
 1024 all_reduces of a 10x10 float32 tensor on pairwise groups [0,1], [2,3], ... for 1..8
-pairs. This script reruns that loop side by side, on local processes it launches itself:
+pairs, its ranks started with ``torch.multiprocessing.spawn``. This script reruns that loop side
+by side, on local processes it launches itself (spawned, as the post's are, unless --launcher
+says otherwise):
 
-1. the MWE: P pairs (2P ranks), per-op time (the max over ranks of each rank's mean) with
-   torch Gloo (``dist.new_group`` per pair, created by every rank as torch requires) and with
-   fastcomm (``fc.new_group`` per pair, created by its members only);
+1. the MWE: P pairs (2P ranks), each running the post's loop (a barrier, then 1024 blocking
+   all_reduces, each of a fresh ``torch.randn(10, 10)``; --reuse: one reused tensor after
+   warm-up ops instead), per-op time (the max over ranks of each rank's mean) with torch Gloo
+   (``dist.new_group`` per pair, created by every rank as torch requires) and with fastcomm
+   (``fc.new_group`` per pair, created by its members only), and how evenly the pairs fared;
 2. large messages: one pair, all_reduce of 1 MB and 16 MB (or the sizes of --sizes: a size
    sweep), per-op time and algorithm bandwidth (tensor bytes / time), next to this machine's
    single-core memcpy bandwidth; fastcomm twice, on ordinary tensors and on tensors from
@@ -20,7 +24,8 @@ Every measured op is checked for correctness once after its timed loop, so a bro
 the run instead of being timed. Usage, from the repository root:
 
     python benchmarks/forum_mwe.py [--quick] [--pairs 1 2 4 8] [--iters 1024] [--repeat 3]
-                                   [--sizes 1M 16M] [--plot FILE.png] [--json FILE]
+                                   [--sizes 1M 16M] [--launcher spawn|fork|torchrun] [--reuse]
+                                   [--plot FILE.png] [--json FILE]
 
 ``--plot`` draws the µs per op of the MWE against the number of pairs (with two or more pair
 counts) and the bandwidth of one pair against the message size.
@@ -38,10 +43,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from _launch import (STORE_TIMEOUT, JobError, Progress, command, cpu_model, find_mpi, finish, machine,
-                     print_table, pyplot_or_none, run_job, run_mpi_worker, save_plot)
+from _launch import (STORE_TIMEOUT, JobError, Progress, add_launcher_arg, command, cpu_model, find_mpi,
+                     finish, launcher, machine, print_table, pyplot_or_none, run_job, run_mpi_worker,
+                     save_plot, use_launcher)
 
 JOB_TIMEOUT_S = 150.0  # hard limit for one launch (all its ranks); a hang fails that cell only
+MWE_SHAPE = (10, 10)
 MWE_NUMEL = 10 * 10
 LARGE_SIZES = (2**20, 16 * 2**20)  # bytes
 MPI_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mpi_pairs.py")
@@ -52,30 +59,35 @@ MPI_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mpi_pair
 # --------------------------------------------------------------------------------------------
 
 def _timed_all_reduce(all_reduce, group, barrier, rank, numel, iters, warmup, fresh=False, empty=torch.empty):
-    """Seconds per op of ``all_reduce(t, group=group)`` on this rank, then one checked op.
+    """Seconds per op of ``all_reduce(t, group=group)`` on this rank (the mean over the loop),
+    then one checked op.
 
     ``all_reduce`` is dist.all_reduce or fc.all_reduce (same signature), called directly in
     the loop so that no wrapper of ours adds to the time of either. ``fresh``: the forum
-    post's own loop, a new ``torch.randn`` tensor for every op. ``empty`` allocates the
-    tensors (torch.empty or fc.empty)."""
-    t = empty(numel).zero_()  # zeros: the sum stays 0, so no number of ops overflows to inf
-    for _ in range(warmup):
-        all_reduce(t, group=group)
-    # All pairs enter the timed loop together and contend for the cores, as in the MWE. Twice:
-    # ranks that waited long in the first (for the slowest rank to start) may sleep, and each
-    # leaves it when woken, up to a millisecond apart on a VM; the second finds every rank
-    # awake and releases them together. A rank's own start skew would otherwise count in its
-    # time (1024 ops take a few milliseconds).
-    barrier()
-    barrier()
-    start = time.perf_counter()
+    post's own loop, exactly: one barrier, then a new ``torch.randn(10, 10)`` for every op,
+    with no warm-up (``warmup`` is 0). Otherwise one reused tensor of ``numel`` elements
+    (allocated by ``empty``: torch.empty or fc.empty) after ``warmup`` untimed ops."""
     if fresh:
+        barrier()
+        start = time.perf_counter()
         for _ in range(iters):
-            all_reduce(torch.randn(numel), group=group)
+            all_reduce(torch.randn(*MWE_SHAPE), group=group)
+        per_op = (time.perf_counter() - start) / iters
     else:
+        t = empty(numel).zero_()  # zeros: the sum stays 0, so no number of ops overflows to inf
+        for _ in range(warmup):
+            all_reduce(t, group=group)
+        # All pairs enter the timed loop together and contend for the cores, as in the MWE.
+        # Twice: ranks that waited long in the first (for the slowest rank to start) may
+        # sleep, and each leaves it when woken, up to a millisecond apart on a VM; the second
+        # finds every rank awake and releases them together. A rank's own start skew would
+        # otherwise count in its time (1024 ops take a few milliseconds).
+        barrier()
+        barrier()
+        start = time.perf_counter()
         for _ in range(iters):
             all_reduce(t, group=group)
-    per_op = (time.perf_counter() - start) / iters
+        per_op = (time.perf_counter() - start) / iters
 
     # Distinct values per element and per rank (exact in float32 below 2**24), so a result
     # that misses a contribution or misplaces a chunk cannot pass.
@@ -195,20 +207,29 @@ def pair_times(run):
 
 
 def fairness(cell):
-    """(slowest pair, median pair) seconds per op, medians over launches, and the largest
-    slowest / median ratio of any one launch."""
+    """(slowest pair, median pair) seconds per op, medians over launches, the largest
+    slowest / median ratio of any one launch, and the launches whose every pair stayed within
+    2x of their median."""
     pairs = [pair_times(run) for run in cell["runs"]]
+    ratios = [max(p) / statistics.median(p) for p in pairs]
     return (statistics.median(max(p) for p in pairs), statistics.median(statistics.median(p) for p in pairs),
-            max(max(p) / statistics.median(p) for p in pairs))
+            max(ratios), sum(r <= 2 for r in ratios))
+
+
+SKIPPED = {"skipped": True}  # torch Gloo's cells under --no-gloo
 
 
 def fmt_us(cell):
+    if "skipped" in cell:
+        return "-"
     if "error" in cell:
         return "FAILED"
     return f"{cell['per_op_s'] * 1e6:,.1f}"
 
 
 def fmt_ratio(slow, fast):
+    if "skipped" in slow or "skipped" in fast:
+        return "-"
     if "error" in slow or "error" in fast:
         return "n/a"
     ratio = slow["per_op_s"] / fast["per_op_s"]
@@ -216,7 +237,7 @@ def fmt_ratio(slow, fast):
 
 
 def fmt_gbs(cell, nbytes):
-    if "error" in cell:
+    if "skipped" in cell or "error" in cell:
         return "n/a"
     return f"{nbytes / cell['per_op_s'] / 1e9:.2f}"
 
@@ -317,9 +338,14 @@ def main():
     ap.add_argument("--sizes", type=parse_size, nargs="+", default=list(LARGE_SIZES),
                     metavar="SIZE", help="tensor sizes for the one-pair large-message part, bytes "
                                          "with an optional K or M suffix (default: 1M 16M)")
-    ap.add_argument("--fresh", action="store_true",
-                    help="the forum post's own loop: a new torch.randn tensor for every op (MPI: a "
-                         "new numpy array) instead of one reused tensor")
+    ap.add_argument("--reuse", action="store_true",
+                    help="the MWE on one reused tensor after warm-up ops, the ranks entering the "
+                         "timed loop through two barriers, instead of the forum post's loop (a "
+                         "barrier, then a new torch.randn(10, 10) for every op; MPI: a new numpy "
+                         "array)")
+    ap.add_argument("--no-gloo", action="store_true",
+                    help="leave torch Gloo out (its MWE takes the longest: seconds per launch)")
+    add_launcher_arg(ap, default="spawn")
     ap.add_argument("--plot", metavar="FILE.png",
                     help="write a plot (needs matplotlib): µs per op against pairs, bandwidth "
                          "against size")
@@ -332,14 +358,17 @@ def main():
     if args.iters < 1 or args.repeat < 1 or min(args.pairs) < 1:
         ap.error("--iters, --repeat and --pairs must be positive")
     args.sizes = sorted(set(args.sizes))  # the table and the plot go by size
+    use_launcher(args.launcher)
+    fresh = not args.reuse
     warmup = 20 if args.quick else 50
+    mwe_warmup = 0 if fresh else warmup
     large_iters, large_warmup = (5, 2) if args.quick else (20, 5)
 
     torch.set_num_threads(1)  # see _launch._ctx: no parallel region in the parent before any fork
     t_start = time.monotonic()
     cores = os.cpu_count()
     mpirun, mpi_note = find_mpi()
-    backends = ["gloo", "fastcomm"] + (["mpi"] if mpirun else [])
+    backends = ([] if args.no_gloo else ["gloo"]) + ["fastcomm"] + (["mpi"] if mpirun else [])
 
     print("# fastcomm benchmark: forum MWE and large messages, fastcomm vs torch Gloo\n")
     print(f"- command: {command()}")
@@ -347,12 +376,13 @@ def main():
     print(f"- torch {torch.__version__}, Python {platform.python_version()}, "
           f"MPI: {mpi_note if mpirun else 'not found (' + mpi_note + ')'}")
     env = {k: os.environ[k] for k in ("FASTCOMM_SPIN_NS", "FASTCOMM_YIELD_NS") if k in os.environ}
-    print(f"- fastcomm waiting policy: {env or 'defaults'}; every rank uses 1 torch thread")
+    print(f"- fastcomm waiting policy: {env or 'defaults'}; ranks started by the {launcher()} "
+          f"launcher, each with 1 torch thread")
     print(flush=True)
 
     results = {"command": sys.argv, "cores": cores, "cpu": cpu_model(), "torch": torch.__version__,
-               "mpi": mpi_note, "iters": args.iters, "warmup": warmup,
-               "repeat": args.repeat, "mwe": {}, "large": {}}
+               "mpi": mpi_note, "iters": args.iters, "warmup": mwe_warmup, "launcher": launcher(),
+               "loop": "fresh" if fresh else "reuse", "repeat": args.repeat, "mwe": {}, "large": {}}
 
     def sized(count, nbytes, cap):
         # Below 1 MB an op is short: more of them (up to the MWE's count) keep a loop as long.
@@ -363,19 +393,26 @@ def main():
     progress = Progress((len(args.pairs) * len(backends) + len(args.sizes) * len(large_backends)) * args.repeat)
     for pairs in args.pairs:
         results["mwe"][str(pairs)] = measure_row(backends, 2 * pairs, MWE_NUMEL, args.iters,
-                                                 warmup, mpirun, args.repeat,
-                                                 f"MWE, {pairs} pair(s)", progress, args.fresh)
+                                                 mwe_warmup, mpirun, args.repeat,
+                                                 f"MWE, {pairs} pair(s)", progress, fresh)
     for nbytes in args.sizes:
         results["large"][str(nbytes)] = measure_row(
             large_backends, 2, nbytes // 4, sized(large_iters, nbytes, args.iters),
             sized(large_warmup, nbytes, warmup),
             mpirun, args.repeat, f"large, {fmt_size(nbytes)}", progress)
     results["memcpy_GBps"] = memcpy_bandwidth(16 * 2**20, 20) / 1e9
+    if args.no_gloo:
+        for part in ("mwe", "large"):
+            for row in results[part].values():
+                row["gloo"] = SKIPPED
 
     mpi_cols = mpirun is not None
     launches = f"median of {args.repeat} launches" if args.repeat > 1 else "1 launch"
-    print(f"## 1. Forum MWE: pairwise all_reduce of a 10x10 float32 tensor "
-          f"({args.iters} timed ops after {warmup} warm-up ops)\n")
+    loop = (f"a barrier, then {args.iters} timed ops, each on a fresh torch.randn(10, 10) (MPI: a "
+            f"new numpy array), as the forum post's loop" if fresh else
+            f"{args.iters} timed ops on one reused tensor after {warmup} warm-up ops (--reuse)")
+    print(f"## 1. Forum MWE: pairwise all_reduce of a 10x10 float32 tensor ({loop}; ranks "
+          f"started by the {launcher()} launcher)\n")
     print(f"µs per op = the max over ranks of each rank's mean ({launches}); all pairs run "
           f"at once. "
           "The forum's Gloo numbers (48 cores): 381 µs/op for 1 pair, 2,021 µs/op for 8.\n")
@@ -392,26 +429,25 @@ def main():
         rows.append(cells)
     print_table(head, rows)
     print("\n\"fastcomm vs X\" = X's time / fastcomm's time (how many times faster fastcomm is).")
-    if args.fresh:
-        print("Loop: a fresh torch.randn tensor for every op (--fresh, the forum post's loop).")
 
     several = [p for p in args.pairs if p > 1]
     if several:
         print("\n### Fairness: every pair's µs per op (a pair's time: the slower of its ranks)\n")
         print("The job's time is its slowest pair's; \"worst launch\" is the largest slowest / median "
-              "ratio of any single launch.\n")
+              "ratio of any single launch, \"fair launches\" how many launches had every pair within "
+              "2x of their median.\n")
         rows = []
         for pairs in several:
             for backend in backends:
                 cell = results["mwe"][str(pairs)][backend]
                 if "error" in cell:
-                    rows.append([str(pairs), LABELS[backend], "FAILED", "", "", ""])
+                    rows.append([str(pairs), LABELS[backend], "FAILED", "", "", "", ""])
                     continue
-                slow, med, worst = fairness(cell)
+                slow, med, worst, fair = fairness(cell)
                 rows.append([str(pairs), LABELS[backend], f"{slow * 1e6:,.1f}", f"{med * 1e6:,.1f}",
-                             f"{slow / med:.1f}x", f"{worst:.1f}x"])
+                             f"{slow / med:.1f}x", f"{worst:.1f}x", f"{fair}/{len(cell['runs'])}"])
         print_table(["pairs", "library", "slowest pair µs/op", "median pair µs/op", "slowest / median",
-                     "worst launch"], rows, left=2)
+                     "worst launch", "fair launches"], rows, left=2)
 
     counts = sorted({sized(large_iters, n, args.iters) for n in args.sizes})
     ops = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]} (by size)"

@@ -15,7 +15,7 @@ the group of all ranks:
 
 Two loops per size: one all_reduce per step, and k groups over the same ranks with one
 all_reduce each per step (torch: async_op=True, then wait for all; fastcomm: one ``fc.batch``).
-Reported: the median step time divided by the ops in it (µs per op), max over ranks, median
+Reported: the mean step time divided by the ops in it (µs per op), max over ranks, median
 over --repeat launches, the forms' launches alternating. Every loop ends with a checked op.
 
     python benchmarks/mixed_groups.py [--hosts AABB] [--sizes 100 2500 262144] [--k 8]
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _launch import add_launcher_arg, use_launcher  # noqa: E402
 from _launch import (STORE_TIMEOUT, Progress, all_reduce_steps, alternate_launches,  # noqa: E402
                      batched_steps, finish, print_header, print_table, pyplot_or_none,
                      ratio_cell, save_plot, us_cell)
@@ -134,7 +135,9 @@ def main():
     ap.add_argument("--placement", choices=["hosts", "free"], default="hosts")
     ap.add_argument("--plot", metavar="FILE.png", help="write a plot (needs matplotlib)")
     ap.add_argument("--json", metavar="FILE", help="dump the raw numbers as JSON")
+    add_launcher_arg(ap)
     args = ap.parse_args()
+    use_launcher(args.launcher)
     hosts = list(args.hosts)
     if len(hosts) < 2 or args.iters < 1 or args.repeat < 1 or args.k < 1:
         ap.error("--hosts needs 2+ ranks; --iters, --repeat and --k must be positive")
@@ -147,7 +150,7 @@ def main():
                          if args.placement == "hosts" else "")
                       for h in dict.fromkeys(hosts))
     print(f"- hosts simulated on this machine (FASTCOMM_HOST_ID), TCP over loopback; {where}")
-    print(f"- float32 all_reduce over all {len(hosts)} ranks, median µs per op (max over ranks), "
+    print(f"- float32 all_reduce over all {len(hosts)} ranks, mean µs per op (max over ranks), "
           f"median of {args.repeat} launch(es), forms alternating; batched = {args.k} groups "
           f"over the same ranks per step\n", flush=True)
     results = {"command": sys.argv, "hosts": args.hosts, "placement": args.placement, "k": args.k,

@@ -29,7 +29,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from _launch import (STORE_TIMEOUT, JobError, best_of_loops, cpu_model, finish, print_header, print_table,
+from _launch import add_launcher_arg, use_launcher  # noqa: E402
+from _launch import (STORE_TIMEOUT, JobError, timed_loops, cpu_model, finish, print_header, print_table,
                      run_job)
 
 JOB_TIMEOUT_S = 300.0  # hard limit for one launch (all its ranks); a hang fails that cell only
@@ -101,7 +102,8 @@ def _a2a_op(lib, group, rank, members):
 
 
 def _body(store, rank, world, lib_name, part, iters, warmup):
-    """{op: seconds per op} on this rank for part "a2a" (groups of 4) or "pairs"."""
+    """{op: (mean, best loop's) seconds per op} on this rank for part "a2a" (groups of 4) or
+    "pairs"."""
     size = 4 if part == "a2a" else 2
     lo = size * (rank // size)
     members = list(range(lo, lo + size))
@@ -120,7 +122,7 @@ def _body(store, rank, world, lib_name, part, iters, warmup):
             name: _pair_op(lib, name, group, rank, lo) for name in PAIR_OPS}
         out = {}
         for name, (step, check) in ops.items():
-            out[name] = best_of_loops(step, lib.barrier, iters, warmup)
+            out[name] = timed_loops(step, lib.barrier, iters, warmup)
             check()
         return out
     finally:
@@ -148,8 +150,8 @@ def measure(part, world, iters, warmup, repeat, failures):
                 failures.append(f"{part}, world {world}, {lib}: {e}")
                 runs[lib] = None
                 continue
-            runs[lib].append({op: max(r[op] for r in res) for op in res[0]})
-    return {lib: None if r is None else {op: statistics.median(x[op] for x in r) for op in r[0]}
+            runs[lib].append({op: [max(r[op][i] for r in res) for i in (0, 1)] for op in res[0]})
+    return {lib: None if r is None else {op: [statistics.median(x[op][i] for x in r) for i in (0, 1)] for op in r[0]}
             for lib, r in runs.items()}
 
 
@@ -163,7 +165,9 @@ def main():
     ap.add_argument("--pairs", type=int, nargs="*", default=[1],
                     help="pairs for gather/scatter/reduce (none: skip)")
     ap.add_argument("--json", metavar="FILE", help="dump the raw numbers as JSON")
+    add_launcher_arg(ap)
     args = ap.parse_args()
+    use_launcher(args.launcher)
     fc_iters = args.iters or (300 if args.quick else 2000)
     iters = {"fastcomm": fc_iters, "gloo": max(20, fc_iters // 4)}
     repeat = args.repeat or (1 if args.quick else 3)
@@ -185,15 +189,20 @@ def main():
             got = measure(part, world, iters, warmup, repeat, failures)
             ops = ("all_to_all_single",) if part == "a2a" else PAIR_OPS
             for op in ops:
-                g = got["gloo"][op] if got["gloo"] else None
-                f = got["fastcomm"][op] if got["fastcomm"] else None
+                g, gb = got["gloo"][op] if got["gloo"] else (None, None)
+                f, fb = got["fastcomm"][op] if got["fastcomm"] else (None, None)
                 what = (f"{c} group{'s' if c > 1 else ''} of 4, 4 KB per peer" if part == "a2a"
                         else f"{c} pair{'s' if c > 1 else ''}, 10x10 float32")
-                results["cells"].append({"op": op, "groups": c, "world": world, "gloo_s": g, "fastcomm_s": f})
+                results["cells"].append({"op": op, "groups": c, "world": world, "gloo_s": g, "fastcomm_s": f,
+                                         "gloo_best_s": gb, "fastcomm_best_s": fb})
                 rows.append([op, what, str(world), "failed" if g is None else f"{g * 1e6:,.1f}",
                              "failed" if f is None else f"{f * 1e6:,.1f}",
-                             "-" if g is None or f is None else f"{g / f:,.1f}x"])
-    print_table(["op", "groups", "ranks", "torch Gloo µs/op", "fastcomm µs/op", "Gloo / fastcomm"], rows, left=2)
+                             "-" if g is None or f is None else f"{g / f:,.1f}x",
+                             "-" if fb is None else f"{fb * 1e6:,.1f}"])
+    print_table(["op", "groups", "ranks", "torch Gloo µs/op", "fastcomm µs/op", "Gloo / fastcomm",
+                 "fastcomm best loop µs/op"], rows, left=2)
+    print("\nµs/op: the mean over a launch's 3 timed loops (max over ranks, median over launches); "
+          "best loop: the fastest of those loops.")
     print("\nGloo / fastcomm > 1: fastcomm is that many times faster.")
     return finish(results, failures, t_start, "Total benchmark time", args.json, None, None)
 

@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from _launch import add_launcher_arg, use_launcher  # noqa: E402
 from _launch import (STORE_TIMEOUT, JobError, cpu_model, finish, print_header, print_table,
                      pyplot_or_none, run_job, save_plot)
 
@@ -291,7 +292,9 @@ def main():
                     help="hard limit for the whole job in seconds (default 300 + 2 ms per op)")
     ap.add_argument("--plot", metavar="FILE.png", help="write a plot (needs matplotlib)")
     ap.add_argument("--json", metavar="FILE", help="dump the raw numbers as JSON")
+    add_launcher_arg(ap)
     args = ap.parse_args()
+    use_launcher(args.launcher)
     if args.ops < 1 or args.checkpoints < 1:
         ap.error("--ops and --checkpoints must be positive")
     warmup = args.warmup if args.warmup is not None else args.ops // 20

@@ -30,13 +30,16 @@ constexpr auto kBgIdle = std::chrono::milliseconds(100);
 
 Driver::Driver(Progress& progress, int rank, int local_ranks, int64_t spin_ns, int64_t yield_ns)
     : progress_(progress), bell_(progress.bell()), rank_(rank), user_spin_(spin_ns >= 0), user_yield_(yield_ns >= 0) {
-  // Spinning pays only when every local rank has a core to itself; otherwise it steals the
-  // time slice the peer needs to answer, so yield from the first pass that finds nothing. Not
-  // sleep soon, though: a sleeper costs the rank that wakes it a syscall, and the cores' time
-  // in between is lost if nobody else can use it.
+  // Spinning long pays only when every local rank has a core to itself; otherwise it steals
+  // the time slice the peer needs to answer, so such a waiter polls only briefly (a peer that
+  // runs on the other core answers within that) and then sleeps on the doorbell, which the
+  // message it waits for rings. Not yield: EEVDF kernels charge a yielder's virtual runtime a
+  // whole slice per sched_yield, so among ranks of one scheduling group (one session's
+  // autogroup, where torch.multiprocessing.spawn leaves them) a rank that waits by yielding
+  // loses its turns for milliseconds (docs/design.md, "Waiting").
   oversubscribed_ = local_ranks > usable_cpus();
-  spin_ns_ = user_spin_ ? spin_ns : (oversubscribed_ ? 0 : 200000);
-  yield_ns_ = user_yield_ ? yield_ns : 2000000;
+  spin_ns_ = user_spin_ ? spin_ns : (oversubscribed_ ? 3000 : 200000);
+  yield_ns_ = user_yield_ ? yield_ns : (oversubscribed_ ? 0 : 2000000);
 }
 
 void Driver::poll() {
@@ -75,8 +78,8 @@ void Driver::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) 
       idle_since = Clock::now();
       if (last_health == Clock::time_point()) last_health = idle_since;
     }
-    // A waiter that shares its core yields after every empty pass: the peer it waits for may
-    // be the one that needs the core.
+    // A waiter that shares its core does not spin through passes here: the peer it waits for
+    // may be the one that needs the core.
     if (!oversubscribed_ && (idle & 63) != 0 && idle < 4096) {
       cpu_relax();
       continue;
