@@ -713,6 +713,52 @@ def test_shutdown_waits_until_peer_has_read_our_last_frame(numel):
     assert res[0] is True, "rank 0's shutdown returned before rank 1 could read its last frame"
 
 
+def _leader_leaves_body(rank, world, numel):
+    """Host A: rank 0; host B: ranks 1 and 2. Rank 1 broadcasts over [0, 1, 2]: rank 0 has all
+    of it at once, and shuts down right after, while rank 1's op still runs: rank 2 issues it
+    only a second later, and until then rank 1 cannot hand it more than a ring's worth. Rank 1's
+    op no longer needs rank 0, but rank 0 leaving (its connections closing) would fail it as
+    rank 0's death: so rank 1 answers rank 0's "closing" only once no op of a group with rank 0
+    runs, and rank 0's shutdown returns only after rank 2 was let go."""
+    import threading
+
+    store = harness.child_store()
+    g = fc.new_group([0, 1, 2])
+    fc.all_reduce(torch.zeros(1), group=g)  # connected, receivers posted
+    exp = torch.arange(numel, dtype=torch.float32) + 7
+    t = exp.clone() if rank == 1 else torch.zeros(numel)
+    if rank == 2:
+        store.wait(["go"])
+    fc.broadcast(t, 1, group=g)
+    assert torch.equal(t, exp), t[:4]
+    if rank != 0:
+        return True
+    released = threading.Event()
+
+    def release():
+        time.sleep(1.0)  # gives a shutdown that does not wait for rank 1 the time to return
+        released.set()  # before the key: rank 1 can answer only after it
+        store.set("go", "1")
+
+    th = threading.Thread(target=release)
+    th.start()
+    try:
+        fc.shutdown()
+        after_release = released.is_set()
+    finally:
+        th.join()  # rank 2 is never left waiting
+    return after_release
+
+
+@pytest.mark.parametrize("env", [RING_ENV, BULK_ENV])
+def test_a_leader_leaving_does_not_fail_ops_that_no_longer_need_it(env):
+    # Through the rings only (no in-place reads): rank 1 cannot hand rank 2 8 MB through a
+    # 64 KiB ring before rank 2 issues the op.
+    env = {**env, "FASTCOMM_SHM_DIRECT_BYTES": "0"}
+    res = run(_leader_leaves_body, 3, 2_000_003, hosts=["A", "B", "B"], env=env, timeout=90)
+    assert res == [True] * 3
+
+
 def _both_leave_body(rank, world):
     """Rank 1 shuts down first while a Work it still holds keeps its engine (and its Gloo
     connections) alive, then waits for rank 0. Rank 1's shutdown asks rank 0 to confirm it

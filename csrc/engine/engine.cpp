@@ -74,6 +74,7 @@ void Engine::set_gloo(c10::intrusive_ptr<c10d::Backend> pg) {
   // The transport thread that sees a transfer end runs the pass that uses it: waking a sleeping
   // driver for that would cost a context switch per op. The driver is woken once its Work is.
   transports_.set_delivery_hook([this] { return progress_.from_transport(); });
+  transports_.set_close_gate([this](int peer) { return progress_.busy_with(peer); });
 }
 
 std::map<std::string, uint64_t> Engine::counters() {

@@ -507,6 +507,20 @@ bool Progress::try_progress(bool may_block, bool wait_lock) {
   return any;
 }
 
+int Progress::busy_with(int peer) {
+  std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
+  if (!lk.owns_lock()) return -1;
+  if (stopped_) return 0;
+  auto has = [peer](const std::vector<int>& ranks) {
+    return std::find(ranks.begin(), ranks.end(), peer) != ranks.end();
+  };
+  for (const GroupState* g : busy_)
+    if (!g->queue.empty() && has(g->ranks)) return 1;
+  for (const RecvPort* port : busy_ports_)
+    if (has(port->group->ranks)) return 1;
+  return 0;
+}
+
 bool Progress::from_transport() {
   Done done;
   {

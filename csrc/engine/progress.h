@@ -84,6 +84,9 @@ class Progress {
   // The pass a transport's own thread runs once it delivered something (set_delivery_hook);
   // false if another thread holds the lock (the caller rings the doorbell then).
   bool from_transport();
+  // 1 if an op of a group (or a receive) with `peer` is queued, 0 if none is or progress has
+  // stopped, -1 if another thread holds the lock (the caller asks again).
+  int busy_with(int peer);
 
   // A transport thread delivered something but found the lock taken; cleared by the next pass.
   bool rerun() const { return rerun_.load(); }

@@ -107,6 +107,10 @@ class Transport {
   // (the engine's progress pass; false when another thread holds the engine). Set once, before
   // any message moves.
   virtual void set_delivery_hook(std::function<bool()> /*hook*/) {}
+  // For transports with a closing handshake: whether the engine still runs an op of a group
+  // with `peer` (1), does not (0), or cannot say now (-1: another thread holds it). A peer
+  // that leaves is told it may close only once no such op runs: its leaving would fail them.
+  virtual void set_close_gate(std::function<int(int)> /*busy_with*/) {}
   // Diagnostic counters, by name (what tests check a transport's traffic by).
   virtual std::map<std::string, uint64_t> counters() { return {}; }
 

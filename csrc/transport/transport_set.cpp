@@ -60,6 +60,10 @@ void TransportSet::attach_gloo(c10::intrusive_ptr<c10d::Backend> pg, int rank, s
   add(std::move(gloo), remote);
 }
 
+void TransportSet::set_close_gate(const std::function<int(int)>& busy_with) {
+  for (auto& t : owned_) t->set_close_gate(busy_with);
+}
+
 void TransportSet::set_delivery_hook(const std::function<bool()>& hook) {
   for (auto& t : owned_) t->set_delivery_hook(hook);
 }

@@ -56,6 +56,7 @@ class TransportSet {
     for (Transport* t : flush_) t->flush();
   }
   void set_delivery_hook(const std::function<bool()>& hook);
+  void set_close_gate(const std::function<int(int)>& busy_with);
   void stop();
   // Every transport's counters, as "<transport>.<counter>".
   std::map<std::string, uint64_t> counters();

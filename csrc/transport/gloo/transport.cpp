@@ -22,7 +22,7 @@ constexpr uint64_t kCtlAll = kCtlClose | kCtlCloseAck;
 // How long stop() waits for those answers. A live peer's receiver thread answers within
 // microseconds whatever its Python code is doing; only a peer that is stopped or hung does not,
 // and for that one the op timeout (minutes, by default) would be far too long a shutdown.
-constexpr std::chrono::seconds kCloseWait{5};
+constexpr std::chrono::seconds kCloseWait{10};
 // Frames are cut at about this size. Smaller frames overlap the receiver's fold with the
 // transfer of the next frame sooner; larger ones pay Gloo's per-message cost (a ready notice,
 // a wake-up of the receiving thread and of the reaper) less often. Every posted receive is
@@ -533,9 +533,9 @@ void GlooTransport::recv_main(int peer) {
       if (words[1] & kCtlClose) {
         // Its engine is shut down: it needs nothing more from us (stop() need not wait for its
         // answer), and every frame it sent before this one has been read (frames arrive in
-        // order), which is what our answer tells it.
+        // order), which is what our answer tells it, once its leaving can fail nothing here.
         p.peer_closing = true;
-        send_control(peer, kCtlCloseAck);
+        answer_close(peer);
       }
       if (words[1] & kCtlCloseAck) p.close_acked = true;
       if (words[1]) {
@@ -574,6 +574,20 @@ void GlooTransport::recv_main(int peer) {
     if (why.empty()) why = "Gloo receive from rank " + std::to_string(peer) + " failed: " + what_of(e);
   }
   if (!why.empty() && !stop_) mark_dead(peer, why);
+}
+
+void GlooTransport::answer_close(int peer) {
+  // The closer waits kCloseWait for the answer, then closes anyway: past that, asking is moot.
+  // (Polled: a close comes once per peer and job, and the engine may be idle, with no pass
+  // that could answer instead.)
+  const auto until = std::chrono::steady_clock::now() + kCloseWait;
+  for (;;) {
+    if (stop_ || closing_flag_.load() || !close_gate_) break;
+    if (close_gate_(peer) == 0) break;
+    if (std::chrono::steady_clock::now() >= until) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  send_control(peer, kCtlCloseAck);
 }
 
 void GlooTransport::reap_main() {
@@ -648,6 +662,7 @@ void GlooTransport::stop() {
     // In all, not per send: a dead peer fails its sends at once, a stalled one costs this once.
     stop_deadline_ = std::chrono::steady_clock::now() + linger_;
     closing_ = true;
+    closing_flag_ = true;
   }
   // Receivers keep running meanwhile: they answer peers that close too, and bring our answers.
   close_handshake();

@@ -56,6 +56,7 @@ class GlooTransport final : public Transport {
   // once a data frame is in, instead of ringing the doorbell (a thread already running does
   // the pass: no wake-up of a sleeping driver).
   void set_delivery_hook(std::function<bool()> hook) override { bulk_hook_ = std::move(hook); }
+  void set_close_gate(std::function<int(int)> busy_with) override { close_gate_ = std::move(busy_with); }
 
   // Starts the receiver for `peer` if it has none yet (called when a group with it is made).
   void connect(int peer) override;
@@ -129,6 +130,9 @@ class GlooTransport final : public Transport {
   bool send_frame(int peer, const std::shared_ptr<GlooOutBuf>& b, uint64_t flags);
   // Sends a frame with no records, only control flags (from any thread).
   void send_control(int peer, uint64_t flags);
+  // Answers a peer's "closing" once no op of a group with it runs here (close_gate_), or at
+  // kCloseWait, when the closer stops waiting; runs on that peer's receiver thread.
+  void answer_close(int peer);
   // The closing handshake of stop(); returns when every peer it waits for has answered or
   // died, or at the deadline.
   void close_handshake();
@@ -168,6 +172,7 @@ class GlooTransport final : public Transport {
   std::atomic<bool> stop_{false};
   std::chrono::steady_clock::time_point stop_deadline_;  // for the handshake and sends in flight
   bool closing_ = false;  // stop() has begun (send_mu_)
+  std::atomic<bool> closing_flag_{false};  // the same, for the receiver threads
   std::mutex close_mu_;  // with close_cv_: stop() waiting for acks (and deaths)
   std::condition_variable close_cv_;
   uint64_t frames_sent_ = 0;
@@ -186,6 +191,7 @@ class GlooTransport final : public Transport {
   int bulk_idle_ = 0;
   bool bulk_stop_ = false;
   std::function<bool()> bulk_hook_;
+  std::function<int(int)> close_gate_;  // set once before any message moves
   std::atomic<uint64_t> closes_sent_{0};  // written by stop(), read by any thread
 
   // Sends in flight, reaped in order by reaper_.
