@@ -352,6 +352,28 @@ void ChannelEngine::apply(Channel& c, PairAgreement::Out& out, const UniqueId* g
 // Agreed parts go onto the pair's stream, in agreed order, as one group of sends and receives.
 // Each waits first for its inputs (the caller's stream at issue) and for its group's previous
 // op, both enqueued before it: a stream never waits on work enqueued after it.
+void ChannelEngine::wait_inputs(Channel& c) {
+  Event last_input = nullptr, last_pred = nullptr;
+  for (Part* p : c.committed) {
+    DevOp* op = p->op;
+    if (op->input->ev != last_input) rt_->wait(c.stream, last_input = op->input->ev);
+    if (op->pred_end && op->pred_stream != c.stream && op->pred_end->ev != last_pred)
+      rt_->wait(c.stream, last_pred = op->pred_end->ev);
+  }
+}
+
+void ChannelEngine::on_stream(Channel& c) {
+  EventPtr ev = events_->record(c.stream);
+  for (Part* p : c.launching) {
+    p->done_event = ev;
+    p->stream = c.stream;
+    c.in_flight.push_back(p);
+    part_launched(p);
+  }
+  c.launching.clear();
+  c.last_used = Clock::now();
+}
+
 bool ChannelEngine::launch(Channel& c) {
   if (c.comm == nullptr || (c.committed.empty() && c.launching.empty())) return false;
   if (IpcLink* l = ipc_->find(c.comm)) return launch_ipc(c, *l);
@@ -360,13 +382,7 @@ bool ChannelEngine::launch(Channel& c) {
   bool moved = false;
   if (state == State::kReady && !c.committed.empty()) {
     const int peer_rank = c.leader ? 1 : 0;
-    Event last_input = nullptr, last_pred = nullptr;
-    for (Part* p : c.committed) {
-      DevOp* op = p->op;
-      if (op->input->ev != last_input) rt_->wait(c.stream, last_input = op->input->ev);
-      if (op->pred_end && op->pred_stream != c.stream && op->pred_end->ev != last_pred)
-        rt_->wait(c.stream, last_pred = op->pred_end->ev);
-    }
+    wait_inputs(c);
     rt_->group_start();
     try {
       for (Part* p : c.committed) {
@@ -390,15 +406,7 @@ bool ChannelEngine::launch(Channel& c) {
   if (state != State::kPending && !c.launching.empty()) {
     // What was launched is on the stream now; after a failure too, so transfers that did run
     // before it are still seen done.
-    EventPtr ev = events_->record(c.stream);
-    for (Part* p : c.launching) {
-      p->done_event = ev;
-      p->stream = c.stream;
-      c.in_flight.push_back(p);
-      part_launched(p);
-    }
-    c.launching.clear();
-    c.last_used = Clock::now();
+    on_stream(c);
     moved = true;
   }
   if (state == State::kFailed)

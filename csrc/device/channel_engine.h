@@ -129,6 +129,10 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   void admit(std::unique_ptr<DevOp> op);
   void make_ready(DevOp* op);
   void part_launched(Part* p);
+  // A channel's launch, NCCL or IPC: its stream first waits for each committed part's inputs
+  // and its group's previous op; once enqueued, c.launching is in flight behind one event.
+  void wait_inputs(Channel& c);
+  void on_stream(Channel& c);
   void part_done(Part* p);
   // Ops whose parts are all enqueued: their end work, their end event, their group's next op.
   void flush_ends();

@@ -35,24 +35,14 @@ Comm ChannelEngine::new_link(Channel& c, const UniqueId* leader_id) {
 // previous op (as on NCCL: launch in channel.cpp). Nothing here waits for the peer's host.
 bool ChannelEngine::launch_ipc(Channel& c, IpcLink& l) {
   if (c.committed.empty() || !l.ready()) return false;
-  Event last_input = nullptr, last_pred = nullptr;
+  wait_inputs(c);
   for (Part* p : c.committed) {
-    DevOp* op = p->op;
-    if (op->input->ev != last_input) rt_->wait(c.stream, last_input = op->input->ev);
-    if (op->pred_end && op->pred_stream != c.stream && op->pred_end->ev != last_pred)
-      rt_->wait(c.stream, last_pred = op->pred_end->ev);
-  }
-  for (Part* p : c.committed) l.enqueue(*p, c.stream);
-  EventPtr ev = events_->record(c.stream);
-  for (Part* p : c.committed) {
+    l.enqueue(*p, c.stream);
     p->state = Part::kLaunched;
-    p->done_event = ev;
-    p->stream = c.stream;
-    c.in_flight.push_back(p);
-    part_launched(p);
+    c.launching.push_back(p);
   }
   c.committed.clear();
-  c.last_used = Clock::now();
+  on_stream(c);
   return true;
 }
 
