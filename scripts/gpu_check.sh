@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The CUDA/NCCL path on a GPU machine (one GPU is enough; no network needed): builds the CUDA
-# variant of fastcomm; runs benchmarks/forum_mwe.py at 1, 2, 4 and 8 pairs (the CPU scaling
-# figure on this machine's cores; first, so that a hung test cannot take its time); runs the NCCL
-# tests (several ranks share the GPU, each with its own NCCL_HOSTID), the cyclic-order test
-# first, then benchmarks/device_streams.py (stream semantics and host cost against torch NCCL),
-# then benchmarks/device_ipc.py (same-host channels over CUDA IPC against torch NCCL), then the
-# rest of tests/test_nccl.py (same-host pairs go over IPC unless FASTCOMM_DEVICE_IPC=0),
-# tests/test_device_collectives.py on CUDA tensors (FASTCOMM_DEVICE_TEST=cuda), the MoE and
-# pipeline examples on CUDA against torch NCCL; then benchmarks/nccl_pairs.py (fastcomm vs torch NCCL).
+# variant of fastcomm; a smoke test on NCCL channels and on CUDA IPC links apart; then
+# benchmarks/device_streams.py (stream semantics and host cost against torch NCCL) and
+# benchmarks/device_ipc.py (same-host channels over CUDA IPC against torch NCCL);
+# tests/test_device_collectives.py on CUDA tensors (FASTCOMM_DEVICE_TEST=cuda); the rest of
+# tests/test_nccl.py (several ranks share the GPU, each with its own NCCL_HOSTID; same-host pairs
+# go over IPC unless FASTCOMM_DEVICE_IPC=0); the MoE and pipeline examples on CUDA against torch
+# NCCL; benchmarks/forum_mwe.py at 1, 2, 4, 8 pairs (CPU scaling on this machine's cores); and
+# benchmarks/nccl_pairs.py (fastcomm vs torch NCCL).
 # It writes a Markdown report to ${OUT:-reports}/gpu_check.md (each step's command, exit code,
 # wall time and output tail; the whole logs go to gpu_check.log beside it, the MWE's
 # numbers to forum_mwe.json).
@@ -196,22 +196,28 @@ RUN="set -e; cd '$PKG'; export PYTHONPATH='$PKG' FASTCOMM_REQUIRE_GPU=1"
 PYTEST="'$PY' -m pytest -q -s -rA -p no:cacheprovider --rootdir='$ROOT' '$ROOT/tests/test_nccl.py'"
 
 if [ "$BUILT" = 1 ]; then
-  # ---- 3. the CPU scaling figure first (it needs only the build), then the NCCL tests, then
-  # the NCCL benchmark: a hung test cannot take the scaling figure's time.
-  step bench "benchmarks/forum_mwe.py at 1, 2, 4, 8 pairs (CPU, this machine's cores)" 200 \
-    "$RUN; '$PY' '$ROOT/benchmarks/forum_mwe.py' --pairs 1 2 4 8 --repeat 3 --sizes 16M --json '$REPORT_DIR/forum_mwe.json'"
-  step test "NCCL cyclic-order test (3 ranks, one GPU)" 150 "$RUN; $PYTEST -k cyclic"
-  step bench "benchmarks/device_streams.py: run-ahead, host cost and back-to-back vs torch NCCL, memory over 10,000 pair groups" 150 \
+  # ---- 3. Ordered by what a session most needs to learn, each timeout about twice the step's
+  # expected time (the build takes about a minute on 16 cores): first the smallest test on NCCL
+  # channels and on IPC links apart, so a broken channel kind is named within a minute and the
+  # later steps can be read against it; then the figures of the open issues; the long tests
+  # and the CPU-only MWE last.
+  step test "smoke: pair/triple/quad all_reduce on NCCL channels (FASTCOMM_DEVICE_IPC=0)" 60 \
+    "$RUN; FASTCOMM_DEVICE_IPC=0 $PYTEST -k all_reduce_pairs_triples"
+  step test "smoke: the same over CUDA IPC links (FASTCOMM_DEVICE_IPC=1)" 60 \
+    "$RUN; FASTCOMM_DEVICE_IPC=1 $PYTEST -k all_reduce_pairs_triples"
+  step bench "benchmarks/device_streams.py: run-ahead, host cost and back-to-back vs torch NCCL, memory over 10,000 pair groups" 90 \
     "$RUN; '$PY' '$ROOT/benchmarks/device_streams.py' --world 4 --ops 1000 --groups 10000 --json '$REPORT_DIR/device_streams.json'"
-  step bench "benchmarks/device_ipc.py: same-host channels over CUDA IPC vs torch NCCL, 1 and 8 pairs on one GPU (400 B back to back, the MWE shape, 16 MB vs a D2D copy, memory)" 150 \
+  step bench "benchmarks/device_ipc.py: same-host channels over CUDA IPC vs torch NCCL, 1 and 8 pairs on one GPU (400 B back to back, the MWE shape, 16 MB vs a D2D copy, memory)" 90 \
     "$RUN; '$PY' '$ROOT/benchmarks/device_ipc.py' --pairs 1,8 --ops 1000 --json '$REPORT_DIR/device_ipc.json'"
-  step test "tests/test_nccl.py (the rest)" 300 "$RUN; $PYTEST -k 'not cyclic'"
-  step test "tests/test_device_collectives.py on CUDA tensors (reduce, gather, scatter, all_to_all(_single), flat and coalesced forms, batch, plan, backend, graph capture refusal)" 150 \
+  step test "tests/test_device_collectives.py on CUDA tensors (reduce, gather, scatter, all_to_all(_single), flat and coalesced forms, batch, plan, backend, graph capture)" 90 \
     "$RUN; FASTCOMM_DEVICE_TEST=cuda '$PY' -m pytest -q -s -rA -p no:cacheprovider --rootdir='$ROOT' '$ROOT/tests/test_device_collectives.py'"
-  step test "examples/moe.py and examples/pipeline.py --device cuda --compare --check (ranks share the GPU)" 120 \
-    "$RUN; '$PY' '$ROOT/examples/moe.py' --device cuda --compare --check --steps 20 --timeout 90; '$PY' '$ROOT/examples/pipeline.py' --device cuda --compare --check --steps 20 --timeout 90"
-  step bench "benchmarks/nccl_pairs.py: fastcomm vs torch NCCL, ranks on one GPU" 150 \
-    "$RUN; '$PY' '$ROOT/benchmarks/nccl_pairs.py' --pairs 1 4 --iters 300 --job-timeout 120"
+  step test "tests/test_nccl.py (the rest; cyclic order first)" 150 "$RUN; $PYTEST -k cyclic; $PYTEST -k 'not cyclic and not all_reduce_pairs_triples'"
+  step test "examples/moe.py and examples/pipeline.py --device cuda --compare --check (ranks share the GPU)" 90 \
+    "$RUN; '$PY' '$ROOT/examples/moe.py' --device cuda --compare --check --steps 20 --timeout 80; '$PY' '$ROOT/examples/pipeline.py' --device cuda --compare --check --steps 20 --timeout 80"
+  step bench "benchmarks/forum_mwe.py at 1, 2, 4, 8 pairs, spawned ranks (CPU, this machine's cores)" 120 \
+    "$RUN; '$PY' '$ROOT/benchmarks/forum_mwe.py' --pairs 1 2 4 8 --repeat 3 --sizes 16M --json '$REPORT_DIR/forum_mwe.json'"
+  step bench "benchmarks/nccl_pairs.py: fastcomm vs torch NCCL, ranks on one GPU" 60 \
+    "$RUN; '$PY' '$ROOT/benchmarks/nccl_pairs.py' --pairs 1 4 --iters 300 --job-timeout 50"
 else
   FAILED=$((FAILED + 2))
   echo "| - | tests and benchmarks | test | NOT RUN (no build) | - | 0 |" >> "$LOGS/summary"
