@@ -18,25 +18,20 @@ tensors, no torch comparison, host memcpy as the copy bandwidth, rings counted b
 check of this script and of the path's logic, not a measurement.
 
 Usage: python benchmarks/device_ipc.py [--pairs 1,8] [--ops 1000] [--numel 100] [--fake] [--json F]
+       [--launcher spawn|fork|torchrun]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import socket
-import tempfile
 import time
 from datetime import timedelta
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _launch import add_launcher_arg, run_job, use_launcher
 
 
-def _rank(rank, world, port, args, outdir):
+def _rank(store, rank, world, args):
     import torch
     import torch.distributed as dist
 
@@ -47,12 +42,11 @@ def _rank(rank, world, port, args, outdir):
     else:
         ndev = torch.cuda.device_count()
         if ndev < world:  # ranks share a GPU: NCCL needs a host id per rank
-            os.environ["NCCL_HOSTID"] = f"ipc-{port}-{rank}"
+            os.environ["NCCL_HOSTID"] = f"ipc-{os.getppid()}-{rank}"
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_IB_DISABLE", "1")
         torch.cuda.set_device(rank % ndev)
     device = "cpu" if fake else "cuda"
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
     pair = [rank - rank % 2, rank - rank % 2 + 1]
     one_pair = world == 2
     out = {"rank": rank, "world": world}
@@ -119,8 +113,7 @@ def _rank(rank, world, port, args, outdir):
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     out["mem_after_shutdown"] = used("after") - mem0
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
+    return out
 
 
 def main():
@@ -133,14 +126,13 @@ def main():
     ap.add_argument("--no-torch", action="store_true", help="skip the torch NCCL side")
     ap.add_argument("--fake", action="store_true")
     ap.add_argument("--json", help="write the per-rank results here")
+    ap.add_argument("--job-timeout", type=float, default=300, help="seconds before a hung job is killed")
+    add_launcher_arg(ap, default="spawn")
     args = ap.parse_args()
-    import torch.multiprocessing as mp
-
+    use_launcher(args.launcher)
     results = {}
     for p in [int(x) for x in args.pairs.split(",")]:
-        outdir = tempfile.mkdtemp(prefix="fc-ipc-")
-        mp.spawn(_rank, args=(2 * p, _free_port(), args, outdir), nprocs=2 * p, join=True)
-        results[p] = [json.load(open(os.path.join(outdir, f"rank{r}.json"))) for r in range(2 * p)]
+        results[p] = run_job(_rank, 2 * p, args, timeout=args.job_timeout)
     where = "fake (CPU, not a measurement)" if args.fake else "GPU"
     print(f"pair all_reduce over IPC, {args.ops} ops of {args.numel} float32 back to back, {where}")
     print(f"{'pairs':>5} {'fc us/op':>9} {'torch us/op':>12} {'ratio':>7} {'fc MWE s':>9} {'torch MWE s':>12} {'links':>6}")

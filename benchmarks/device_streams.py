@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """CUDA stream semantics and host cost: fastcomm against torch's NCCL backend, same run.
 
-Ranks are started with torch.multiprocessing.spawn, as users start them; all may share one GPU
-(each then gets its own NCCL_HOSTID, as torch's NCCL backend needs). Per rank and backend:
+Ranks are started with torch.multiprocessing.spawn (or --launcher fork|torchrun), as users start
+them; all may share one GPU (each then gets its own NCCL_HOSTID, as torch's NCCL backend needs).
+Per rank and backend:
 
 - run-ahead: a long kernel (torch.cuda._sleep) on the current stream, then N blocking pair
   all_reduces: the host time for the N calls, and whether the last op had run when they
@@ -19,6 +20,7 @@ tensors, no torch comparison, a "hold" kernel instead of _sleep): a check of thi
 the path's logic, not a measurement.
 
 Usage: python benchmarks/device_streams.py [--world 2] [--ops 1000] [--numel 100] [--groups 10000] [--fake]
+       [--launcher spawn|fork|torchrun]
 """
 from __future__ import annotations
 
@@ -26,19 +28,14 @@ import argparse
 import json
 import os
 import random
-import socket
 import sys
 import time
 from datetime import timedelta
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _launch import add_launcher_arg, run_job, use_launcher
 
 
-def _rank(rank, world, port, args, outdir):
+def _rank(store, rank, world, args):
     import torch
     import torch.distributed as dist
 
@@ -49,11 +46,10 @@ def _rank(rank, world, port, args, outdir):
         ndev = torch.cuda.device_count()
         dev = rank % ndev
         if ndev < world:  # ranks share a GPU: NCCL needs a host id per rank
-            os.environ["NCCL_HOSTID"] = f"streams-{port}-{rank}"
+            os.environ["NCCL_HOSTID"] = f"streams-{os.getppid()}-{rank}"
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_IB_DISABLE", "1")
         torch.cuda.set_device(dev)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
     device = "cpu" if fake else "cuda"
     pair_ranks = [rank - rank % 2, rank - rank % 2 + 1]
     out = {"rank": rank}
@@ -140,8 +136,7 @@ def _rank(rank, world, port, args, outdir):
     fc.shutdown()
     if not fake:
         dist.destroy_process_group()
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
+    return out
 
 
 def main():
@@ -153,16 +148,13 @@ def main():
     ap.add_argument("--sleep-cycles", type=float, default=2e9, help="torch.cuda._sleep cycles of the long kernel")
     ap.add_argument("--fake", action="store_true")
     ap.add_argument("--json", help="write the per-rank results here")
+    ap.add_argument("--job-timeout", type=float, default=300, help="seconds before a hung job is killed")
+    add_launcher_arg(ap, default="spawn")
     args = ap.parse_args()
     if args.world % 2:
         sys.exit("--world must be even (pairs)")
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    outdir = tempfile.mkdtemp(prefix="fc-streams-")
-    mp.spawn(_rank, args=(args.world, _free_port(), args, outdir), nprocs=args.world, join=True)
-    res = [json.load(open(os.path.join(outdir, f"rank{r}.json"))) for r in range(args.world)]
+    use_launcher(args.launcher)
+    res = run_job(_rank, args.world, args, timeout=args.job_timeout)
     sides = ["fc"] if args.fake else ["torch", "fc"]
     print(f"{args.world} ranks, {args.ops} ops of {args.numel} float32 per pair, {'fake' if args.fake else 'GPU'}")
     print(f"{'':>8} {'ahead host s':>13} {'last pending':>13} {'CPU us/issued':>14} {'us/op b2b':>10}")

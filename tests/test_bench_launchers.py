@@ -103,3 +103,35 @@ def test_hang_is_killed_at_the_timeout(launcher, tmp_path):
 def test_unknown_launcher_is_refused():
     with pytest.raises(ValueError, match="unknown launcher 'mpirun'"):
         use_launcher("mpirun")
+
+
+_BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+
+
+@pytest.mark.parametrize("launcher_name", ["fork", "spawn"])
+def test_device_benchmarks_run_on_the_fake_with_either_launcher(launcher_name, tmp_path):
+    """The GPU check's two device benchmarks start their ranks through the shared launchers;
+    on the fake their logic runs end to end: ops issued behind a held kernel are still pending
+    when the calls return, pair groups are released as pairings change, a same-host pair gets
+    its IPC link and fastcomm's rings are gone after shutdown."""
+    import json
+    import subprocess
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    out = tmp_path / "streams.json"
+    subprocess.run([sys.executable, os.path.join(_BENCH, "device_streams.py"), "--fake", "--world", "2",
+                    "--ops", "50", "--groups", "60", "--launcher", launcher_name, "--job-timeout", "150",
+                    "--json", str(out)], check=True, timeout=200, env=env, capture_output=True)
+    ranks = json.loads(out.read_text())
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(r["fc_ahead_last_pending"] for r in ranks)
+    assert all(r["mem_steps"]["60"] <= 2 for r in ranks)  # live communicators: the last pairing's
+    out = tmp_path / "ipc.json"
+    subprocess.run([sys.executable, os.path.join(_BENCH, "device_ipc.py"), "--fake", "--pairs", "1", "--ops", "50",
+                    "--big-bytes", str(1 << 16), "--big-ops", "2", "--launcher", launcher_name,
+                    "--job-timeout", "150", "--json", str(out)], check=True, timeout=200, env=env,
+                   capture_output=True)
+    ranks = json.loads(out.read_text())["1"]
+    assert [r["ipc_links"] for r in ranks] == [1, 1]
+    assert all(r["ipc_ring_bytes"] > 0 and r["mem_after_shutdown"] == 0 for r in ranks)
+    _launch.assert_no_children()
