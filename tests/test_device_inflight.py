@@ -18,6 +18,7 @@ per launch on a non-blocking communicator, as ncclGroupEnd does (debug "launch_t
 """
 from __future__ import annotations
 
+import random
 import time
 from datetime import timedelta
 
@@ -84,7 +85,8 @@ def test_the_same_ring_deadlocks_on_the_fake_without_the_bound():
 
 
 def _many_body(rank, world):
-    """Every rank runs async ops with every other at once, 4 rounds, under a bound of 2 kernels
+    """Every rank runs async ops with every other at once, 4 rounds, each rank issuing the groups
+    of a round in an order of its own, under a bound of 2 kernels
     and a residency of 2: launches past the bound wait for a harvest, none is lost. Their inputs
     wait behind a held kernel, so no slot is given back before the release: rank 3, the follower
     of its 3 channels, must queue one."""
@@ -95,6 +97,7 @@ def _many_body(rank, world):
     ts, works = [], []
     dbg("hold")
     for it in range(4):
+        random.Random(rank * 10 + it).shuffle(mine)  # each rank its own order of groups
         for ranks, g in mine:
             t = torch.full((3,), float(rank + it))
             ts.append((ranks, it, t))

@@ -42,6 +42,7 @@ Comm CudaRuntime::comm_init(const UniqueId& id, int nranks, int rank) {
   if (nranks == 2 && blocking_pairs_) return open_pair(uid, rank);
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // init and every later call return at once; see the header
+  if (nranks == 2) config.maxCTAs = kPairMaxCTAs;
   ncclComm_t comm = nullptr;
   ncclResult_t r;
   {
