@@ -390,28 +390,31 @@ bool ChannelEngine::counts_kernels(const Channel& c) {
 
 bool ChannelEngine::take_slot(Channel& c) {
   if (c.slot) return true;
-  if (kernels_ < max_kernels_ && slot_queue_.empty()) {
-    c.slot = true;
-    slots_held_ = ++kernels_;
-    return true;
-  }
-  if (!c.slot_queued) {
+  const bool fresh = !c.slot_queued;
+  if (fresh) {
     c.slot_queued = true;
     slot_queue_.push_back(&c);
-    ++slot_waits_;
   }
-  return false;
+  grant_slots();
+  if (!c.slot && fresh) ++slot_waits_;
+  return c.slot;
 }
 
 void ChannelEngine::drop_slot(Channel& c) {
   if (!c.slot) return;
   c.slot = false;
   --kernels_;
+  grant_slots();
+}
+
+// Free slots go to the queued channels in request order; one whose parts are gone meanwhile (a
+// reset, a fault) is skipped, so no stale entry holds the line.
+void ChannelEngine::grant_slots() {
   while (kernels_ < max_kernels_ && !slot_queue_.empty()) {
     Channel* n = slot_queue_.front();
     slot_queue_.pop_front();
     n->slot_queued = false;
-    if (n->failed || n->slot || n->committed.empty()) continue;  // no longer wants one
+    if (n->failed || n->slot || n->committed.empty()) continue;
     n->slot = true;
     ++kernels_;
   }

@@ -169,6 +169,7 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   bool counts_kernels(const Channel& c);
   bool take_slot(Channel& c);
   void drop_slot(Channel& c);
+  void grant_slots();
   void send_held(Channel& c);
   // An op on the channel timed out: what it holds fails, the peer is told, and the next op
   // starts a new epoch on a new communicator; other groups over the pair go on.
