@@ -2,10 +2,14 @@
 // The real device::Runtime (device/runtime.h) over CUDA and NCCL, for one device, and the one
 // checking macro through which every CUDA and NCCL call of csrc/cuda goes.
 //
-// NCCL communicators are non-blocking (config.blocking = 0). NCCL then enqueues a group's
-// kernels from a thread of its own (since 2.27 for every group; before, at first contact):
-// ncclGroupEnd returns ncclInProgress and the communicator takes no new call until
-// ncclCommGetAsyncError says it is done. Meanwhile comm_state() says kPending. The runtime keeps
+// Pair channels' communicators (two ranks, with `blocking_pairs`) are in NCCL's blocking mode:
+// a launch enqueues on the calling thread and starts no thread. What would block, the init and
+// the first contact with the peer, runs once per communicator on a thread of the runtime's
+// (cuda/comms.cpp, open_pair); comm_state() says kPending until it is done, and an abort meanwhile
+// is left to that thread. Other communicators are non-blocking (config.blocking = 0): NCCL then
+// enqueues a group's kernels from a thread it starts at every ncclGroupEnd, which returns
+// ncclInProgress, and the communicator takes no new call until ncclCommGetAsyncError says it is
+// done. Meanwhile comm_state() says kPending. The runtime keeps
 // device/runtime.h's stream order over that gap: a record() or keep() on a stream whose NCCL
 // work is still being enqueued is deferred until it is, query() polls without blocking, and
 // every other call touching that stream, its communicators or such an event waits for the
@@ -52,7 +56,8 @@ namespace device {
 // The runtime for CUDA device `device`. A call that must wait for NCCL to finish enqueueing
 // earlier work (see above) raises CommError after `block_limit`.
 std::unique_ptr<Runtime> make_cuda_runtime(int device,
-                                           std::chrono::milliseconds block_limit = std::chrono::minutes(5));
+                                           std::chrono::milliseconds block_limit = std::chrono::minutes(5),
+                                           bool blocking_pairs = true);
 
 }  // namespace device
 }  // namespace fastcomm

@@ -120,6 +120,10 @@ bool ChannelEngine::pump(Channel& c) {
     c.last_used = Clock::now();
     moved = true;
   }
+  if (c.slot && c.committed.empty() && c.launching.empty() && c.in_flight.empty() && c.held.empty()) {
+    drop_slot(c);
+    moved = true;
+  }
   if (!c.retired.empty() && c.in_flight.empty() && c.launching.empty()) {
     for (Comm r : c.retired) end_comm(r, /*abort=*/false);
     c.retired.clear();
@@ -326,6 +330,12 @@ void ChannelEngine::apply(Channel& c, PairAgreement::Out& out, const UniqueId* g
     part_done(p);
   }
   for (Frame& f : out.frames) {
+    if (f.type == kCommit && !c.leader && !out.launch.empty() && counts_kernels(c) &&
+        (!c.slot || !c.held.empty())) {
+      // The kernel bound: this commit goes out once the channel holds a slot (launch()).
+      c.held.push_back(std::move(f));
+      continue;
+    }
     const UniqueId* id = nullptr;
     if (f.type == kPropose && c.leader) {
       if (c.comm == nullptr) {
@@ -374,13 +384,63 @@ void ChannelEngine::on_stream(Channel& c) {
   c.last_used = Clock::now();
 }
 
+bool ChannelEngine::counts_kernels(const Channel& c) {
+  return max_kernels_ > 0 && !single_ && c.comm != nullptr && ipc_->find(c.comm) == nullptr;
+}
+
+bool ChannelEngine::take_slot(Channel& c) {
+  if (c.slot) return true;
+  const bool fresh = !c.slot_queued;
+  if (fresh) {
+    c.slot_queued = true;
+    slot_queue_.push_back(&c);
+  }
+  grant_slots();
+  if (!c.slot && fresh) ++slot_waits_;
+  return c.slot;
+}
+
+void ChannelEngine::drop_slot(Channel& c) {
+  if (!c.slot) return;
+  c.slot = false;
+  --kernels_;
+  grant_slots();
+}
+
+// Free slots go to the queued channels in request order; one whose parts are gone meanwhile (a
+// reset, a fault) is skipped, so no stale entry holds the line.
+void ChannelEngine::grant_slots() {
+  while (kernels_ < max_kernels_ && !slot_queue_.empty()) {
+    Channel* n = slot_queue_.front();
+    slot_queue_.pop_front();
+    n->slot_queued = false;
+    if (n->failed || n->slot || n->committed.empty()) continue;
+    n->slot = true;
+    ++kernels_;
+  }
+  slots_held_ = kernels_;
+}
+
+void ChannelEngine::send_held(Channel& c) {
+  auto held = std::move(c.held);
+  c.held.clear();
+  for (Frame& f : held) send_frame(c, f.type, f.entries, nullptr);
+}
+
 bool ChannelEngine::launch(Channel& c) {
   if (c.comm == nullptr || (c.committed.empty() && c.launching.empty())) return false;
   if (IpcLink* l = ipc_->find(c.comm)) return launch_ipc(c, *l);
+  bool moved = false;
+  // The kernel bound: committed parts go onto the stream only while the channel holds a slot;
+  // without one they wait for a harvest here or on another channel, and nothing else does.
+  const bool gated = !c.committed.empty() && counts_kernels(c) && !take_slot(c);
+  if (c.slot && !c.held.empty()) {
+    send_held(c);
+    moved = true;
+  }
   std::string why;
   State state = rt_->comm_state(c.comm, &why);
-  bool moved = false;
-  if (state == State::kReady && !c.committed.empty()) {
+  if (state == State::kReady && !c.committed.empty() && !gated) {
     const int peer_rank = c.leader ? 1 : 0;
     wait_inputs(c);
     rt_->group_start();
@@ -463,6 +523,8 @@ void ChannelEngine::drop_epoch(Channel& c, const std::exception_ptr& why) {
   c.committed.clear();
   c.launching.clear();
   c.in_flight.clear();
+  c.held.clear();  // the old epoch's commits: their parts fail here
+  drop_slot(c);
   for (Part* p : parts) fail_part(p, why);
 }
 

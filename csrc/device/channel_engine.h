@@ -58,6 +58,13 @@ struct Channel {
   at::Tensor rx_buf;
   std::deque<std::pair<c10::intrusive_ptr<Work>, at::Tensor>> tx;  // frames out, and their buffers
   bool wants_comm = false;  // single-stream scheme: parts wait for the communicator
+  // The kernel bound (FASTCOMM_DEVICE_MAX_KERNELS): an NCCL channel with work committed or on
+  // its stream holds one of the device's slots. The follower sends its commits only once it
+  // holds one (`held`: commit frames waiting for it), so a leader's launch always meets a peer
+  // kernel that is, or will be, launched without waiting for anything else.
+  bool slot = false;
+  bool slot_queued = false;
+  std::vector<Frame> held;
   bool busy() const {
     return agree.holding() || agree.has_proposals_to_send() || !committed.empty() || !launching.empty() ||
            !in_flight.empty();
@@ -156,6 +163,14 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   void send_frame(Channel& c, FrameType type, const std::vector<Entry>& entries, const UniqueId* id);
   bool launch(Channel& c);
   bool launch_single();
+  // The kernel bound: whether `c`'s launches count (an NCCL channel of the channels scheme),
+  // take a slot (or queue for one, FIFO), give one back once nothing is committed or on the
+  // stream (the next queued channel that still wants one gets it).
+  bool counts_kernels(const Channel& c);
+  bool take_slot(Channel& c);
+  void drop_slot(Channel& c);
+  void grant_slots();
+  void send_held(Channel& c);
   // An op on the channel timed out: what it holds fails, the peer is told, and the next op
   // starts a new epoch on a new communicator; other groups over the pair go on.
   void reset(Channel& c, const std::string& why);
@@ -237,6 +252,11 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   std::vector<Stream> free_joins_;
   const std::chrono::milliseconds idle_release_;
   const size_t max_comms_;
+  const int64_t max_kernels_;     // FASTCOMM_DEVICE_MAX_KERNELS (0: unbounded)
+  int64_t kernels_ = 0;           // slots held
+  std::deque<Channel*> slot_queue_;  // channels waiting for a slot, in request order
+  std::atomic<int64_t> slot_waits_{0};  // requests that had to queue (debug "kernel_waits")
+  std::atomic<int64_t> slots_held_{0};  // kernels_, readable from any thread (debug "kernels")
   std::atomic<int64_t> live_comms_{0};
   std::atomic<int64_t> ended_comms_{0};
   std::atomic<int64_t> group_comms_{0};

@@ -38,6 +38,7 @@ ChannelEngine::ChannelEngine(const EngineOptions& opts, HostLink& host, std::uni
       host_of_(opts.host_of),
       idle_release_(opts.settings.device_idle_ms),
       max_comms_((size_t)opts.settings.device_max_comms),
+      max_kernels_(opts.settings.device_max_kernels),
       group_comm_bytes_(opts.settings.rsag_threshold) {
   events_ = std::make_shared<EventPool>(*rt_);
   ipc_ = std::make_unique<IpcLinks>(*rt_);
@@ -146,6 +147,8 @@ int64_t ChannelEngine::debug(const std::string& what, int64_t arg) {
   if (what == "ended_comms") return ended_comms_.load();
   if (what == "group_comms") return group_comms_.load();
   if (what == "join_streams") return join_streams_.load();
+  if (what == "kernels") return slots_held_.load();
+  if (what == "kernel_waits") return slot_waits_.load();
   if (what == "ipc_links") return ipc_->blocks();
   if (what == "ipc_ring_bytes") return ipc_->ring_bytes();
   if (what == "ipc_skip_waits") {  // links made from now on

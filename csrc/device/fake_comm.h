@@ -182,12 +182,10 @@ class CommImpl {
     return state_;
   }
 
-  // A launch is still being enqueued (ncclInProgress): the communicator takes no call.
-  bool busy() const { return Clock::now().time_since_epoch().count() < busy_until_.load(); }
-  void set_busy(int64_t micros) {
-    if (micros <= 0) return;
-    busy_until_ = (Clock::now() + std::chrono::microseconds(micros)).time_since_epoch().count();
-  }
+  // A launch is still being enqueued by its thread (ncclInProgress): the communicator takes no call.
+  bool busy() const { return launches_.load() > 0; }
+  void begin_launch() { ++launches_; }
+  void end_launch() { --launches_; }
 
   // Ends the communicator's work: what waits on it completes without moving data. Any thread.
   void abort() {
@@ -206,6 +204,11 @@ class CommImpl {
     }
     cv_.notify_all();
     wake();
+  }
+
+  bool aborted() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return aborted_;
   }
 
   // abort() and the progress thread joined; the sockets close with the last reference (work
@@ -630,7 +633,7 @@ class CommImpl {
   State state_ = State::kPending;
   std::string why_;
   std::atomic<bool> aborted_{false};
-  std::atomic<int64_t> busy_until_{0};  // steady-clock ticks
+  std::atomic<int64_t> launches_{0};  // non-blocking launches whose thread has not ended
   int listen_fd_ = -1;
   int wake_fd_ = -1;
   std::thread progress_;

@@ -29,8 +29,10 @@
 //   then drains and joins its streams; a communicator's sockets close when the last queued work
 //   holding it has run.
 // - NCCL's dtype set: its reductions refuse int16 (the fold takes it).
-// - A non-blocking NCCL launch: for a while after group_end() (kEnqueueMicros) the communicators
-//   it used say kPending and refuse calls, as ncclInProgress does.
+// - A non-blocking NCCL launch starts a thread, as ncclGroupEnd does (counted: debug
+//   "launch_threads"); until it ends (kEnqueueMicros, debug "enqueue_us") the communicators it
+//   used say kPending and refuse calls, as ncclInProgress does. With `blocking_pairs`, two-rank
+//   communicators are in NCCL's blocking mode: their launches enqueue on the calling thread.
 // - Capture: debug("begin_capture", mode) captures the caller's stream; in the global mode
 //   (0) an event query or synchronize from a thread not in the relaxed mode invalidates the
 //   capture and fails, as CUDA's "potentially unsafe" calls do.
@@ -38,6 +40,9 @@
 //   writes it after comm_abort. Scratch memory is poisoned when freed, and a stream that writes
 //   into freed scratch is counted (debug("late_writes")): memory must outlive every stream that
 //   may still write it.
+// - Residency: with debug("resident_limit", n), at most n communicator kernels run at once; one
+//   past them waits, moving nothing, until a resident one ends (fake_streams.h, Residency), so
+//   kernels that cannot all be resident deadlock as they can on a GPU.
 // - Same-host blocks (fake_ipc.h) are /dev/shm segments both processes map; a flag wait blocks
 //   its stream on the shared word, so only the flags order one process's work after another's.
 #include "device/runtime.h"
@@ -153,7 +158,8 @@ class FakeRuntime final : public Runtime {
   };
 
  public:
-  FakeRuntime() : caller_(std::make_shared<StreamCore>(false)) {}
+  explicit FakeRuntime(bool blocking_pairs)
+      : caller_(std::make_shared<StreamCore>(false)), blocking_pairs_(blocking_pairs) {}
 
   ~FakeRuntime() override {
     std::vector<std::shared_ptr<CommImpl>> comms;
@@ -268,6 +274,15 @@ class FakeRuntime final : public Runtime {
       if (hold) hold->set();
       return 0;
     }
+    if (what == "resident_limit" || what == "resident" || what == "resident_waits") {
+      std::lock_guard<std::mutex> lk(residency_->mu);
+      if (what == "resident") return residency_->resident;
+      if (what == "resident_waits") return residency_->waits;
+      residency_->limit = arg;
+      residency_->cv.notify_all();
+      return 0;
+    }
+    if (what == "launch_threads") return launch_threads_.load();
     if (what == "enqueue_us") {
       enqueue_us_ = arg;
       return 0;
@@ -645,14 +660,49 @@ class FakeRuntime final : public Runtime {
   }
 
   void launch(StreamCore& st, std::vector<Op> ops) {
-    for (auto& op : ops) op.comm->set_busy(enqueue_us_.load());
+    // NCCL's non-blocking launch: ncclGroupEnd starts a thread that enqueues the group and
+    // returns ncclInProgress; the communicators take no call until that thread ends. The work
+    // itself goes on the stream here, so events recorded after it cover it (the real runtime
+    // defers those records until NCCL's thread is done). A blocking-mode pair communicator
+    // enqueues on the calling thread.
+    std::vector<std::shared_ptr<CommImpl>> threaded;
+    for (auto& op : ops)
+      if (!launches_inline(*op.comm) && std::find(threaded.begin(), threaded.end(), op.comm) == threaded.end())
+        threaded.push_back(op.comm);
+    if (!threaded.empty() && enqueue_us_.load() > 0) {  // 0: usable at once (unit tests)
+      for (auto& c : threaded) c->begin_launch();
+      ++launch_threads_;
+      const int64_t us = enqueue_us_.load();
+      std::thread([threaded, us] {
+        if (us > 0) std::this_thread::sleep_for(std::chrono::microseconds(us));
+        for (auto& c : threaded) c->end_launch();
+      }).detach();
+    }
     auto shared = std::make_shared<std::vector<Op>>(std::move(ops));
-    run_on(st, [shared] { run_ops(*shared); });
+    if (st.host) {
+      run_on(st, [shared] { run_ops(*shared); });
+      return;
+    }
+    // A kernel: resident (debug "resident_limit") before it moves anything.
+    auto res = residency_;
+    run_on(st, [shared, res] {
+      const bool slot = res->enter([&] {
+        for (auto& op : *shared)
+          if (op.comm->aborted()) return true;
+        return false;
+      });
+      run_ops(*shared);
+      if (slot) res->leave();
+    });
   }
 
   std::mutex mu_;
   const std::shared_ptr<StreamCore> caller_;
   std::atomic<int64_t> enqueue_us_{kEnqueueMicros};
+  std::atomic<int64_t> launch_threads_{0};  // threads non-blocking launches started (debug "launch_threads")
+  const bool blocking_pairs_;
+  bool launches_inline(const CommImpl& c) const { return blocking_pairs_ && c.nranks() == 2; }
+  const std::shared_ptr<Residency> residency_ = std::make_shared<Residency>();
   std::vector<std::shared_ptr<Marker>> holds_;  // "hold" kernels not released yet
   std::shared_ptr<Marker> abort_hold_;          // set: comm_abort blocks on it
   std::unordered_map<void*, std::shared_ptr<StreamCore>> streams_;
@@ -667,7 +717,7 @@ int64_t Runtime::debug(const std::string& what, int64_t) {
   TORCH_CHECK_VALUE(false, "fastcomm: the ", name(), " device runtime has no test hook '", what, "'");
 }
 
-std::unique_ptr<Runtime> make_fake_runtime() { return std::make_unique<FakeRuntime>(); }
+std::unique_ptr<Runtime> make_fake_runtime(bool blocking_pairs) { return std::make_unique<FakeRuntime>(blocking_pairs); }
 
 }  // namespace device
 }  // namespace fastcomm

@@ -203,6 +203,70 @@ struct EventImpl {
   }
 };
 
+// How many communicator kernels the device holds resident at once (debug "resident_limit"; 0:
+// any number). A kernel that reaches the front of its stream past the limit makes no progress,
+// its sends unwritten and its receives untaken, until a resident one ends, as on a GPU whose
+// SMs are full; it is admitted in the order it arrived. One whose communicator was aborted
+// runs at once (it moves nothing). Counts kernels that waited (debug "resident_waits").
+struct Residency {
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t limit = 0;
+  int64_t resident = 0;
+  int64_t waits = 0;
+  uint64_t next_ticket = 0, serving = 0;  // FIFO admission
+  // Returns whether a slot was taken (give it back with leave()).
+  template <typename Aborted>
+  bool enter(Aborted aborted) {
+    std::unique_lock<std::mutex> lk(mu);
+    if (limit <= 0) return false;
+    const uint64_t me = next_ticket++;
+    if (resident >= limit || serving != me) ++waits;
+    while (resident >= limit || serving != me) {
+      if (aborted()) {
+        // Leaves the line: later tickets must not wait for this one.
+        skip(me);
+        return false;
+      }
+      cv.wait_for(lk, std::chrono::milliseconds(2));
+    }
+    ++serving;
+    flush_skipped();
+    ++resident;
+    cv.notify_all();
+    return true;
+  }
+  void leave() {
+    std::lock_guard<std::mutex> lk(mu);
+    --resident;
+    cv.notify_all();
+  }
+
+ private:
+  std::vector<uint64_t> skipped_;
+  void skip(uint64_t t) {
+    if (t == serving) {
+      ++serving;
+      flush_skipped();
+    } else {
+      skipped_.push_back(t);
+    }
+    cv.notify_all();
+  }
+  void flush_skipped() {
+    for (bool again = true; again;) {
+      again = false;
+      for (auto it = skipped_.begin(); it != skipped_.end(); ++it) {
+        if (*it == serving) {
+          ++serving;
+          skipped_.erase(it);
+          again = true;
+          break;
+        }
+      }
+    }
+  }
+};
 
 }  // namespace fake
 }  // namespace device

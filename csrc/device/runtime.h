@@ -154,7 +154,9 @@ class Runtime {
 
 // The fake (device/fake_runtime.cpp): "device" memory is host memory (CPU tensors), each
 // stream is a thread, communicators talk over local sockets, so ranks must share a host.
-std::unique_ptr<Runtime> make_fake_runtime();
+// `blocking_pairs`: two-rank communicators launch on the calling thread (NCCL's blocking mode,
+// as the CUDA runtime makes them); others start a thread per launch (its non-blocking mode).
+std::unique_ptr<Runtime> make_fake_runtime(bool blocking_pairs = false);
 
 }  // namespace device
 }  // namespace fastcomm

@@ -403,7 +403,7 @@ std::shared_ptr<DeviceEngine> Engine::device_engine(c10::Device device) {
   if (!e) {
     if (device.is_cpu()) {
       TORCH_INTERNAL_ASSERT(opts_.settings.fake_device, "host op routed to a device engine");
-      e = make_device_engine(opts_, *this, device::make_fake_runtime());
+      e = make_device_engine(opts_, *this, device::make_fake_runtime(opts_.settings.device_pair_blocking));
     } else {
       // Both would share the device engines' control channels.
       TORCH_CHECK_VALUE(!opts_.settings.fake_device, "fastcomm: rank ", opts_.rank, ": FASTCOMM_FAKE_DEVICE=1 runs ",

@@ -48,6 +48,8 @@ Settings Settings::from_env() {
   if (const char* v = env("FASTCOMM_FAKE_DEVICE")) s.fake_device = std::strcmp(v, "1") == 0;
   s.device_idle_ms = env_int("FASTCOMM_DEVICE_IDLE_MS", s.device_idle_ms, 1);
   s.device_max_comms = env_int("FASTCOMM_DEVICE_MAX_COMMS", s.device_max_comms, 1);
+  s.device_max_kernels = env_int("FASTCOMM_DEVICE_MAX_KERNELS", s.device_max_kernels, 0);
+  if (const char* v = env("FASTCOMM_DEVICE_PAIR_BLOCKING")) s.device_pair_blocking = std::strcmp(v, "0") != 0;
   if (const char* v = env("FASTCOMM_DEVICE_IPC")) {
     TORCH_CHECK_VALUE(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0 || std::strcmp(v, "auto") == 0,
                       "fastcomm: FASTCOMM_DEVICE_IPC must be 0, 1 or auto, got '", v, "'");

@@ -33,6 +33,12 @@ struct Settings {
                                    // this long is released (the next op makes a new one)
   int64_t device_max_comms = 32;   // FASTCOMM_DEVICE_MAX_COMMS: past this many channel
                                    // communicators, idle ones are released, least recently used first
+  int64_t device_max_kernels = 8;  // FASTCOMM_DEVICE_MAX_KERNELS: NCCL channels (streams with a
+                                   // communicator kernel launched, not harvested) in flight per
+                                   // device at once; 0: unbounded (docs/design.md, "Kernels in flight")
+  bool device_pair_blocking = true;  // FASTCOMM_DEVICE_PAIR_BLOCKING: pair channels' NCCL
+                                     // communicators in NCCL's blocking mode (a launch enqueues
+                                     // on the engine thread; 0: NCCL starts a thread per launch)
   int device_ipc = -1;             // FASTCOMM_DEVICE_IPC: same-host pair channels over CUDA IPC
                                    // (1), over NCCL (0), or auto (-1: IPC on a GPU, NCCL on the fake)
   size_t device_ipc_ring_bytes = size_t(2) << 20;  // FASTCOMM_DEVICE_IPC_RING_BYTES: an IPC

@@ -1,0 +1,153 @@
+"""What a device op keeps in flight and what its launch costs, on the fake device runtime.
+
+H7: communicator kernels in flight, bounded (FASTCOMM_DEVICE_MAX_KERNELS), on the fake device
+runtime, whose debug("resident_limit", n) lets only n communicator kernels run at once: one past
+them moves nothing until a resident one ends, as on a GPU whose SMs are full.
+
+Three ranks in a ring each issue an async op with the next rank, then one with the previous
+rank whose input waits behind a held kernel on the caller's stream. With one resident kernel
+per device and no bound, every rank's first kernel is resident and spins for its peer's second,
+which can never become resident: the ring deadlocks until the ops' deadline. With the bound at
+the residency, the follower of a pair commits only once it holds a slot and the leader launches
+only after that commit, so every launched kernel meets a peer kernel that runs (docs/design.md,
+"Kernels in flight"), and the ring completes.
+
+Host cost: a pair channel's NCCL communicator is in NCCL's blocking mode
+(FASTCOMM_DEVICE_PAIR_BLOCKING, default 1), so a launch starts no thread; the fake starts one
+per launch on a non-blocking communicator, as ncclGroupEnd does (debug "launch_threads").
+"""
+from __future__ import annotations
+
+import random
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import harness
+from _helpers import expect
+
+import fastcomm as fc
+
+FAKE = {"FASTCOMM_FAKE_DEVICE": "1", "FASTCOMM_DEVICE_IPC": "0"}
+
+
+def dbg(what, arg=0):
+    return fc._state._engine.device_debug("cpu", what, arg)
+
+
+def _ring_body(rank, world, bounded):
+    pairs = [[0, 1], [1, 2], [0, 2]]
+    # Unbounded, the ring hangs until this deadline; bounded, it only bounds a hang.
+    groups = fc.new_groups(pairs + [list(range(world))], timeout=timedelta(seconds=30 if bounded else 4))
+    cpu = groups[-1]
+    by_pair = {tuple(p): g for p, g in zip(pairs, groups)}
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    right = by_pair[tuple(sorted((rank, nxt)))]
+    left = by_pair[tuple(sorted((rank, prv)))]
+    dbg("resident_limit", 1)
+    a = torch.full((6,), float(rank + 1))
+    b = torch.full((6,), float(10 * (rank + 1)))
+    wa = fc.all_reduce(a, group=right, async_op=True)  # its input is ready
+    dbg("hold")  # b's transfers wait behind this kernel on the caller's stream
+    wb = fc.all_reduce(b, group=left, async_op=True)
+    # Unbounded, the first op's kernel is resident at once on every rank; bounded, a rank may
+    # hold its slot for the second op's kernel instead (not resident while held back).
+    end = time.monotonic() + 2.0
+    while dbg("resident") < 1 and time.monotonic() < end:
+        time.sleep(0.005)
+    fc.barrier(group=cpu)  # a host op: no rank releases before every rank's kernels are in
+    dbg("release")
+    if not bounded:
+        return expect(dist.DistBackendError, lambda: (wa.get_future().wait(), wb.get_future().wait()), "timeout")
+    wa.get_future().wait()
+    wb.get_future().wait()
+    return a.tolist(), b.tolist(), dbg("kernels"), dbg("resident_waits")
+
+
+def test_a_ring_of_kernels_past_the_residency_completes_under_the_bound():
+    env = dict(FAKE, FASTCOMM_DEVICE_MAX_KERNELS="1")
+    res = harness.run(_ring_body, 3, True, timeout=90, env=env, init_timeout=30)
+    for rank, (a, b, kernels, waits) in enumerate(res):
+        nxt, prv = (rank + 1) % 3, (rank - 1) % 3
+        # The pair with the next rank sums this rank's `a` and the next's `b`.
+        assert a == [float(rank + 1 + 10 * (nxt + 1))] * 6, (rank, a)
+        assert b == [float(prv + 1 + 10 * (rank + 1))] * 6, (rank, b)
+        assert kernels == 0  # every slot given back once harvested
+
+
+def test_the_same_ring_deadlocks_on_the_fake_without_the_bound():
+    """The fake's residency is faithful: unbounded, the ring hangs until the deadline."""
+    env = dict(FAKE, FASTCOMM_DEVICE_MAX_KERNELS="0")
+    for msg in harness.run(_ring_body, 3, False, timeout=90, env=env, init_timeout=30):
+        assert "timeout" in msg, msg
+
+
+def _many_body(rank, world):
+    """Every rank runs async ops with every other at once, 4 rounds, each rank issuing the groups
+    of a round in an order of its own, under a bound of 2 kernels
+    and a residency of 2: launches past the bound wait for a harvest, none is lost. Their inputs
+    wait behind a held kernel, so no slot is given back before the release: rank 3, the follower
+    of its 3 channels, must queue one."""
+    lists = [[i, j] for i in range(world) for j in range(i + 1, world)]
+    groups = fc.new_groups(lists)
+    dbg("resident_limit", 2)
+    mine = [(r, g) for r, g in zip(lists, groups) if rank in r]
+    ts, works = [], []
+    dbg("hold")
+    for it in range(4):
+        random.Random(rank * 10 + it).shuffle(mine)  # each rank its own order of groups
+        for ranks, g in mine:
+            t = torch.full((3,), float(rank + it))
+            ts.append((ranks, it, t))
+            works.append(fc.all_reduce(t, group=g, async_op=True))
+    end = time.monotonic() + 2.0
+    while dbg("kernel_waits") < 1 and time.monotonic() < end:
+        time.sleep(0.005)
+    waits = dbg("kernel_waits")
+    dbg("release")
+    for w in works:
+        w.get_future().wait()
+    return [(ranks, it, t.tolist()) for ranks, it, t in ts], waits, dbg("kernels")
+
+
+def test_many_channels_under_a_small_bound():
+    env = dict(FAKE, FASTCOMM_DEVICE_MAX_KERNELS="2")
+    res = harness.run(_many_body, 4, timeout=120, env=env, init_timeout=30)
+    for got, waits, kernels in res:
+        assert kernels == 0
+        for ranks, it, t in got:
+            assert t == [float(sum(ranks) + 2 * it)] * 3, (ranks, it, t)
+    assert res[3][1] >= 1  # the bound held a launch back
+
+
+def _threads_body(rank, world, ops):
+    g = fc.new_group([0, 1])
+    t = torch.ones(8)
+    fc.all_reduce(t, group=g)  # the channel is made and connected
+    dbg("hold")  # every launch below is enqueued before any has run
+    before = dbg("launch_threads")
+    works = [fc.all_reduce(t, group=g, async_op=True) for _ in range(ops)]
+    for w in works:
+        w.wait()  # enqueued
+    launched = dbg("launch_threads") - before
+    dbg("release")
+    works[-1].get_future().wait()
+    return launched, t[0].item()
+
+
+def test_pair_launches_start_no_thread():
+    res = harness.run(_threads_body, 2, 40, timeout=90, env=FAKE, init_timeout=30)
+    for launched, v in res:
+        assert launched == 0
+        assert v == 2.0 ** 41
+
+
+def test_a_non_blocking_pair_communicator_starts_a_thread_per_launch():
+    """The cost the blocking mode avoids: NCCL's non-blocking ncclGroupEnd starts a thread."""
+    env = dict(FAKE, FASTCOMM_DEVICE_PAIR_BLOCKING="0")
+    res = harness.run(_threads_body, 2, 40, timeout=90, env=env, init_timeout=30)
+    for launched, v in res:
+        assert launched >= 1
+        assert v == 2.0 ** 41
