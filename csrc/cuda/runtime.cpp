@@ -221,6 +221,37 @@ class CudaRuntime final : public Runtime {
     FASTCOMM_GPU_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
   }
 
+  // ---- CUDA graphs: captured in the thread-local mode, so the engine thread's event queries
+  // (relaxed) and other threads' work never touch the capture.
+  void begin_capture(Stream s) override {
+    settle_stream(cs(s), "begin_capture");
+    c10::cuda::CUDAGuard g(dev());
+    FASTCOMM_GPU_CHECK(cudaStreamBeginCapture(cs(s), cudaStreamCaptureModeThreadLocal));
+  }
+
+  void* end_capture(Stream s) override {
+    settle_stream(cs(s), "end_capture");
+    c10::cuda::CUDAGuard g(dev());
+    cudaGraph_t graph = nullptr;
+    FASTCOMM_GPU_CHECK(cudaStreamEndCapture(cs(s), &graph));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t r = cudaGraphInstantiate(&exec, graph, 0);
+    (void)cudaGraphDestroy(graph);  // the instance keeps what it needs
+    cuda::check(r, nullptr, "cudaGraphInstantiate(&exec, graph, 0)", __FILE__, __LINE__);
+    return exec;
+  }
+
+  void graph_launch(void* graph, Stream s) override {
+    settle_stream(cs(s), "graph_launch");
+    c10::cuda::CUDAGuard g(dev());
+    FASTCOMM_GPU_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph), cs(s)));
+  }
+
+  void graph_destroy(void* graph) override {
+    c10::cuda::CUDAGuard g(dev());
+    FASTCOMM_GPU_CHECK(cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(graph)));
+  }
+
   Event new_event() override {
     c10::cuda::CUDAGuard g(dev());
     cudaEvent_t e = nullptr;
