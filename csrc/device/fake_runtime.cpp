@@ -31,7 +31,7 @@
 // - NCCL's dtype set: its reductions refuse int16 (the fold takes it).
 // - A non-blocking NCCL launch: for a while after group_end() (kEnqueueMicros) the communicators
 //   it used say kPending and refuse calls, as ncclInProgress does.
-// - CUDA graphs (fake_streams.h): begin_capture(s) (or debug("begin_capture", mode) on the
+// - CUDA graphs (fake_graph.h): begin_capture(s) (or debug("begin_capture", mode) on the
 //   caller's stream) makes the work enqueued on s kept as graph nodes instead of run; a stream
 //   that waits on an event recorded in the capture joins it; end_capture refuses a capture
 //   with a joined stream whose last work is not waited on again by the capture (CUDA's
@@ -87,6 +87,7 @@
 #include "common/errors.h"
 
 #include "device/fake_comm.h"
+#include "device/fake_graph.h"
 #include "device/fake_ipc.h"
 #include "device/fake_streams.h"
 
@@ -334,20 +335,7 @@ class FakeRuntime final : public Runtime {
   void record(Event e, Stream s) override {
     EventImpl* ev = event_of(e, "record");
     auto st = stream_of(s, "record");
-    {
-      Capture& c = capture();
-      std::lock_guard<std::mutex> lk(c.mu);
-      const int lane = c.lane_of(st.get());
-      if (lane >= 0) {  // a slot of the graph, set at each replay
-        const int slot = c.build->slots++;
-        c.build->lanes[(size_t)lane].push_back({GraphNode::kRecord, {}, slot});
-        std::lock_guard<std::mutex> el(ev->mu);
-        ev->latest = nullptr;
-        ev->cap = c.build;
-        ev->slot = slot;
-        return;
-      }
-    }
+    if (capture_record(*ev, st.get())) return;
     auto m = std::make_shared<Marker>();
     {
       std::lock_guard<std::mutex> lk(ev->mu);
@@ -361,35 +349,7 @@ class FakeRuntime final : public Runtime {
     EventImpl* ev = event_of(e, "wait");
     auto st = stream_of(s, "wait");
     std::shared_ptr<Marker> m;
-    std::shared_ptr<GraphBuild> cap;
-    int slot;
-    {
-      std::lock_guard<std::mutex> lk(ev->mu);
-      m = ev->latest;
-      cap = ev->cap;
-      slot = ev->slot;
-    }
-    Capture& c = capture();
-    std::lock_guard<std::mutex> lk(c.mu);
-    int lane = c.lane_of(st.get());
-    if (cap) {
-      if (c.build != cap)
-        call_error("wait", "the event's latest record was captured into a graph whose capture has ended; only a "
-                           "replay runs it (cudaErrorStreamCaptureUnsupported)");
-      if (lane < 0) {  // the stream joins the capture
-        lane = (int)cap->lanes.size();
-        cap->lanes.emplace_back();
-        cap->streams.push_back(st.get());
-      }
-      cap->lanes[(size_t)lane].push_back({GraphNode::kWait, {}, slot});
-      return;
-    }
-    if (lane >= 0) {
-      c.build->invalidated = true;
-      c.build->why = "a wait on an event recorded outside the capture";
-      call_error("wait", "a captured stream may not wait on an event recorded outside the capture (a graph holds "
-                         "only its own work; cudaErrorStreamCaptureIsolation); the capture is invalidated");
-    }
+    if (capture_wait(*ev, st.get(), &m)) return;
     if (!m) return;  // never recorded: complete
     std::function<void()> f = [m] { m->wait(); };
     if (st->host || !st->push(f)) f();
@@ -758,70 +718,6 @@ class FakeRuntime final : public Runtime {
     };
     if (capture_task(&st, replay)) return;
     run_on(st, [shared] { run_ops(*shared); });
-  }
-
-  void start_capture(const std::shared_ptr<StreamCore>& st, bool global) {
-    if (st->host) call_error("begin_capture", "the host stream cannot be captured");
-    Capture& c = capture();
-    std::lock_guard<std::mutex> lk(c.mu);
-    if (c.build) call_error("begin_capture", "a capture is under way in this process (the fake runs one at a time)");
-    auto b = std::make_shared<GraphBuild>();
-    b->global = global;
-    b->owner = std::this_thread::get_id();
-    b->lanes.emplace_back();
-    b->streams.push_back(st.get());
-    c.build = std::move(b);
-    c.active = 1;
-  }
-
-  // Ends the capture begun on `st`: its graph, or a CommError where the capture is refused.
-  std::shared_ptr<FakeGraph> finish_capture(const std::shared_ptr<StreamCore>& st) {
-    std::shared_ptr<GraphBuild> b;
-    {
-      Capture& c = capture();
-      std::lock_guard<std::mutex> lk(c.mu);
-      if (!c.build || c.build->streams[0] != st.get()) call_error("end_capture", "no capture began on this stream");
-      b = std::move(c.build);
-      c.active = 0;
-    }
-    if (b->invalidated) call_error("end_capture", "the capture was invalidated (" + b->why + ")");
-    // Every stream that joined must be joined back: its last node a record that a joined
-    // lane waits on (cudaErrorStreamCaptureUnjoined).
-    const size_t n = b->lanes.size();
-    std::vector<bool> joined(n, false);
-    joined[0] = true;
-    for (bool more = true; more;) {
-      more = false;
-      for (size_t i = 1; i < n; ++i) {
-        if (joined[i]) continue;
-        const auto& l = b->lanes[i];
-        if (l.empty() || l.back().kind != GraphNode::kRecord) continue;
-        for (size_t j = 0; j < n && !joined[i]; ++j) {
-          if (!joined[j]) continue;
-          for (const auto& x : b->lanes[j])
-            if (x.kind == GraphNode::kWait && x.slot == l.back().slot) {
-              joined[i] = more = true;
-              break;
-            }
-        }
-      }
-    }
-    for (size_t i = 1; i < n; ++i)
-      if (!joined[i])
-        call_error("end_capture", "a stream that joined the capture has work that the capture's stream does not wait "
-                                  "for (cudaErrorStreamCaptureUnjoined)");
-    auto g = std::make_shared<FakeGraph>();
-    g->lanes = std::move(b->lanes);
-    g->slots = b->slots;
-    for (size_t i = 1; i < n; ++i) g->workers.emplace_back(new StreamCore(false));
-    return g;
-  }
-
-  static void refuse_captured(EventImpl& ev, const char* call) {
-    std::lock_guard<std::mutex> lk(ev.mu);
-    if (ev.cap)
-      call_error(call, "the event's latest record was captured into a CUDA graph: the host cannot wait on work "
-                       "that runs only at a replay (cudaErrorStreamCaptureUnsupported)");
   }
 
   std::mutex mu_;

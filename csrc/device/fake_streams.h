@@ -248,51 +248,6 @@ struct EventImpl {
   }
 };
 
-// An instantiated graph: its lanes run at each launch, lane 0 on the launching stream's thread,
-// the others on workers of the graph's own; each launch takes fresh markers for its slots, so
-// the records and waits of one replay order only that replay. Launches of one graph run one at a
-// time, in launch order.
-struct FakeGraph {
-  std::vector<std::vector<GraphNode>> lanes;
-  int slots = 0;
-  std::vector<std::unique_ptr<StreamCore>> workers;  // lanes 1..
-  std::mutex run_mu;
-
-  void run() {
-    std::lock_guard<std::mutex> lk(run_mu);
-    std::vector<std::shared_ptr<Marker>> marks((size_t)slots);
-    for (auto& m : marks) m = std::make_shared<Marker>();
-    std::vector<std::shared_ptr<Marker>> done;
-    for (size_t i = 1; i < lanes.size(); ++i) {
-      auto d = std::make_shared<Marker>();
-      done.push_back(d);
-      std::function<void()> f = [this, i, marks, d] {
-        run_lane(i, marks);
-        d->set();
-      };
-      if (!workers[i - 1]->push(f)) f();
-    }
-    run_lane(0, marks);
-    for (auto& d : done) d->wait();
-  }
-
-  void run_lane(size_t i, const std::vector<std::shared_ptr<Marker>>& marks) {
-    for (auto& n : lanes[i]) {
-      if (n.kind == GraphNode::kRecord) {
-        marks[(size_t)n.slot]->set();
-      } else if (n.kind == GraphNode::kWait) {
-        marks[(size_t)n.slot]->wait();
-      } else {
-        try {
-          n.task();
-        } catch (const std::exception& e) {
-          std::fprintf(stderr, "fastcomm fake runtime: a graph node failed: %s\n", e.what());
-        }
-      }
-    }
-  }
-};
-
 
 }  // namespace fake
 }  // namespace device
