@@ -8,9 +8,11 @@ float32 each on its pair group, then, per rank:
 - fc plan: the same plan's p.start() --plain-iters times (each started once the last is done);
 - torch graph: the same ops on a torch NCCL pair group captured with torch.cuda.graph, replayed
   --replays times.
-Reported per side: wall microseconds per op (the loop's time over replays x ops), and whether
-the results match the reference (the pair's average). A side that fails is reported as such;
-the others still run.
+Reported per side: wall microseconds per op (the loop's time over runs x ops; runs are waited
+for in chunks of 50, and stop early past --side-budget seconds, so a slow transport shortens the
+run instead of overrunning the step), the runs done, and whether the results match the
+reference (the pair's average). A side that fails is reported as such; the others still run,
+and each rank prints its figures as soon as it has them.
 
 --fake runs the fastcomm sides on the CPU fake of CUDA/NCCL (FASTCOMM_FAKE_DEVICE=1): a check of
 the script, not a measurement.
@@ -66,13 +68,29 @@ def _rank(store, rank, world, args):
 
     def side(name, body):
         try:
-            out[f"{name}_us_per_op"], out[f"{name}_ok"] = body()
+            out[f"{name}_us_per_op"], out[f"{name}_runs"], out[f"{name}_ok"] = body()
+            print(f"rank {rank} {name}: {out[f'{name}_us_per_op']:.2f} us/op over {out[f'{name}_runs']} runs, "
+                  f"results ok: {out[f'{name}_ok']}", flush=True)  # seen even if a later side hangs
         except Exception as e:  # reported; the other sides still run
             out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
             traceback.print_exc()
 
+    def timed(run_once, wait_all, total):
+        """Runs in chunks, each waited for, until `total` runs or --side-budget seconds: a slow
+        transport (ranks sharing a GPU over NCCL's sockets) shortens the run, never the step."""
+        done, t0 = 0, time.perf_counter()
+        while done < total:
+            k = min(50, total - done)
+            for _ in range(k):
+                run_once()
+            wait_all()
+            done += k
+            if time.perf_counter() - t0 > args.side_budget:
+                break
+        return (time.perf_counter() - t0) / (done * args.ops) * 1e6, done
+
     fc.init(store=dist.PrefixStore("fc/", store), rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    fg = fc.new_group(pair)
+    fg = fc.new_group(pair, timeout=timedelta(seconds=20))  # a hung replay raises, it does not stall
     avg = dist.ReduceOp.AVG
 
     def fc_graph():
@@ -84,13 +102,12 @@ def _rank(store, rank, world, args):
         g.replay()  # warm up
         g.wait()
         sync()
-        t0 = time.perf_counter()
-        for _ in range(args.replays):
-            g.replay()
-        g.wait()
-        sync()
-        dt = time.perf_counter() - t0
-        return dt / (args.replays * args.ops) * 1e6, check(ts)
+
+        def wait_all():
+            g.wait()
+            sync()
+        us, runs = timed(g.replay, wait_all, args.replays)
+        return us, runs, check(ts)
 
     def fc_plan():
         ts = tensors()
@@ -99,12 +116,8 @@ def _rank(store, rank, world, args):
                 fc.all_reduce(t, op=avg, group=fg)
         p.start().wait()
         sync()
-        t0 = time.perf_counter()
-        for _ in range(args.plain_iters):
-            p.start().wait()
-        sync()
-        dt = time.perf_counter() - t0
-        return dt / (args.plain_iters * args.ops) * 1e6, check(ts)
+        us, runs = timed(lambda: p.start().wait(), sync, args.plain_iters)
+        return us, runs, check(ts)
 
     side("fc_graph", fc_graph)
     side("fc_plan", fc_plan)
@@ -130,12 +143,8 @@ def _rank(store, rank, world, args):
                     dist.all_reduce(t, op=avg, group=tg)
             graph.replay()
             sync()
-            t0 = time.perf_counter()
-            for _ in range(args.replays):
-                graph.replay()
-            sync()
-            dt = time.perf_counter() - t0
-            return dt / (args.replays * args.ops) * 1e6, check(ts)
+            us, runs = timed(graph.replay, sync, args.replays)
+            return us, runs, check(ts)
 
         side("torch_graph", torch_graph)
         try:
@@ -152,6 +161,7 @@ def main():
     ap.add_argument("--replays", type=int, default=1000)
     ap.add_argument("--plain-iters", type=int, default=200)
     ap.add_argument("--numel", type=int, default=16)
+    ap.add_argument("--side-budget", type=float, default=10, help="seconds per side before its runs stop early")
     ap.add_argument("--fake", action="store_true")
     ap.add_argument("--json", help="write the per-rank results here")
     ap.add_argument("--job-timeout", type=float, default=120, help="seconds before a hung job is killed")
@@ -164,7 +174,7 @@ def main():
     sides = ["fc_graph", "fc_plan"] + ([] if args.fake else ["torch_graph"])
     print(f"{args.world} ranks, a plan of {args.ops} pair all_reduces of {args.numel} float32; "
           f"{args.replays} replays ({args.plain_iters} plain starts); {'fake' if args.fake else 'GPU'}")
-    print(f"{'':>12} {'us/op (worst rank)':>19} {'results ok':>11}")
+    print(f"{'':>12} {'us/op (worst rank)':>19} {'runs':>6} {'results ok':>11}")
     bad = False
     for s in sides:
         errs = [r[f"{s}_error"] for r in res if f"{s}_error" in r]
@@ -174,7 +184,8 @@ def main():
             continue
         ok = all(r[f"{s}_ok"] for r in res)
         bad = bad or not ok
-        print(f"{s:>12} {max(r[f'{s}_us_per_op'] for r in res):>19.2f} {str(ok):>11}")
+        print(f"{s:>12} {max(r[f'{s}_us_per_op'] for r in res):>19.2f} {min(r[f'{s}_runs'] for r in res):>6} "
+              f"{str(ok):>11}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

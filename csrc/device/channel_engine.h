@@ -7,6 +7,7 @@
 //   group_comm.cpp large ops of groups of 3+ on the group's own communicator
 //   health.cpp     deadlines, peers gone, teardown
 //   ipc_channel.cpp a same-host pair's channel over CUDA IPC (device/ipc_link.h) instead of NCCL
+//   graph.cpp      a plan captured into a CUDA graph (device/graph.h), on the caller's thread
 // Every runtime call on a communicator or an engine stream is made by the engine thread, so an
 // abort never races another call on the same communicator.
 #include <atomic>
