@@ -10,6 +10,7 @@ what CUDA refuses under capture (tests/cpp/test_fake_graphs.cpp tests the model 
 - Faults during replay: a dead peer, and a member that never replays (a timeout), raise
   DistBackendError naming the peer from the next replay or wait(), never hang; other groups go on.
 - A careless capture that allocates with the capture begun fails on the fake, as on CUDA.
+- fastcomm.shutdown() ends a live graph: its next replay raises.
 - An op issued under capture outside a plan, natively or through the backend, is refused
   naming the plan route (tests/test_device_collectives.py)."""
 from __future__ import annotations
@@ -241,6 +242,25 @@ def _naive_body(rank, world):
 def test_a_capture_that_allocates_under_capture_is_refused_by_the_fake():
     for msg, t in harness.run(_naive_body, 2, timeout=60, env=ENV, init_timeout=30):
         assert t == [2.0] * 5, msg
+
+
+def _shutdown_body(rank, world):
+    setup(rank)
+    pair = fc.new_group([0, 1])
+    t = torch.ones(3, device=DEV)
+    with fc.plan() as p:
+        fc.all_reduce(t, group=pair)
+    g = p.capture()
+    g.replay()
+    g.wait()
+    dsync()
+    fc.shutdown()  # the graph's communicators are aborted; a later replay raises, never hangs
+    return t.tolist(), expect(dist.DistBackendError, g.replay, "shut down", "capture the plan again")
+
+
+def test_shutdown_ends_a_live_graph():
+    for t, msg in harness.run(_shutdown_body, 2, timeout=60, env=ENV, init_timeout=30):
+        assert t == [2.0] * 3, msg
 
 
 # ---------------------------------------------------------------------------------------------
