@@ -343,7 +343,8 @@ class plan:
         on the ops' order and matching here, once, over the host (a mismatch raises on both
         sides), and the plan gets communicators and memory of its own. Replays require, as
         NCCL's captured collectives do, that every member replays its graph the same number of
-        times, and graphs that share a pair in the same order on both sides. A fault during a
+        times, and graphs that share a pair in the same order on both sides (else the runs wait
+        on each other until the timeout). A fault during a
         replay (a peer gone, a run not done within the groups' timeout) is raised as
         ``DistBackendError`` naming the peer by the next ``g.replay()`` or ``g.wait()``, which
         host-blocks until the replays so far have run; the graph is then dead (capture the plan
