@@ -220,6 +220,38 @@ def test_a_member_that_never_replays_times_the_replay_out():
     assert res[0] is not None
 
 
+def _opposite_order_body(rank, world):
+    """Two graphs over one pair replayed in opposite orders: each side's first run waits for a
+    run the other has queued behind its own. The timeout ends it with DistBackendError on both
+    sides (the rank that times out first aborts its graph, which fails the other's), no hang."""
+    setup(rank)
+    pair = fc.new_group([0, 1], timeout=timedelta(seconds=2))
+    host = fc.new_group([0, 1])
+    a, b = torch.ones(3, device=DEV), torch.ones(5, device=DEV)
+    with fc.plan() as p1:
+        fc.all_reduce(a, group=pair)
+    with fc.plan() as p2:
+        fc.all_reduce(b, group=pair)
+    g1, g2 = p1.capture(), p2.capture()
+    first, second = (g1, g2) if rank == 0 else (g2, g1)
+    first.replay()
+    second.replay()
+    msgs = []
+    for g in (first, second):
+        try:
+            g.wait()
+        except dist.DistBackendError as e:
+            msgs.append(str(e))
+    fc.barrier(group=host)
+    return msgs
+
+
+def test_graphs_replayed_in_opposite_orders_fail_by_timeout_not_hang():
+    res = harness.run(_opposite_order_body, 2, timeout=60, env=ENV, init_timeout=30)
+    assert all(msgs for msgs in res), res
+    assert any("timeout" in m for msgs in res for m in msgs), res
+
+
 # ---------------------------------------------------------------------------------------------
 # A careless design fails on the fake: agreeing and allocating with the capture begun
 
