@@ -720,7 +720,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             }
             return async_op ? wrap_work(std::move(w)) : py::none();
           },
-          py::arg("async_op") = true);
+          py::arg("async_op") = true)
+      .def(
+          "capture",
+          [](const std::shared_ptr<Plan>& p, bool naive) { return p->engine().capture(p, naive); },
+          py::arg("naive") = false, py::call_guard<py::gil_scoped_release>());
+
+  // A plan captured into a CUDA graph (fastcomm.plan.capture).
+  py::class_<DeviceGraph, std::shared_ptr<DeviceGraph>>(m, "PlanGraph")
+      .def("replay", &DeviceGraph::replay, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "wait", [](DeviceGraph& g, int64_t timeout_ms) { g.wait(std::chrono::milliseconds(timeout_ms)); },
+          py::arg("timeout_ms") = 0, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("replays", &DeviceGraph::replays);
 
   auto add_functions = [&m](auto& defs) {
     for (PyMethodDef& d : defs)

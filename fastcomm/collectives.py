@@ -302,8 +302,8 @@ class plan:
     plan's lifetime (no ``resize_`` or ``set_``), and every member of each group must start its
     plans and issue its other ops on those groups in the same order. A plan runs one start at
     a time: wait for a start before the next. A plan of CUDA tensors (all on one device) is
-    checked once and its ops issued anew at each start; it cannot be captured into a CUDA
-    graph yet."""
+    checked once and its ops issued anew at each start, or captured into a CUDA graph with
+    :meth:`capture`."""
 
     def __init__(self):
         self._engine = None
@@ -333,6 +333,25 @@ class plan:
         if self._plan is None:
             raise RuntimeError("fastcomm.plan: start() before the plan was recorded (leave the with-block first)")
         return self._plan.start(async_op)
+
+    def capture(self) -> "_C.PlanGraph":
+        """Captures the plan's CUDA ops into a CUDA graph of fastcomm's own and returns it;
+        ``g.replay()`` then enqueues all of them on the current stream with no host work per
+        op, reading and writing the tensors in place (refill the inputs, replay again).
+
+        Call it outside any capture, on every member of the plan's groups: the members agree
+        on the ops' order and matching here, once, over the host (a mismatch raises on both
+        sides), and the plan gets communicators and memory of its own. Replays require, as
+        NCCL's captured collectives do, that every member replays its graph the same number of
+        times, and graphs that share a pair in the same order on both sides (else the runs wait
+        on each other until the timeout). A fault during a
+        replay (a peer gone, a run not done within the groups' timeout) is raised as
+        ``DistBackendError`` naming the peer by the next ``g.replay()`` or ``g.wait()``, which
+        host-blocks until the replays so far have run; the graph is then dead (capture the plan
+        again). docs/design.md, "CUDA graphs", has the design."""
+        if self._plan is None:
+            raise RuntimeError("fastcomm.plan: capture() before the plan was recorded (leave the with-block first)")
+        return self._plan.capture()
 
 
 def all_reduce_many(tensors: Sequence[torch.Tensor], groups: Sequence, op=ReduceOp.SUM,

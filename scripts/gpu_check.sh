@@ -3,6 +3,7 @@
 # variant of fastcomm; a smoke test on NCCL channels and on CUDA IPC links apart; then
 # benchmarks/device_streams.py (stream semantics and host cost against torch NCCL) and
 # benchmarks/device_ipc.py (same-host channels over CUDA IPC against torch NCCL);
+# benchmarks/device_graphs.py (a captured plan replayed, against no graph and torch NCCL's graphs);
 # tests/test_device_collectives.py on CUDA tensors (FASTCOMM_DEVICE_TEST=cuda); the rest of
 # tests/test_nccl.py (several ranks share the GPU, each with its own NCCL_HOSTID; same-host pairs
 # go over IPC unless FASTCOMM_DEVICE_IPC=0); the MoE and pipeline examples on CUDA against torch
@@ -209,6 +210,8 @@ if [ "$BUILT" = 1 ]; then
     "$RUN; '$PY' '$ROOT/benchmarks/device_streams.py' --world 4 --ops 1000 --groups 10000 --json '$REPORT_DIR/device_streams.json'"
   step bench "benchmarks/device_ipc.py: same-host channels over CUDA IPC vs torch NCCL, 1 and 8 pairs on one GPU (400 B back to back, the MWE shape, 16 MB vs a D2D copy, memory)" 90 \
     "$RUN; '$PY' '$ROOT/benchmarks/device_ipc.py' --pairs 1,8 --ops 1000 --json '$REPORT_DIR/device_ipc.json'"
+  step bench "benchmarks/device_graphs.py: a plan of 64 pair all_reduces captured (p.capture()) and replayed 1,000 times vs the same plan started without a graph vs torch NCCL's captured ops" 60 \
+    "$RUN; '$PY' '$ROOT/benchmarks/device_graphs.py' --world 2 --ops 64 --replays 1000 --plain-iters 100 --job-timeout 55 --json '$REPORT_DIR/device_graphs.json'"
   step test "tests/test_device_collectives.py on CUDA tensors (reduce, gather, scatter, all_to_all(_single), flat and coalesced forms, batch, plan, backend, graph capture)" 90 \
     "$RUN; FASTCOMM_DEVICE_TEST=cuda '$PY' -m pytest -q -s -rA -p no:cacheprovider --rootdir='$ROOT' '$ROOT/tests/test_device_collectives.py'"
   step test "tests/test_nccl.py (the rest; cyclic order first)" 150 "$RUN; $PYTEST -k cyclic; $PYTEST -k 'not cyclic and not all_reduce_pairs_triples'"

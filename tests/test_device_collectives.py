@@ -4,7 +4,7 @@ gather, scatter, all_to_all and all_to_all_single (even and uneven splits), the 
 all_gather/reduce_scatter and the coalesced forms, natively and through the torch backend,
 blocking, async, inside fc.batch() and fc.plan(); per-pair size mismatches of all_to_all; a
 dead member; recv from any source in a pair; and ops issued under CUDA graph capture, which are
-refused with the plan route named.
+refused with the plan route (p.capture(), tests/test_device_graphs.py) named.
 
 Every result is compared with a reference computed locally (_helpers.gen/fold) over sizes 0, 1
 and odd, several dtypes, group shapes 2 to 5 and overlapping groups. Each test is one launch of
@@ -415,7 +415,8 @@ def _capture_body(rank, world):
         x = torch.ones(3)
         dbg("begin_capture", 1)
         try:
-            msgs.append(expect(RuntimeError, lambda: dist.all_reduce(x), "fastcomm.plan()", "CUDA graph"))
+            msgs.append(expect(RuntimeError, lambda: dist.all_reduce(x), "fastcomm.plan()", "p.capture()",
+                               "CUDA graph"))
         finally:
             dbg("end_capture")
         dist.all_reduce(x)
@@ -470,7 +471,7 @@ def _cuda_graph_body(rank, world):
 def test_torch_cuda_graph_capture_raises_naming_the_plan_route():
     res = harness.run(_cuda_graph_body, 2, timeout=120, env=ENV, init_timeout=60)
     for msg, t in res:
-        assert msg is not None and "fastcomm.plan()" in msg, msg
+        assert msg is not None and "fastcomm.plan()" in msg and "p.capture()" in msg, msg
         assert t == [6.0] * 4
 
 

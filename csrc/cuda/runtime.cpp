@@ -147,6 +147,37 @@ void CudaRuntime::relax_capture_mode() {
   FASTCOMM_GPU_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
 }
 
+// CUDA graphs: captured in the thread-local mode, so the engine thread's event queries
+// (relaxed) and other threads' work never touch the capture.
+void CudaRuntime::begin_capture(Stream s) {
+  settle_stream(cs(s), "begin_capture");
+  c10::cuda::CUDAGuard g(dev());
+  FASTCOMM_GPU_CHECK(cudaStreamBeginCapture(cs(s), cudaStreamCaptureModeThreadLocal));
+}
+
+void* CudaRuntime::end_capture(Stream s) {
+  settle_stream(cs(s), "end_capture");
+  c10::cuda::CUDAGuard g(dev());
+  cudaGraph_t graph = nullptr;
+  FASTCOMM_GPU_CHECK(cudaStreamEndCapture(cs(s), &graph));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t r = cudaGraphInstantiate(&exec, graph, 0);
+  (void)cudaGraphDestroy(graph);  // the instance keeps what it needs
+  cuda::check(r, nullptr, "cudaGraphInstantiate(&exec, graph, 0)", __FILE__, __LINE__);
+  return exec;
+}
+
+void CudaRuntime::graph_launch(void* graph, Stream s) {
+  settle_stream(cs(s), "graph_launch");
+  c10::cuda::CUDAGuard g(dev());
+  FASTCOMM_GPU_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph), cs(s)));
+}
+
+void CudaRuntime::graph_destroy(void* graph) {
+  c10::cuda::CUDAGuard g(dev());
+  FASTCOMM_GPU_CHECK(cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(graph)));
+}
+
 Event CudaRuntime::new_event() {
   c10::cuda::CUDAGuard g(dev());
   cudaEvent_t e = nullptr;

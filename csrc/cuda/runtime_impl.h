@@ -106,6 +106,10 @@ class CudaRuntime final : public Runtime {
   Stream current_stream() override;
   bool capturing(Stream s) override;
   void relax_capture_mode() override;
+  void begin_capture(Stream s) override;
+  void* end_capture(Stream s) override;
+  void graph_launch(void* graph, Stream s) override;
+  void graph_destroy(void* graph) override;
   Event new_event() override;
   void destroy_event(Event e) override;
   void record(Event e, Stream s) override;

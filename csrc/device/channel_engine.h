@@ -7,6 +7,7 @@
 //   group_comm.cpp large ops of groups of 3+ on the group's own communicator
 //   health.cpp     deadlines, peers gone, teardown
 //   ipc_channel.cpp a same-host pair's channel over CUDA IPC (device/ipc_link.h) instead of NCCL
+//   graph.cpp      a plan captured into a CUDA graph (device/graph.h), on the caller's thread
 // Every runtime call on a communicator or an engine stream is made by the engine thread, so an
 // abort never races another call on the same communicator.
 #include <atomic>
@@ -26,6 +27,8 @@
 
 namespace fastcomm {
 namespace device {
+
+class PlanGraph;
 
 // This rank's side of the pair with `peer`: a two-rank communicator on a stream of its own,
 // made at the pair's first op. The lower rank leads: it proposes each op once it is ready; the
@@ -103,6 +106,8 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   ~ChannelEngine() override { shutdown(); }
 
   c10::intrusive_ptr<Work> post(std::vector<DeviceOp> ops, bool async_op, bool rethrow) override;
+  // A plan captured into a CUDA graph (device/graph.h), on the caller's thread.
+  std::shared_ptr<DeviceGraph> capture(std::vector<DeviceOp> ops, bool naive) override;
   void shutdown() override;
   void synchronize() override;
   int64_t debug(const std::string& what, int64_t arg) override;
@@ -273,6 +278,8 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   Publisher publisher_;
   Aborter aborter_;  // joined in teardown, before the runtime goes
   Clock::time_point last_health_ = Clock::now();
+  std::mutex graphs_mu_;
+  std::vector<std::weak_ptr<PlanGraph>> graphs_;  // aborted at shutdown
 };
 
 }  // namespace device

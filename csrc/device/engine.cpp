@@ -5,6 +5,7 @@
 
 #include "common/errors.h"
 #include "device/channel_engine.h"
+#include "device/graph.h"
 
 namespace fastcomm {
 namespace device {
@@ -119,10 +120,27 @@ void ChannelEngine::throw_capture_refusal(const std::vector<DeviceOp>& dops) con
               dops.empty() ? "" : dops[0].label,
               ": issued while the caller's stream is being captured into a CUDA graph. fastcomm launches an op's "
               "transfers from its engine thread once the members have agreed on it, so an op issued under capture "
-              "cannot be recorded into the graph; nothing was issued. The route for repeated small collectives is a "
-              "persistent plan: record the ops once with `with fastcomm.plan() as p: ...` (order and matching are "
-              "checked then) and run `p.start()` outside the capture; capturing a plan into a CUDA graph is not "
-              "supported yet (docs/design.md, \"CUDA graphs\")"));
+              "cannot be recorded into the graph; nothing was issued. Capture through a plan instead: record the ops "
+              "once with `with fastcomm.plan() as p: ...`, then, outside any capture, `g = p.capture()` (the members "
+              "agree on the order and matching once, there) and `g.replay()` as often as needed "
+              "(docs/design.md, \"CUDA graphs\")"));
+}
+
+std::shared_ptr<DeviceGraph> ChannelEngine::capture(std::vector<DeviceOp> dops, bool naive) {
+  TORCH_CHECK(!rt_->capturing(rt_->current_stream()), "fastcomm.plan.capture: rank ", rank_,
+              ": called while the caller's stream is being captured; capture the plan outside any capture (it "
+              "makes its own graph), then replay it");
+  TORCH_CHECK_VALUE(!single_, "fastcomm.plan.capture: rank ", rank_, ": not with FASTCOMM_DEVICE_SCHEME=single-stream");
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (broken_) std::rethrow_exception(broken_);
+  }
+  auto g = std::make_shared<PlanGraph>(shared_from_this(), *rt_, host_, rank_, alloc_, std::move(dops), naive);
+  std::lock_guard<std::mutex> lk(graphs_mu_);
+  graphs_.erase(std::remove_if(graphs_.begin(), graphs_.end(), [](const auto& w) { return w.expired(); }),
+                graphs_.end());
+  graphs_.push_back(g);
+  return g;
 }
 
 void ChannelEngine::wait_until(Work& w, bool launched_enough, std::chrono::milliseconds timeout) {
@@ -171,6 +189,14 @@ void ChannelEngine::shutdown() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  std::vector<std::shared_ptr<PlanGraph>> graphs;
+  {
+    std::lock_guard<std::mutex> lk(graphs_mu_);
+    for (auto& w : graphs_)
+      if (auto g = w.lock()) graphs.push_back(std::move(g));
+    graphs_.clear();
+  }
+  for (auto& g : graphs) g->abort("fastcomm was shut down");
 }
 
 // ---------------------------------------------------------------------------------------------

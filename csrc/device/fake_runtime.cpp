@@ -33,9 +33,18 @@
 //   "launch_threads"); until it ends (kEnqueueMicros, debug "enqueue_us") the communicators it
 //   used say kPending and refuse calls, as ncclInProgress does. With `blocking_pairs`, two-rank
 //   communicators are in NCCL's blocking mode: their launches enqueue on the calling thread.
-// - Capture: debug("begin_capture", mode) captures the caller's stream; in the global mode
-//   (0) an event query or synchronize from a thread not in the relaxed mode invalidates the
-//   capture and fails, as CUDA's "potentially unsafe" calls do.
+// - CUDA graphs (fake_graph.h): begin_capture(s) (or debug("begin_capture", mode) on the
+//   caller's stream) makes the work enqueued on s kept as graph nodes instead of run; a stream
+//   that waits on an event recorded in the capture joins it; end_capture refuses a capture
+//   with a joined stream whose last work is not waited on again by the capture (CUDA's
+//   "unjoined"), and one that was invalidated. graph_launch runs the nodes on the launching
+//   stream, stream by stream in order, records and waits ordering them, a communicator's sends
+//   and receives numbered anew at each replay, as NCCL's kernels match anew. Refused as CUDA
+//   refuses them: a query or synchronize of an event whose latest record was captured; a
+//   captured stream's wait on an event recorded outside the capture; an allocation (scratch)
+//   for a captured stream or by the capturing thread; and, in the global mode from a thread not
+//   in the relaxed mode (in the thread-local mode from the capturing thread), any event query,
+//   synchronize or allocation, which also invalidates the capture.
 // - Abort races a transfer that already has its data: a receive whose message has arrived still
 //   writes it after comm_abort. Scratch memory is poisoned when freed, and a stream that writes
 //   into freed scratch is counted (debug("late_writes")): memory must outlive every stream that
@@ -83,6 +92,7 @@
 #include "common/errors.h"
 
 #include "device/fake_comm.h"
+#include "device/fake_graph.h"
 #include "device/fake_ipc.h"
 #include "device/fake_streams.h"
 
@@ -183,6 +193,7 @@ class FakeRuntime final : public Runtime {
     for (auto& m : holds_) m->set();
     if (abort_hold_) abort_hold_->set();
     caller_->stop();
+    graphs_.clear();  // after the streams that may still replay them
   }
 
   const char* name() const override { return "fake"; }
@@ -212,7 +223,37 @@ class FakeRuntime final : public Runtime {
   bool capturing(Stream s) override {
     Capture& c = capture();
     std::lock_guard<std::mutex> lk(c.mu);
-    return c.stream != nullptr && c.stream == s;
+    return c.lane_of(s) >= 0;
+  }
+
+  void begin_capture(Stream s) override { start_capture(stream_of(s, "begin_capture"), false); }
+
+  void* end_capture(Stream s) override {
+    auto g = finish_capture(stream_of(s, "end_capture"));
+    FakeGraph* p = g.get();
+    std::lock_guard<std::mutex> lk(mu_);
+    graphs_[p] = std::move(g);
+    return p;
+  }
+
+  void graph_launch(void* graph, Stream s) override {
+    std::shared_ptr<FakeGraph> g;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      auto it = graphs_.find(graph);
+      if (it == graphs_.end()) call_error("graph_launch", "unknown graph");
+      g = it->second;
+    }
+    run_on(*stream_of(s, "graph_launch"), [g] { g->run(); });
+  }
+
+  void graph_destroy(void* graph) override {
+    std::shared_ptr<FakeGraph> g;  // a launch still queued keeps it
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = graphs_.find(graph);
+    if (it == graphs_.end()) call_error("graph_destroy", "unknown graph");
+    g = std::move(it->second);
+    graphs_.erase(it);
   }
   void relax_capture_mode() override { tl_relaxed = true; }
 
@@ -244,19 +285,18 @@ class FakeRuntime final : public Runtime {
       for (auto& m : held) m->set();
       return (int64_t)held.size();
     }
-    if (what == "begin_capture" || what == "end_capture") {
-      Capture& c = capture();
-      std::lock_guard<std::mutex> lk(c.mu);
-      if (what == "begin_capture") {
-        if (c.stream != nullptr) call_error("debug", "a capture is under way");
-        c.stream = caller_.get();
-        c.global = arg == 0;
-        c.invalidated = false;
+    if (what == "begin_capture") {
+      start_capture(caller_, arg == 0);
+      return 0;
+    }
+    if (what == "end_capture") {  // the graph is dropped; 0 where the capture was refused
+      try {
+        finish_capture(caller_);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "fastcomm fake runtime: %s\n", e.what());
         return 0;
       }
-      if (c.stream != caller_.get()) call_error("debug", "no capture of this runtime's caller stream");
-      c.stream = nullptr;
-      return c.invalidated ? 0 : 1;
+      return 1;
     }
     if (what == "late_writes") return quarantine().late_writes.load();
     if (what == "ipc_blocks") return fake::ipc_blocks();
@@ -310,10 +350,12 @@ class FakeRuntime final : public Runtime {
   void record(Event e, Stream s) override {
     EventImpl* ev = event_of(e, "record");
     auto st = stream_of(s, "record");
+    if (capture_record(*ev, st.get())) return;
     auto m = std::make_shared<Marker>();
     {
       std::lock_guard<std::mutex> lk(ev->mu);
       ev->latest = m;
+      ev->cap = nullptr;
     }
     run_on(*st, [m] { m->set(); });
   }
@@ -321,20 +363,26 @@ class FakeRuntime final : public Runtime {
   void wait(Stream s, Event e) override {
     EventImpl* ev = event_of(e, "wait");
     auto st = stream_of(s, "wait");
-    auto m = ev->get();
+    std::shared_ptr<Marker> m;
+    if (capture_wait(*ev, st.get(), &m)) return;
     if (!m) return;  // never recorded: complete
-    run_on(*st, [m] { m->wait(); });
+    std::function<void()> f = [m] { m->wait(); };
+    if (st->host || !st->push(f)) f();
   }
 
   State query(Event e) override {
+    EventImpl* ev = event_of(e, "query");
+    refuse_captured(*ev, "query");
     unsafe_call("query");
-    auto m = event_of(e, "query")->get();
+    auto m = ev->get();
     return !m || m->ready() ? State::kReady : State::kPending;
   }
 
   void synchronize(Event e) override {
+    EventImpl* ev = event_of(e, "synchronize");
+    refuse_captured(*ev, "synchronize");
     unsafe_call("synchronize");
-    auto m = event_of(e, "synchronize")->get();
+    auto m = ev->get();
     if (m) m->wait();
   }
 
@@ -370,6 +418,10 @@ class FakeRuntime final : public Runtime {
   at::Tensor scratch(int64_t numel, const at::Tensor& like, Stream s) override {
     auto st = stream_of(s, "scratch");
     if (numel < 0) call_error("scratch", "negative size");
+    if (capturing(s))
+      call_error("scratch", "an allocation for a stream under capture (memory a graph uses is allocated before "
+                            "the capture; cudaErrorStreamCaptureUnsupported)");
+    unsafe_call("scratch (an allocation)");
     const size_t bytes = static_cast<size_t>(numel) * like.element_size();
     void* p = nullptr;
     if (::posix_memalign(&p, 64, std::max<size_t>(bytes, 1)) != 0 || !p)
@@ -484,10 +536,7 @@ class FakeRuntime final : public Runtime {
     if (bytes && !buf) call_error("send", "null buffer");
     Op op;
     op.comm = comm;
-    {
-      std::lock_guard<std::mutex> lk(comm->mu());
-      op.sends.push_back({peer, buf, bytes, comm->take_send_number(peer)});
-    }
+    op.sends.push_back({peer, buf, bytes, 0});
     submit(std::move(op), st);
   }
 
@@ -498,10 +547,7 @@ class FakeRuntime final : public Runtime {
     if (bytes && !buf) call_error("recv", "null buffer");
     Op op;
     op.comm = comm;
-    {
-      std::lock_guard<std::mutex> lk(comm->mu());
-      op.recvs.push_back({peer, buf, bytes, comm->take_recv_number(peer), {}});
-    }
+    op.recvs.push_back({peer, buf, bytes, 0, {}});
     submit(std::move(op), st);
   }
 
@@ -535,14 +581,11 @@ class FakeRuntime final : public Runtime {
     Op op;
     op.comm = comm;
     op.code = kBroadcast;
-    {
-      std::lock_guard<std::mutex> lk(comm->mu());
-      if (comm->rank() == root) {
-        for (int p = 0; p < comm->nranks(); ++p)
-          if (p != root) op.sends.push_back({p, buf, bytes, comm->take_send_number(p)});
-      } else {
-        op.recvs.push_back({root, buf, bytes, comm->take_recv_number(root), {}});
-      }
+    if (comm->rank() == root) {
+      for (int p = 0; p < comm->nranks(); ++p)
+        if (p != root) op.sends.push_back({p, buf, bytes, 0});
+    } else {
+      op.recvs.push_back({root, buf, bytes, 0, {}});
     }
     submit(std::move(op), st);
   }
@@ -630,16 +673,37 @@ class FakeRuntime final : public Runtime {
   // One send to and one receive (kept for the fold) from every other rank, in rank order.
   template <typename Src>
   static void exchange_all(CommImpl& c, Op& op, Src src, size_t bytes) {
-    std::lock_guard<std::mutex> lk(c.mu());
     for (int p = 0; p < c.nranks(); ++p) {
       if (p == c.rank()) continue;
-      op.sends.push_back({p, src(p), bytes, c.take_send_number(p)});
-      op.recvs.push_back({p, nullptr, bytes, c.take_recv_number(p), {}});
+      op.sends.push_back({p, src(p), bytes, 0});
+      op.recvs.push_back({p, nullptr, bytes, 0, {}});
     }
+  }
+
+  // Issue-order numbers of the op's sends and receives with each peer: at the call, or, for a
+  // captured op, at each replay.
+  static void number(Op& op) {
+    std::lock_guard<std::mutex> lk(op.comm->mu());
+    for (auto& s : op.sends) s.seq = op.comm->take_send_number(s.peer);
+    for (auto& r : op.recvs) r.seq = op.comm->take_recv_number(r.peer);
+  }
+
+  // A fresh copy of a captured op, for one replay.
+  static Op replica(const Op& t) {
+    Op op;
+    op.comm = t.comm;
+    op.code = t.code;
+    op.sends = t.sends;
+    for (const auto& r : t.recvs) op.recvs.push_back({r.peer, r.dst, r.bytes, 0, {}});
+    op.before_recvs = t.before_recvs;
+    op.after_recvs = t.after_recvs;
+    number(op);
+    return op;
   }
 
   // Into the calling thread's open group, or as a task of its own.
   void submit(Op op, const std::shared_ptr<StreamCore>& st) {
+    if (capture().active.load() == 0 || !capturing(st.get())) number(op);
     {
       std::lock_guard<std::mutex> lk(mu_);
       auto it = groups_.find(std::this_thread::get_id());
@@ -679,6 +743,12 @@ class FakeRuntime final : public Runtime {
       }).detach();
     }
     auto shared = std::make_shared<std::vector<Op>>(std::move(ops));
+    std::function<void()> replay = [shared] {
+      std::vector<Op> now;
+      for (const auto& t : *shared) now.push_back(replica(t));
+      run_ops(now);
+    };
+    if (capture_task(&st, replay)) return;
     if (st.host) {
       run_on(st, [shared] { run_ops(*shared); });
       return;
@@ -709,6 +779,7 @@ class FakeRuntime final : public Runtime {
   std::unordered_map<void*, std::unique_ptr<EventImpl>> events_;
   std::unordered_map<void*, std::shared_ptr<CommImpl>> comms_;
   std::unordered_map<std::thread::id, Group> groups_;  // open groups, per calling thread
+  std::unordered_map<void*, std::shared_ptr<FakeGraph>> graphs_;
 };
 
 }  // namespace

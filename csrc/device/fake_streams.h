@@ -74,11 +74,36 @@ inline Quarantine& quarantine() {
   return *q;
 }
 
+// A CUDA graph capture (one at a time in a process: the fake's limit). Work enqueued on a
+// captured stream is kept as the nodes of a lane instead of run; a stream joins the capture when
+// it waits on an event recorded in it (lane 1, 2, ...); records and waits inside the capture
+// become slots that order the lanes at each replay.
+struct GraphNode {
+  enum Kind { kTask, kRecord, kWait } kind = kTask;
+  std::function<void()> task;  // kTask: run at every replay, so it must be rerunnable
+  int slot = -1;               // kRecord, kWait
+};
+struct GraphBuild {
+  bool global = false;   // the global mode (else thread-local)
+  std::thread::id owner;  // the thread that began the capture
+  bool invalidated = false;
+  std::string why;
+  std::vector<std::vector<GraphNode>> lanes;  // lane 0: the stream the capture began on
+  std::vector<const void*> streams;           // each lane's stream
+  int slots = 0;
+};
+
 struct Capture {
   std::mutex mu;
-  const void* stream = nullptr;  // the stream being captured, or null
-  bool global = false;
-  bool invalidated = false;
+  std::atomic<int> active{0};          // a capture is under way (read without the lock)
+  std::shared_ptr<GraphBuild> build;  // under mu
+  // The lane of stream `s` in the capture under way, or -1. Under mu.
+  int lane_of(const void* s) const {
+    if (!build) return -1;
+    for (size_t i = 0; i < build->streams.size(); ++i)
+      if (build->streams[i] == s) return (int)i;
+    return -1;
+  }
 };
 inline Capture& capture() {
   static Capture* c = new Capture();
@@ -86,15 +111,31 @@ inline Capture& capture() {
 }
 inline thread_local bool tl_relaxed = false;
 
-// A call CUDA calls potentially unsafe during a global-mode capture (an event query or sync).
+// A call CUDA calls potentially unsafe during a capture (an event query or sync, an
+// allocation): in the global mode from any thread not in the relaxed mode, in the thread-local
+// mode from the capturing thread, it invalidates the capture and fails.
 inline void unsafe_call(const char* call) {
   if (tl_relaxed) return;
   Capture& c = capture();
+  if (c.active.load() == 0) return;
   std::lock_guard<std::mutex> lk(c.mu);
-  if (c.stream == nullptr || !c.global) return;
-  c.invalidated = true;
-  call_error(call, "operation not permitted when stream is capturing (a graph is captured in the global mode "
-                   "and this thread is not in the relaxed mode); the capture is invalidated");
+  if (!c.build || (!c.build->global && c.build->owner != std::this_thread::get_id())) return;
+  c.build->invalidated = true;
+  c.build->why = std::string(call) + " during the capture";
+  call_error(call, std::string("operation not permitted when stream is capturing (a graph is captured in the ") +
+                       (c.build->global ? "global mode and this thread is not in the relaxed mode" : "thread-local mode by this thread") +
+                       "); the capture is invalidated");
+}
+
+// Keeps `f` as a node of the capture under way when `s` is one of its streams.
+inline bool capture_task(const void* s, std::function<void()>& f) {
+  Capture& c = capture();
+  if (c.active.load(std::memory_order_acquire) == 0) return false;
+  std::lock_guard<std::mutex> lk(c.mu);
+  const int lane = c.lane_of(s);
+  if (lane < 0) return false;
+  c.build->lanes[(size_t)lane].push_back({GraphNode::kTask, std::move(f), -1});
+  return true;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -167,8 +208,10 @@ struct StreamCore {
   }
 };
 
-// Runs `f` on `s`: now on the host stream (or on one that has ended), else queued.
+// Runs `f` on `s`: kept for replay when `s` is captured, now on the host stream (or on one that
+// has ended), else queued.
 inline void run_on(StreamCore& s, std::function<void()> f) {
+  if (capture_task(&s, f)) return;
   if (s.host || !s.push(f)) f();
 }
 
@@ -196,7 +239,9 @@ struct Marker {
 
 struct EventImpl {
   std::mutex mu;
-  std::shared_ptr<Marker> latest;  // null: never recorded (complete)
+  std::shared_ptr<Marker> latest;  // null: never recorded (complete), or recorded under capture
+  std::shared_ptr<GraphBuild> cap;  // the latest record was captured: into this build's `slot`
+  int slot = -1;
   std::shared_ptr<Marker> get() {
     std::lock_guard<std::mutex> lk(mu);
     return latest;

@@ -148,6 +148,19 @@ class Runtime {
   // From the host, now: *flag = value (releases the waits it satisfies).
   virtual void flag_set(uint32_t* flag, uint32_t value);
 
+  // ---- CUDA graphs (device/graph.h)
+  // Begins capturing `s` in the thread-local mode: work enqueued on it, and on streams that
+  // wait on events recorded in the capture, is recorded into a graph instead of run.
+  virtual void begin_capture(Stream s);
+  // Ends the capture begun on `s` and instantiates its graph (every stream that joined must be
+  // joined back into `s`); the graph is this runtime's until graph_destroy.
+  virtual void* end_capture(Stream s);
+  // Enqueues one run of the graph on `s`, ordered after the work before it and before the work
+  // after it; launches of one graph run in launch order. Communicators match anew at each run.
+  virtual void graph_launch(void* graph, Stream s);
+  // Frees the graph (a launch still enqueued completes first).
+  virtual void graph_destroy(void* graph);
+
   // Test hooks (the fake's; see fake_runtime.cpp): raises for a hook this runtime lacks.
   virtual int64_t debug(const std::string& what, int64_t arg);
 };

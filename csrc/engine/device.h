@@ -25,6 +25,22 @@ struct DeviceOp {
   std::string label;
 };
 
+// A plan's ops captured into a CUDA graph (device/graph.h): every member captured the same
+// plan, and replays its graph the same number of times, in the same order as its other graphs
+// over a shared pair.
+class DeviceGraph {
+ public:
+  virtual ~DeviceGraph() = default;
+  // Enqueues one run on the caller's current stream (ordered after the work before it, the work
+  // after it ordered after the run); no host agreement. Raises DistBackendError, naming the
+  // peer, where an earlier run met a fault (the graph is then dead: capture the plan again).
+  virtual void replay() = 0;
+  // Host-blocks until every run enqueued so far has run on the device; raises as replay() does,
+  // and where a run is not done within the plan's timeout (0: the groups' own).
+  virtual void wait(std::chrono::milliseconds timeout) = 0;
+  virtual int64_t replays() const = 0;
+};
+
 class DeviceEngine {
  public:
   virtual ~DeviceEngine() = default;
@@ -37,6 +53,12 @@ class DeviceEngine {
   // Host-blocks until the work enqueued so far on the caller's current stream has run (as
   // torch.cuda.synchronize() does for one stream).
   virtual void synchronize() = 0;
+  // Captures the ops (a plan's, in the plan's order) into a CUDA graph: the members agree on
+  // their order and matching, make the plan's communicators and allocate its memory first, over
+  // the host; the capture then holds the device work only. Blocks until every peer of the plan
+  // has done the same (raising DistBackendError naming a peer that fails, mismatches or times
+  // out). `naive` (tests): allocates under the capture, as a careless design would.
+  virtual std::shared_ptr<DeviceGraph> capture(std::vector<DeviceOp> ops, bool naive) = 0;
   // Test hooks of the runtime under the engine (the fake's; see device/runtime.h).
   virtual int64_t debug(const std::string& what, int64_t arg) = 0;
 };
@@ -47,8 +69,10 @@ class DeviceEngine {
 class HostLink {
  public:
   virtual ~HostLink() = default;
-  virtual c10::intrusive_ptr<Work> control_send(int peer, at::Tensor bytes) = 0;
-  virtual c10::intrusive_ptr<Work> control_recv(int peer, at::Tensor bytes) = 0;
+  // `lane` 0: the device engine thread's frames; 1: a graph capture's agreement (the caller's
+  // thread), on a tag of its own so the two never interleave.
+  virtual c10::intrusive_ptr<Work> control_send(int peer, at::Tensor bytes, int lane = 0) = 0;
+  virtual c10::intrusive_ptr<Work> control_recv(int peer, at::Tensor bytes, int lane = 0) = 0;
   // False once the host transports know the peer process is gone.
   virtual bool peer_alive(int peer) = 0;
 };

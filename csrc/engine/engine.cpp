@@ -393,6 +393,32 @@ c10::intrusive_ptr<Work> Engine::start_on_device(Plan& pl, bool async_op) {
   return device_engine(pl.ops_[0].device)->post(std::move(dops), async_op, /*rethrow=*/true);
 }
 
+std::shared_ptr<DeviceGraph> Engine::capture(const std::shared_ptr<Plan>& plan, bool naive) {
+  Plan& pl = *plan;
+  TORCH_CHECK(pl.engine_.get() == this, "fastcomm.plan: rank ", opts_.rank, ": the plan belongs to another engine");
+  TORCH_CHECK_VALUE(!pl.ops_.empty() && pl.ops_[0].on_device, "fastcomm.plan.capture: rank ", opts_.rank,
+                    ": only a plan of device (CUDA) ops can be captured into a CUDA graph; this one ",
+                    pl.ops_.empty() ? "is empty" : "runs on CPU tensors (start() it instead)");
+  std::vector<DeviceOp> dops;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    TORCH_CHECK(!shut_down_, "fastcomm.plan: rank ", opts_.rank,
+                ": the plan was recorded before fastcomm.shutdown(); record it again after init()");
+    for (size_t i = 0; i < pl.ops_.size(); ++i) {
+      const Plan::Entry& e = pl.ops_[i];
+      TORCH_CHECK(groups_.owns(*e.group), "fastcomm.plan: rank ", opts_.rank, ", group ", ranks_label(e.group->ranks),
+                  ": the plan was recorded before fastcomm.shutdown(); record it again after init()");
+      for (const auto& [t, data] : e.tensors)
+        TORCH_CHECK_VALUE((t.has_storage() ? t.storage().data() : nullptr) == data, "fastcomm.plan: rank ",
+                          opts_.rank, ", group ", ranks_label(e.group->ranks), ": a tensor of op #", i,
+                          " has other storage than when the plan was recorded; record the plan again");
+      const GroupState& g = *e.group;
+      dops.push_back(DeviceOp{e.req, g.ranks, g.rank, g.id, g.timeout, ranks_label(g.ranks)});
+    }
+  }
+  return device_engine(pl.ops_[0].device)->capture(std::move(dops), naive);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Device engines
 
@@ -426,21 +452,22 @@ int64_t Engine::device_debug(c10::Device device, const std::string& what, int64_
   return device_engine(device)->debug(what, arg);
 }
 
-c10::intrusive_ptr<Work> Engine::control_send(int peer, at::Tensor bytes) {
-  return control(OpKind::kSend, peer, std::move(bytes));
+c10::intrusive_ptr<Work> Engine::control_send(int peer, at::Tensor bytes, int lane) {
+  return control(OpKind::kSend, peer, std::move(bytes), lane);
 }
 
-c10::intrusive_ptr<Work> Engine::control_recv(int peer, at::Tensor bytes) {
-  return control(OpKind::kRecv, peer, std::move(bytes));
+c10::intrusive_ptr<Work> Engine::control_recv(int peer, at::Tensor bytes, int lane) {
+  return control(OpKind::kRecv, peer, std::move(bytes), lane);
 }
 
-c10::intrusive_ptr<Work> Engine::control(OpKind kind, int peer, at::Tensor bytes) {
+c10::intrusive_ptr<Work> Engine::control(OpKind kind, int peer, at::Tensor bytes, int lane) {
   const bool sending = kind == OpKind::kSend;
+  const int tag = lane == 0 ? kControlTag : kGraphTag;
   OpRequest req;
   req.kind = kind;
   req.tensor = std::move(bytes);
   req.peer = peer;
-  req.tag = kControlTag;
+  req.tag = tag;
   PreparedOps ops;
   Prepared& p = ops.emplace_back();
   p.type = op_kind_type(kind);
@@ -449,13 +476,13 @@ c10::intrusive_ptr<Work> Engine::control(OpKind kind, int peer, at::Tensor bytes
     TORCH_CHECK(!shut_down_, "fastcomm: rank ", opts_.rank, ": fastcomm was shut down");
     GroupHandle g = control_group_;  // named by the pair in messages
     g.ranks = {std::min(opts_.rank, peer), std::max(opts_.rank, peer)};
-    p.group = groups_.channel(g, sending ? opts_.rank : peer, sending ? peer : opts_.rank, kControlTag).state;
+    p.group = groups_.channel(g, sending ? opts_.rank : peer, sending ? peer : opts_.rank, tag).state;
   }
   p.op = collective_spec(kind).make(req, view_of(*p.group, opts_.rank, 0));
   if (!sending) {
     p.recv = true;
     p.recv_group = control_group_.id;
-    p.tag = kControlTag;
+    p.tag = tag;
   }
   p.req = std::move(req);
   return post(ops, /*async_op=*/true);

@@ -129,6 +129,8 @@ class Engine final : public Waiter, public HostLink, public std::enable_shared_f
   // runs one start at a time; a blocking start raises its error here.
   std::shared_ptr<Plan> make_plan(PreparedOps ops);
   c10::intrusive_ptr<Work> start(const std::shared_ptr<Plan>& plan, bool async_op);
+  // A device plan captured into a CUDA graph (DeviceEngine::capture).
+  std::shared_ptr<DeviceGraph> capture(const std::shared_ptr<Plan>& plan, bool naive);
   // Makes the device engine for `device` now rather than at its first op.
   void init_device(c10::Device device);
   // The device engine of `device` (made if need be): see DeviceEngine::synchronize and debug.
@@ -138,8 +140,8 @@ class Engine final : public Waiter, public HostLink, public std::enable_shared_f
   // HostLink: the device engines' control messages, on a tag and channels of their own that
   // never time out (a device engine keeps a receive posted while it waits for a peer, and
   // applies its ops' deadlines itself).
-  c10::intrusive_ptr<Work> control_send(int peer, at::Tensor bytes) override;
-  c10::intrusive_ptr<Work> control_recv(int peer, at::Tensor bytes) override;
+  c10::intrusive_ptr<Work> control_send(int peer, at::Tensor bytes, int lane = 0) override;
+  c10::intrusive_ptr<Work> control_recv(int peer, at::Tensor bytes, int lane = 0) override;
   bool peer_alive(int peer) override;
 
   // Waiter: blocks until `w` is done, driving progress; poll: one non-blocking attempt.
@@ -165,7 +167,7 @@ class Engine final : public Waiter, public HostLink, public std::enable_shared_f
   c10::intrusive_ptr<Work> run_alone(Prepared& p, bool hidden);
   c10::intrusive_ptr<Work> start_on_device(Plan& plan, bool async_op);
   std::shared_ptr<DeviceEngine> device_engine(c10::Device device);
-  c10::intrusive_ptr<Work> control(OpKind kind, int peer, at::Tensor bytes);
+  c10::intrusive_ptr<Work> control(OpKind kind, int peer, at::Tensor bytes, int lane);
 
   const EngineOptions opts_;
   std::mutex mu_;
@@ -178,6 +180,7 @@ class Engine final : public Waiter, public HostLink, public std::enable_shared_f
   // The device engines' control messages travel on channels of this group, which no user group
   // can be (its id is no function of a rank list); their ops never time out.
   static constexpr int kControlTag = -0x7ffffffe;
+  static constexpr int kGraphTag = -0x7ffffffd;  // control lane 1: graph captures' agreement
   GroupHandle control_group_;
   std::mutex device_mu_;  // guards devices_ (made without mu_: a device engine posts control ops)
   std::map<c10::DeviceType, std::shared_ptr<DeviceEngine>> devices_;

@@ -1,0 +1,315 @@
+"""CUDA graphs through plans (docs/design.md, "CUDA graphs"), on the fake device runtime
+(FASTCOMM_FAKE_DEVICE=1), whose graph model keeps captured stream work for replay and refuses
+what CUDA refuses under capture (tests/cpp/test_fake_graphs.cpp tests the model itself).
+
+- A plan of device ops over groups of 2 to 5, overlapping, sizes 0, 1 and odd, captured once with
+  ``p.capture()`` and replayed many times with inputs refilled in place: every replay's results
+  against a local reference.
+- The members agree on the plan at capture: a plan that differs between two members raises on
+  both, naming the peer.
+- Faults during replay: a dead peer, and a member that never replays (a timeout), raise
+  DistBackendError naming the peer from the next replay or wait(), never hang; other groups go on.
+- A careless capture that allocates with the capture begun fails on the fake, as on CUDA.
+- fastcomm.shutdown() ends a live graph: its next replay raises.
+- An op issued under capture outside a plan, natively or through the backend, is refused
+  naming the plan route (tests/test_device_collectives.py)."""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import harness
+from _helpers import _DTYPES, expect, fold, gen
+
+import fastcomm as fc
+
+DEV = os.environ.get("FASTCOMM_DEVICE_TEST", "cpu")
+ON_GPU = DEV == "cuda"
+ENV = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"} if ON_GPU else {"FASTCOMM_FAKE_DEVICE": "1"}
+fake_only = pytest.mark.skipif(ON_GPU, reason="uses the fake runtime's test hooks")
+LISTS5 = [[0, 1], [1, 2], [3, 4], [0, 1, 2], [1, 2, 3, 4], [0, 1, 2, 3, 4]]
+
+
+def setup(rank):
+    if ON_GPU:
+        os.environ["NCCL_HOSTID"] = f"fastcomm-host{rank}"
+        torch.cuda.set_device(0)
+
+
+def dsync():
+    if ON_GPU:
+        torch.cuda.synchronize()
+    else:
+        fc._state._engine.device_synchronize("cpu")
+
+
+def same(got, ref, what):
+    got = got.cpu()
+    assert torch.equal(got, ref), f"{what}: got {got.tolist()}, expected {ref.tolist()}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Results: one plan over every group shape, replayed with changing inputs
+
+
+def _replay_body(rank, world, replays):
+    setup(rank)
+    groups = fc.new_groups(LISTS5)
+    cases = []  # (tensor, kind, ranks, numel, dtype name, op, seed)
+    with fc.plan() as p:
+        for gi, (ranks, g) in enumerate(zip(LISTS5, groups)):
+            if rank not in ranks:
+                continue
+            for numel in (0, 1, 7):
+                for dt, op in (("float32", "SUM"), ("int64", "MAX")):
+                    t = torch.zeros(numel, dtype=_DTYPES[dt], device=DEV)
+                    fc.all_reduce(t, op=getattr(dist.ReduceOp, op), group=g)
+                    cases.append((t, "all_reduce", ranks, numel, dt, op, 100 * gi + 10 * numel))
+            b = torch.zeros(5, dtype=torch.float64, device=DEV)
+            fc.broadcast(b, src=ranks[-1], group=g)
+            cases.append((b, "broadcast", ranks, 5, "float64", None, 100 * gi + 3))
+            ag = torch.zeros(len(ranks) * 3, dtype=torch.int32, device=DEV)
+            src = torch.zeros(3, dtype=torch.int32, device=DEV)
+            fc.all_gather_into_tensor(ag, src, group=g)
+            cases.append(((ag, src), "all_gather", ranks, 3, "int32", None, 100 * gi + 5))
+    g = p.capture()
+    checked = 0
+    for r in range(replays):
+        # refill every input in place (the graph reads the same buffers at each replay)
+        for t, kind, ranks, numel, dt, op, seed in cases:
+            if kind == "all_gather":
+                t[1].copy_(gen(rank, seed + r, dt, numel))
+            elif kind == "broadcast":
+                t.copy_(gen(rank, seed + r, dt, numel))
+            else:
+                t.copy_(gen(rank, seed + r, dt, numel, op))
+        g.replay()
+        g.wait()
+        dsync()
+        for t, kind, ranks, numel, dt, op, seed in cases:
+            what = f"replay {r} {kind} {ranks} numel {numel} {dt}"
+            if kind == "all_reduce":
+                same(t, fold([gen(q, seed + r, dt, numel, op) for q in ranks], op), what)
+            elif kind == "broadcast":
+                same(t, gen(ranks[-1], seed + r, dt, numel), what)
+            else:
+                same(t[0], torch.cat([gen(q, seed + r, dt, numel) for q in ranks]), what)
+            checked += 1
+    assert g.replays == replays
+    return checked
+
+
+def test_a_captured_plan_replays_with_correct_results_on_every_group_shape():
+    res = harness.run(_replay_body, 5, 6, timeout=240, env=ENV, init_timeout=30)
+    assert all(r > 0 for r in res), res
+
+
+def _pairs_body(rank, world, n_ops, replays):
+    """A plan of many small pair all_reduces (the case graphs are for), replayed back to back
+    without a wait between replays: the last replay's result is checked, every replay adds."""
+    setup(rank)
+    pair = fc.new_group([0, 1])
+    ts = [torch.zeros(1 + (i % 3), dtype=torch.float32, device=DEV) for i in range(n_ops)]
+    with fc.plan() as p:
+        for t in ts:
+            fc.all_reduce(t, group=pair)
+    g = p.capture()
+    for i, t in enumerate(ts):
+        t.fill_(float(rank + 1 + i))
+    for _ in range(replays):  # each replay doubles the sum of the two: x -> 2x after the first
+        g.replay()
+    g.wait()
+    dsync()
+    for i, t in enumerate(ts):
+        expect_v = float((1 + i) + (2 + i)) * 2 ** (replays - 1)
+        assert t.tolist() == [expect_v] * t.numel(), (i, t.tolist(), expect_v)
+    return g.replays
+
+
+def test_many_pair_all_reduces_replay_back_to_back():
+    assert harness.run(_pairs_body, 2, 64, 20, timeout=120, env=ENV, init_timeout=30) == [20, 20]
+
+
+# ---------------------------------------------------------------------------------------------
+# Agreement at capture
+
+
+def _mismatch_body(rank, world):
+    setup(rank)
+    pair = fc.new_group([0, 1])
+    t = torch.zeros(3 + rank, device=DEV)  # 3 elements on rank 0, 4 on rank 1
+    with fc.plan() as p:
+        fc.all_reduce(t, group=pair)
+    msg = expect(dist.DistBackendError, p.capture, "does not match", f"rank {1 - rank}")
+    # the pair goes on: an eager op after the failed capture
+    x = torch.full((2,), float(rank + 1), device=DEV)
+    fc.all_reduce(x, group=pair)
+    dsync()
+    return msg, x.tolist()
+
+
+def test_a_plan_that_differs_between_members_fails_capture_on_both():
+    for msg, x in harness.run(_mismatch_body, 2, timeout=60, env=ENV, init_timeout=30):
+        assert x == [3.0, 3.0], msg
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults during replay
+
+
+def _dead_peer_body(rank, world):
+    setup(rank)
+    pair, other = fc.new_groups([[0, 1], [0, 2]])
+    msgs = []
+    if rank in (0, 1):
+        t = torch.zeros(4, device=DEV)
+        with fc.plan() as p:
+            fc.all_reduce(t, group=pair)
+        g = p.capture()
+        for r in range(3):
+            t.fill_(float(rank + r))
+            g.replay()
+            g.wait()
+            dsync()
+            assert t.tolist() == [float(1 + 2 * r)] * 4
+        if rank == 1:
+            os._exit(0)  # dies between replays: rank 0's next replay has no peer
+
+        def replay_and_wait():
+            g.replay()
+            g.wait()
+        msgs.append(expect(dist.DistBackendError, replay_and_wait, "rank 1"))
+        msgs.append(expect(dist.DistBackendError, g.replay, "rank 1", "dead"))  # stays dead
+    # groups without the dead rank go on
+    if rank in (0, 2):
+        x = torch.full((2,), float(rank + 1), device=DEV)
+        fc.all_reduce(x, group=other)
+        dsync()
+        msgs.append(x.tolist())
+    return msgs
+
+
+@fake_only
+def test_a_dead_peer_during_replay_fails_the_next_replay_or_wait_naming_it():
+    res = harness.run(_dead_peer_body, 3, timeout=90, env=ENV, init_timeout=5, allow_fail=(1,))
+    assert res[0][-1] == [4.0, 4.0] and res[2] == [[4.0, 4.0]], res
+
+
+def _timeout_body(rank, world):
+    setup(rank)
+    pair = fc.new_group([0, 1], timeout=timedelta(seconds=2))
+    host = fc.new_group([0, 1])
+    t = torch.ones(3, device=DEV)
+    with fc.plan() as p:
+        fc.all_reduce(t, group=pair)
+    g = p.capture()
+    msg = None
+    if rank == 0:  # rank 1 never replays
+        g.replay()
+        msg = expect(dist.DistBackendError, g.wait, "timeout", "ranks [1]")
+    fc.barrier(group=host)  # a host op: rank 1 leaves only once rank 0 saw the timeout
+    return msg
+
+
+def test_a_member_that_never_replays_times_the_replay_out():
+    res = harness.run(_timeout_body, 2, timeout=60, env=ENV, init_timeout=30)
+    assert res[0] is not None
+
+
+def _opposite_order_body(rank, world):
+    """Two graphs over one pair replayed in opposite orders: each side's first run waits for a
+    run the other has queued behind its own. The timeout ends it with DistBackendError on both
+    sides (the rank that times out first aborts its graph, which fails the other's), no hang."""
+    setup(rank)
+    pair = fc.new_group([0, 1], timeout=timedelta(seconds=2))
+    host = fc.new_group([0, 1])
+    a, b = torch.ones(3, device=DEV), torch.ones(5, device=DEV)
+    with fc.plan() as p1:
+        fc.all_reduce(a, group=pair)
+    with fc.plan() as p2:
+        fc.all_reduce(b, group=pair)
+    g1, g2 = p1.capture(), p2.capture()
+    first, second = (g1, g2) if rank == 0 else (g2, g1)
+    first.replay()
+    second.replay()
+    msgs = []
+    for g in (first, second):
+        try:
+            g.wait()
+        except dist.DistBackendError as e:
+            msgs.append(str(e))
+    fc.barrier(group=host)
+    return msgs
+
+
+def test_graphs_replayed_in_opposite_orders_fail_by_timeout_not_hang():
+    res = harness.run(_opposite_order_body, 2, timeout=60, env=ENV, init_timeout=30)
+    assert all(msgs for msgs in res), res
+    assert any("timeout" in m for msgs in res for m in msgs), res
+
+
+# ---------------------------------------------------------------------------------------------
+# A careless design fails on the fake: agreeing and allocating with the capture begun
+
+
+def _naive_body(rank, world):
+    setup(rank)
+    pair = fc.new_group([0, 1])
+    t = torch.ones(5, device=DEV)
+    with fc.plan() as p:
+        fc.all_reduce(t, group=pair)
+    msg = expect(Exception, lambda: p._plan.capture(naive=True), "capturing")
+    g = p.capture()  # the design that agrees and allocates first works
+    g.replay()
+    g.wait()
+    dsync()
+    return msg, t.tolist()
+
+
+@fake_only
+def test_a_capture_that_allocates_under_capture_is_refused_by_the_fake():
+    for msg, t in harness.run(_naive_body, 2, timeout=60, env=ENV, init_timeout=30):
+        assert t == [2.0] * 5, msg
+
+
+def _shutdown_body(rank, world):
+    setup(rank)
+    pair = fc.new_group([0, 1])
+    t = torch.ones(3, device=DEV)
+    with fc.plan() as p:
+        fc.all_reduce(t, group=pair)
+    g = p.capture()
+    g.replay()
+    g.wait()
+    dsync()
+    fc.shutdown()  # the graph's communicators are aborted; a later replay raises, never hangs
+    return t.tolist(), expect(dist.DistBackendError, g.replay, "shut down", "capture the plan again")
+
+
+def test_shutdown_ends_a_live_graph():
+    for t, msg in harness.run(_shutdown_body, 2, timeout=60, env=ENV, init_timeout=30):
+        assert t == [2.0] * 3, msg
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/device_graphs.py (scripts/gpu_check.sh runs it on a GPU): the script on the fake
+
+
+@fake_only
+def test_the_graph_benchmark_runs_on_the_fake(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    out = tmp_path / "graphs.json"
+    subprocess.run([sys.executable, os.path.join(bench, "device_graphs.py"), "--fake", "--ops", "64", "--replays",
+                    "20", "--plain-iters", "3", "--launcher", "fork", "--job-timeout", "150", "--json", str(out)],
+                   check=True, timeout=200, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True)
+    ranks = json.loads(out.read_text())
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(r["fc_graph_ok"] and r["fc_plan_ok"] for r in ranks), ranks
