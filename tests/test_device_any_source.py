@@ -202,4 +202,40 @@ def _dead_sender_body(rank, world):
 def test_a_sender_dying_fails_an_unbound_recv_naming_it():
     res = harness.run(_dead_sender_body, 3, timeout=90, env=ENV, init_timeout=20, allow_fail=(2,))
     assert res[0]["first"] == 1
-    assert "gone" in res[0]["msg"], res[0]["msg"]
+    msg = res[0]["msg"]
+    assert "rank 2, a member that could have sent it, is gone" in msg and "has exited" in msg, msg
+    assert msg.count("Exception raised from") <= 1, msg  # the channel's reason without its C++ stack
+
+
+def _timeout_body(rank, world):
+    setup(rank)
+    g = fc.new_group([0, 1, 2], timeout=1.0)
+    out = {}
+    if rank == 0:
+        # Nobody sends: the recv fails at the group's timeout, taking no message; then a named
+        # recv takes rank 1's first message, and the next recv from any source rank 2's.
+        w = fc.irecv(torch.empty(2, device=DEV), group=g)
+        out["msg"] = expect(dist.DistBackendError, w.wait, "recv from any source", "timeout")
+        named = torch.empty(2, device=DEV)
+        w2 = fc.irecv(named, src=1, group=g)
+        fc.barrier()  # the senders go only now
+        w2.wait()
+        t = torch.empty(2, device=DEV)
+        out["next"] = fc.recv(t, group=g)
+        dsync()
+        assert torch.equal(named.cpu(), payload(1, 0, 4, 2, "float32"))
+        assert torch.equal(t.cpu(), payload(2, 0, 4, 2, "float32"))
+    else:
+        fc.barrier()
+        if rank == 1:
+            fc.send(payload(1, 0, 4, 2, "float32").to(DEV), dst=0, group=g)
+        fc.barrier(group=fc.new_group([1, 2]))
+        if rank == 2:
+            fc.send(payload(2, 0, 4, 2, "float32").to(DEV), dst=0, group=g)
+    fc.barrier()
+    return out
+
+
+def test_an_unbound_recv_times_out_taking_no_message():
+    res = harness.run(_timeout_body, 3, timeout=90, env=ENV, init_timeout=30)
+    assert res[0]["next"] == 2, res[0]

@@ -67,6 +67,8 @@ bool ChannelEngine::bind_receives() {
     std::string why;
     try {
       std::rethrow_exception(c.failed);
+    } catch (const c10::Error& e) {
+      why = e.what_without_backtrace();
     } catch (const std::exception& e) {
       why = e.what();
     }

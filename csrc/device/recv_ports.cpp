@@ -61,11 +61,13 @@ void RecvPorts::step(Channels& ch, std::unordered_map<uint64_t, uint64_t>& next_
 }
 
 bool RecvPorts::remove(Channels& ch, const std::unordered_map<uint64_t, uint64_t>& next_seq, void* token) {
-  for (auto& [key, p] : ports_) {
-    for (auto it = p.queue.begin(); it != p.queue.end(); ++it) {
+  for (auto pit = ports_.begin(); pit != ports_.end(); ++pit) {
+    auto& q = pit->second.queue;
+    for (auto it = q.begin(); it != q.end(); ++it) {
       if (it->token != token) continue;
       if (it->any) unwatch_all(ch, next_seq, *it);
-      p.queue.erase(it);
+      q.erase(it);
+      if (q.empty()) ports_.erase(pit);
       return true;
     }
   }
