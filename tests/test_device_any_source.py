@@ -212,6 +212,8 @@ def _timeout_body(rank, world):
     g = fc.new_group([0, 1, 2], timeout=1.0)
     out = {}
     if rank == 0:
+        out["alone"] = expect(ValueError, lambda: fc.recv(torch.empty(1, device=DEV), group=fc.new_group([0])),
+                              "no other member")
         # Nobody sends: the recv fails at the group's timeout, taking no message; then a named
         # recv takes rank 1's first message, and the next recv from any source rank 2's.
         w = fc.irecv(torch.empty(2, device=DEV), group=g)
