@@ -6,6 +6,12 @@ namespace fastcomm {
 namespace device {
 
 void PairAgreement::ready(const Item& it, Out& out) {
+  if (leader_) {
+    probed_.erase(it.key);  // a recv took the key: its probe's answer no longer matters
+    answered_.erase(it.key);
+  } else if (probes_.erase(it.key)) {
+    out.frames.push_back(Frame{kOffer, epoch_, {Entry{it.key, it.sig}}});
+  }
   if (cancelled(it.key)) {
     out.failed.push_back({it.token, Why::kCancelled, Sig{}});
     return;
@@ -19,7 +25,14 @@ void PairAgreement::ready(const Item& it, Out& out) {
 }
 
 void PairAgreement::flush(Out& out) {
-  if (!leader_ || to_propose_.empty()) return;
+  if (!leader_) return;
+  if (!to_probe_.empty()) {
+    Frame p{kProbe, epoch_, {}};
+    for (const Key& k : to_probe_) p.entries.push_back(Entry{k, Sig{}});
+    to_probe_.clear();
+    out.frames.push_back(std::move(p));
+  }
+  if (to_propose_.empty()) return;
   Frame f;
   f.type = kPropose;
   f.epoch = epoch_;
@@ -31,9 +44,30 @@ void PairAgreement::flush(Out& out) {
   if (!f.entries.empty()) out.frames.push_back(std::move(f));
 }
 
+void PairAgreement::watch(const Key& k) {
+  watched_.insert(k);
+  if (leader_ && !cancelled(k) && probed_.insert(k).second) to_probe_.push_back(k);
+}
+
+void PairAgreement::unwatch(const Key& k) {
+  watched_.erase(k);
+  // An unanswered probe is forgotten (its late answer is ignored): a message that never comes
+  // holds nothing here.
+  if (leader_ && !answered_.count(k)) probed_.erase(k);
+}
+
+bool PairAgreement::offered(const Key& k) const {
+  if (cancelled(k)) return true;
+  if (leader_) return answered_.count(k) > 0;
+  for (const Entry& e : proposals_)
+    if (e.key == k) return true;
+  return false;
+}
+
 bool PairAgreement::waiting() const {
-  if (!awaiting_.empty()) return true;
-  if (leader_) return open_.size() > to_propose_.size();  // proposed, not answered
+  if (!awaiting_.empty() || !watched_.empty()) return true;
+  // proposed or probed, not answered
+  if (leader_) return open_.size() > to_propose_.size() || probed_.size() > answered_.size();
   return !open_.empty();
 }
 
@@ -88,6 +122,23 @@ void PairAgreement::receive(const Frame& f, Out& out) {
   if (f.epoch < epoch_) return;  // sent before the peer saw this side's reset: stale
   if (f.type == kResetAck) {
     take_floors(f.entries, out);
+    return;
+  }
+  if (f.type == kProbe) {
+    if (leader_) return;
+    // Answered once the send is ready here; the send itself is not claimed.
+    Frame offers{kOffer, epoch_, {}};
+    for (const Entry& e : f.entries) {
+      if (cancelled(e.key) || open_.count(e.key)) offers.entries.push_back(e);
+      else probes_.insert(e.key);
+    }
+    if (!offers.entries.empty()) out.frames.push_back(std::move(offers));
+    return;
+  }
+  if (f.type == kOffer) {
+    if (!leader_) return;
+    for (const Entry& e : f.entries)
+      if (probed_.count(e.key)) answered_.insert(e.key);
     return;
   }
   if (f.type == kPropose) {
@@ -153,6 +204,14 @@ std::vector<Entry> PairAgreement::drop_all(Why why, const std::vector<Key>& laun
   awaiting_.clear();
   to_propose_.clear();
   proposals_.clear();
+  // Probes of the old epoch are lost with it: the leader asks again for what is still watched.
+  probes_.clear();
+  probed_.clear();
+  answered_.clear();
+  to_probe_.clear();
+  if (leader_)
+    for (const Key& k : watched_)
+      if (!cancelled(k) && probed_.insert(k).second) to_probe_.push_back(k);
   std::vector<Entry> floors;
   for (auto& [id, seq] : floor_) floors.push_back(Entry{Key{id, seq}, Sig{}});
   return floors;
@@ -174,6 +233,7 @@ void PairAgreement::take_floors(const std::vector<Entry>& floors, Out& out) {
                    proposals_.end());
   to_propose_.erase(std::remove_if(to_propose_.begin(), to_propose_.end(), [&](const Key& k) { return !open_.count(k); }),
                     to_propose_.end());
+  for (auto it = probes_.begin(); it != probes_.end();) it = cancelled(*it) ? probes_.erase(it) : std::next(it);
 }
 
 }  // namespace device

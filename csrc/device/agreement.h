@@ -19,12 +19,19 @@
 // - Release. The leader of an idle pair may end the epoch with kRelease: nothing fails, both
 //   drop the communicator, the next proposal brings a new one. Only the leader releases: it
 //   knows no proposal of its is in flight, so none can be made stale by it.
+// - Receives from any source (docs/design.md, "recv from any source"). The receiver binds such a
+//   recv to a sender's next message only once that message's send is known ready there: it
+//   watches the key; as follower it sees the leader's proposal of the send, as leader it probes
+//   (kProbe) and the follower answers once its send is ready (kOffer). Neither claims the send:
+//   it stays ready, and is agreed as usual once a recv takes its key. A key under a floor counts
+//   as offered (a recv bound to it fails, as a specific one would).
 // - Why it cannot deadlock: an item waits only for the peer's word on it (a proposal, a commit,
 //   a decision), which the peer sends once it has the item ready, or never if it cancelled it,
 //   and then the floors reach this side and fail it. Nothing waits on an item issued later.
 #include <cstdint>
 #include <deque>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "device/ops.h"
@@ -97,11 +104,19 @@ class PairAgreement {
   // follower); the next proposal starts a new epoch with a new one. False if it holds items.
   bool release(Out& out);
 
+  // A recv from any source would take the peer's send `k` once it is ready (idempotent).
+  void watch(const Key& k);
+  void unwatch(const Key& k);
+  // Whether the peer's send `k` is known ready (or cancelled): a recv bound to it is answered.
+  bool offered(const Key& k) const;
+
   // Whether any item waits for the peer's word (a receive should be posted).
   bool waiting() const;
-  // Whether any item is held.
-  bool holding() const { return !open_.empty() || !awaiting_.empty(); }
-  bool has_proposals_to_send() const { return !to_propose_.empty(); }
+  // Whether any item is held, watched or probed.
+  bool holding() const {
+    return !open_.empty() || !awaiting_.empty() || !watched_.empty() || probed_.size() > answered_.size();
+  }
+  bool has_proposals_to_send() const { return !to_propose_.empty() || !to_probe_.empty(); }
 
  private:
   bool cancelled(const Key& k) const {
@@ -125,6 +140,12 @@ class PairAgreement {
   std::deque<Entry> proposals_;                  // follower: proposed, no matching item yet
   std::unordered_map<Key, Item, KeyHash> awaiting_;  // follower: committed agreement items
   std::unordered_map<uint64_t, uint64_t> floor_;     // per group: sequence numbers cancelled
+  // Receives from any source.
+  std::unordered_set<Key, KeyHash> watched_;   // keys an unbound recv here would take
+  std::deque<Key> to_probe_;                   // leader: probes not sent yet
+  std::unordered_set<Key, KeyHash> probed_;    // leader: probes sent (or queued) this epoch
+  std::unordered_set<Key, KeyHash> answered_;  // leader: ... and answered (a subset)
+  std::unordered_set<Key, KeyHash> probes_;    // follower: probes whose send is not ready here yet
 };
 
 }  // namespace device

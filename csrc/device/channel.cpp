@@ -228,7 +228,7 @@ void ChannelEngine::send_frame(Channel& c, FrameType type, const std::vector<Ent
 void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
   FrameHead h;
   std::memcpy(&h, d, sizeof(h));
-  TORCH_INTERNAL_ASSERT(h.count <= kMaxEntries && h.type >= kPropose && h.type <= kGroupRelease, "bad control frame");
+  TORCH_INTERNAL_ASSERT(h.count <= kMaxEntries && h.type >= kPropose && h.type <= kOffer, "bad control frame");
   Frame f;
   f.type = (FrameType)h.type;
   f.epoch = h.epoch;

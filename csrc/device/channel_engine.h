@@ -8,11 +8,13 @@
 //   health.cpp     deadlines, peers gone, teardown
 //   ipc_channel.cpp a same-host pair's channel over CUDA IPC (device/ipc_link.h) instead of NCCL
 //   graph.cpp      a plan captured into a CUDA graph (device/graph.h), on the caller's thread
+//   any_source.cpp recvs bound to their sender when posted without one (device/recv_ports.h)
 // Every runtime call on a communicator or an engine stream is made by the engine thread, so an
 // abort never races another call on the same communicator.
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -24,6 +26,7 @@
 #include "device/ipc_link.h"
 #include "device/ops.h"
 #include "device/publisher.h"
+#include "device/recv_ports.h"
 
 namespace fastcomm {
 namespace device {
@@ -139,6 +142,7 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   void main();
   bool pass();
   void admit(std::unique_ptr<DevOp> op);
+  void chain(DevOp* op);
   void make_ready(DevOp* op);
   void part_launched(Part* p);
   // A channel's launch, NCCL or IPC: its stream first waits for each committed part's inputs
@@ -215,6 +219,10 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   // the members (kGroupRelease); the next op brings a new one with its kGo.
   void release_idle_groups(Clock::time_point now);
 
+  // ---- receives from any source (recv_ports.cpp's RecvPorts, driven in any_source.cpp)
+  // Binds unbound recvs whose sender is known (and fails those that cannot be), in posting order.
+  bool bind_receives();
+
   // ---- health and teardown (health.cpp)
   bool check_health();
   void teardown();
@@ -239,6 +247,8 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   std::condition_variable done_cv_;  // wakes waiters
   std::vector<std::unique_ptr<DevOp>> incoming_;
   std::unordered_map<uint64_t, uint64_t> next_seq_;
+  // Per (group, tag): recvs posted and not bound yet; while any is, that port's recvs queue.
+  std::map<RecvPorts::PortKey, int> port_unbound_;
   // A blocking call returns once its op is enqueued; an error found after that is raised by the
   // group's next op.
   std::unordered_map<uint64_t, std::string> deferred_;
@@ -253,6 +263,8 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   std::vector<std::unique_ptr<DevOp>> live_;
   std::unordered_map<int, std::unique_ptr<Channel>> channels_;
   std::unordered_map<uint64_t, std::unique_ptr<GroupComm>> groups_;
+  RecvPorts ports_;                // unbound recvs, per (group, tag)
+  std::vector<DevOp*> unbound_;    // ... their ops (deadlines)
   std::unordered_map<uint64_t, Stream> joins_;  // the end work of ops of 3+ on channels, per group
   std::vector<Stream> free_joins_;
   const std::chrono::milliseconds idle_release_;

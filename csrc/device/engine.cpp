@@ -72,6 +72,8 @@ c10::intrusive_ptr<Work> ChannelEngine::post(std::vector<DeviceOp> dops, bool as
   std::vector<at::Tensor> outputs;
   c10d::OpType type = dops.size() == 1 ? op_kind_type(dops[0].req.kind) : c10d::OpType::COALESCED;
   for (auto& d : dops) {
+    TORCH_CHECK_VALUE(!single_ || !d.recv_port || d.req.peer != kAnySource, "fastcomm.recv: rank ", rank_, ", group ",
+                      d.label, ": a recv from any source needs the agreed channels (not FASTCOMM_DEVICE_SCHEME=single-stream)");
     ops.push_back(lower(d, batch, Lowering{*rt_, alloc_, rank_, !single_, group_comm_bytes_}));
     const OpRequest& r = d.req;
     if (r.kind == OpKind::kAllGather) outputs.insert(outputs.end(), r.list.begin(), r.list.end());
@@ -82,6 +84,7 @@ c10::intrusive_ptr<Work> ChannelEngine::post(std::vector<DeviceOp> dops, bool as
   EventPtr input = events_->record(caller);
   batch->work = c10::make_intrusive<DeviceWork>(shared_from_this(), rank_, type, std::move(outputs), 1, async_op);
   batch->left = batch->unlaunched = (int)ops.size();
+  batch->one_op = ops.size() == 1;
   const auto now = Clock::now();
   auto work = batch->work;
   {
@@ -89,7 +92,16 @@ c10::intrusive_ptr<Work> ChannelEngine::post(std::vector<DeviceOp> dops, bool as
     if (broken_) std::rethrow_exception(broken_);
     for (size_t i = 0; i < ops.size(); ++i) {
       DevOp& op = *ops[i];
-      op.key = Key{dops[i].id, next_seq_[dops[i].id]++};
+      if (op.recv_port) {
+        // A recv from any source, and any recv of its (group, tag) posted while one waits, take
+        // their receive numbers when bound, in posting order (device/recv_ports.h).
+        auto it = port_unbound_.find(op.port);
+        if (op.any_source || it != port_unbound_.end()) {
+          op.unbound = true;
+          ++port_unbound_[op.port];
+        }
+      }
+      if (!op.unbound) op.key = Key{dops[i].id, next_seq_[dops[i].id]++};
       op.input = input;
       op.deadline = now + op.timeout;
       incoming_.push_back(std::move(ops[i]));
@@ -260,6 +272,16 @@ void ChannelEngine::main() {
 void ChannelEngine::admit(std::unique_ptr<DevOp> op) {
   DevOp* o = op.get();
   live_.push_back(std::move(op));  // first: whatever throws below, teardown still fails it
+  if (o->unbound) {
+    ports_.post(o->port, RecvPorts::Recv{o, o->any_source, o->from});
+    unbound_.push_back(o);
+    return;
+  }
+  chain(o);
+}
+
+// The op joins its group's order: ready now, or once the previous op is enqueued.
+void ChannelEngine::chain(DevOp* o) {
   if (o->group_op) {
     auto& g = groups_[o->key.id];
     if (!g) {
@@ -333,6 +355,7 @@ bool ChannelEngine::pass() {
   chans.clear();
   for (auto& [peer, c] : channels_) chans.push_back(c.get());
   if (single_) moved |= launch_single();
+  moved |= bind_receives();
   for (Channel* c : chans) {
     try {
       moved |= pump(*c);

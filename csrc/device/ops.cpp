@@ -103,6 +103,12 @@ std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, c
   op->label = d.label;
   op->batch = batch;
   op->timeout = d.timeout;
+  if (d.recv_port) {
+    op->recv_port = true;
+    op->port = {d.port_group, d.port_tag};
+    op->any_source = r.peer == kAnySource;
+    op->from = d.from;
+  }
   const bool reduces = r.kind == OpKind::kAllReduce || r.kind == OpKind::kReduceScatter ||
                        r.kind == OpKind::kReduceScatterTensor || r.kind == OpKind::kReduce;
   const at::Tensor& typed = r.kind == OpKind::kAllToAll ? r.inputs.at(0) : r.output.defined() ? r.output : r.tensor;

@@ -74,6 +74,8 @@ enum FrameType : uint32_t {
   kResetAck = 8,
   kRelease = 9,
   kGroupRelease = 10,  // the group's rank 0 released the group's communicator (entries: Key{group, 0})
+  kProbe = 11,         // leader: is your send with this key ready? (a recv from any source, unbound)
+  kOffer = 12,         // follower: it is (or it was cancelled); the send stays where it was
 };
 struct FrameHead {
   uint32_t type = 0;
@@ -154,6 +156,13 @@ struct DevOp {
   Collective coll;
   bool leads = false;  // this rank is the group's rank 0 (it decides go or refuse)
   DevOp* next = nullptr;  // the group's next op
+  // A recv on its (group, tag)'s port (device/recv_ports.h). An unbound one (from any source,
+  // or posted while one waits ahead of it) has no key until it is bound.
+  bool recv_port = false;
+  std::pair<uint64_t, int64_t> port;
+  bool unbound = false;
+  bool any_source = false;
+  std::vector<DeviceOp::Sender> from;
   std::shared_ptr<Batch> batch;
 };
 
@@ -170,6 +179,7 @@ struct Batch {
   // these, and settles once they have run.
   std::vector<std::pair<Stream, EventPtr>> ends;
   std::vector<uint64_t> groups;  // the ops' group ids (deferred errors)
+  bool one_op = false;           // a single op: a recv from any source sets the Work's source rank
 };
 
 // How ops are lowered on this engine.

@@ -23,6 +23,17 @@ struct DeviceOp {
   uint64_t id = 0;         // the group's id (send/recv: the pair channel's), equal on all members
   std::chrono::milliseconds timeout{0};  // the group's op timeout
   std::string label;
+  // A recv: matched on its (group, tag)'s receive port in posting order, with its candidate
+  // senders (one, or every other member for a recv from any source).
+  struct Sender {
+    int rank;        // global
+    int group_rank;  // Work.source_rank()
+    uint64_t id;     // the channel (group, sender -> this rank, tag)
+  };
+  bool recv_port = false;
+  uint64_t port_group = 0;
+  int port_tag = 0;
+  std::vector<Sender> from;
 };
 
 // A plan's ops captured into a CUDA graph (device/graph.h): every member captured the same

@@ -130,11 +130,22 @@ Engine::Prepared Engine::prepare(OpRequest req, const GroupHandle& g) {
     // On the device path, a pair's any-source recv can only be from the other member.
     if (!sending && req.peer == kAnySource && p.on_device && g.ranks.size() == 2)
       req.peer = g.ranks[0] == opts_.rank ? g.ranks[1] : g.ranks[0];
+    if (!sending && req.peer == kAnySource && p.on_device) {
+      // Bound by the device engine to the first member whose message is ready there, on its
+      // (group, tag)'s receive port (device/recv_ports.h): every other member's channel to this one.
+      p.type = c10d::OpType::RECVANYSOURCE;
+      p.group = g.state;
+      p.recv_group = g.id;
+      p.tag = req.tag;
+      std::lock_guard<std::mutex> lk(mu_);
+      for (size_t i = 0; i < g.ranks.size(); ++i)
+        if (g.ranks[i] != opts_.rank)
+          p.from.push_back({g.ranks[i], (int)i, groups_.channel(g, g.ranks[i], opts_.rank, req.tag).state->id});
+      p.req = std::move(req);
+      return p;
+    }
     if (!sending && req.peer == kAnySource) {
       // The channel, and so the op, is known once a member's message is matched to it.
-      TORCH_CHECK_VALUE(!p.on_device, "fastcomm.recv: rank ", opts_.rank, ", group ", g.label(),
-                        ": a recv from any source (src None) in a group of more than two is not supported for ",
-                        p.device, " tensors on the device path yet; name the sender");
       p.type = c10d::OpType::RECVANYSOURCE;
       p.group = g.state;
       p.op = std::make_unique<UnboundRecv>(std::move(req));
@@ -144,6 +155,12 @@ Engine::Prepared Engine::prepare(OpRequest req, const GroupHandle& g) {
     const int src = sending ? opts_.rank : req.peer, dst = sending ? req.peer : opts_.rank;
     std::lock_guard<std::mutex> lk(mu_);
     p.group = groups_.channel(g, src, dst, req.tag).state;
+    if (!sending && p.on_device) {
+      // Behind a recv from any source of its (group, tag), it waits for that one's binding.
+      p.recv_group = g.id;
+      p.tag = req.tag;
+      p.from.push_back({req.peer, p.source, p.group->id});
+    }
   } else {
     p.group = g.state;
   }
@@ -174,6 +191,12 @@ c10::intrusive_ptr<Work> Engine::post(PreparedOps& ops, bool async_op, bool hidd
                         ": a batch runs on one device; it holds ops on ", dev, " and on ", p.device);
       const GroupState& g = *p.group;
       dops.push_back(DeviceOp{std::move(p.req), g.ranks, g.rank, g.id, g.timeout, ranks_label(g.ranks)});
+      if (!p.from.empty()) {
+        dops.back().recv_port = true;
+        dops.back().port_group = p.recv_group;
+        dops.back().port_tag = p.tag;
+        dops.back().from = std::move(p.from);
+      }
     }
     const int source = ops.size() == 1 ? ops[0].source : -1;
     // A blocking op the caller gets no Work of (`hidden`: the native API) raises its own error.

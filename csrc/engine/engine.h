@@ -108,6 +108,7 @@ class Engine final : public Waiter, public HostLink, public std::enable_shared_f
     uint64_t recv_group = 0;
     int tag = 0;
     int source = -1;
+    std::vector<DeviceOp::Sender> from;  // a device recv: its candidate senders (device/recv_ports.h)
   };
   // Every argument check, before anything is sent. Takes the lock for send/recv (channels).
   Prepared prepare(OpRequest req, const GroupHandle& g);
