@@ -340,10 +340,11 @@ void Progress::health_locked(Done& done) {
   auto look = [&](const std::vector<int>& ranks) {
     for (int r : ranks) {
       if (r == rank_ || dead_[r]) continue;
-      // A remote peer's death shows as a failed receive, so it needs a receiver even when this
-      // rank's ops never read from it (a hierarchical op's member, or leader, on another host).
+      // A remote peer's death shows only on a connection this rank holds: a member it never
+      // talks to (a hierarchical op's member, or leader, on another host) is not connected to
+      // for it (connections follow traffic); its death reaches this rank through the peers
+      // that do talk to it, which fail the op and tell the other members.
       Transport* tr = tr_.of(r);
-      tr->connect(r);
       if (!tr->peer_alive(r)) {
         dead_[r] = 1;
         ++n_dead_;
@@ -379,6 +380,12 @@ void Progress::health_locked(Done& done) {
       msg = failure_prefix(g, p) + " timed out after " + std::to_string(g.timeout.count()) +
             " ms, the group's timeout (new_group's, else init's); a member stalled or issued "
             "this group's collectives in a different order";
+      for (int r : g.ranks) {
+        if (r == rank_) continue;
+        Transport* t = tr_.of(r);
+        const std::string why = t ? t->pending_reason(r) : std::string();
+        if (!why.empty()) msg += "; " + why;
+      }
     }
     if (msg.empty()) {
       ++i;
