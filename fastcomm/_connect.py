@@ -140,7 +140,9 @@ class Connector:
             asked = peer in self._asked_by
         if not asked:
             self._ask(peer, self._rank)
-        store = dist.PrefixStore(f"{self._prefix}{lo}-{hi}/", self._client())
+        # (Held here: a store written in Python lives only while its Python object does.)
+        client = self._client()
+        store = dist.PrefixStore(f"{self._prefix}{lo}-{hi}/", client)
         store.set(f"here/{self._rank}", "1")
         slices = iter(_WAIT_SLICES)
         wait = next(slices)
