@@ -6,8 +6,10 @@ two ring neighbours: fastcomm and torch Gloo (eager and lazy connections) in the
 Hosts are simulated (FASTCOMM_HOST_ID per rank for fastcomm; torch Gloo never shares memory, so
 its layout does not matter to it): ``every`` gives each rank a host of its own, a number H puts
 W/H consecutive ranks on each of H hosts. Each rank makes a group with each neighbour, (r-1, r)
-and (r, r+1) mod W (fastcomm.new_group by the two members; torch's new_group with
-use_local_synchronization=True, also by the two members), runs ROUNDS all_reduces of 1,000
+and (r, r+1) mod W (fastcomm.new_group by the two members; torch's new_group by every rank for every ring
+pair, in the same order, as its docs require: with use_local_synchronization=True, by the two
+members only, the second pair's ProcessGroupGloo constructor hung on both members here, torch
+2.13), runs ROUNDS all_reduces of 1,000
 float32 on each and checks the results. Per rank (the median rank, and the most any rank
 paid), it reports:
 
@@ -82,7 +84,12 @@ def _body(tcp, rank, world, impl, hosts):
     else:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         t1 = time.perf_counter()
-        groups = [dist.new_group(list(p), use_local_synchronization=True) for p in _pairs(rank, world)]
+        made = {}
+        for i in range(world):
+            p = tuple(sorted((i, (i + 1) % world)))
+            if p not in made:
+                made[p] = dist.new_group(list(p))
+        groups = [made[p] for p in _pairs(rank, world)]
 
         def all_reduce(t, g):
             dist.all_reduce(t, group=g)
