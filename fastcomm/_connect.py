@@ -80,6 +80,8 @@ class Connector:
         end at their next look (at most the last slice)."""
         self._stopped.set()
         try:
+            # A peer still waiting to meet this rank (it holds something for it) stops waiting.
+            self._base.set(f"{self._prefix}left/{self._rank}", "1")
             self._ask(self._rank, -1)
         except Exception:  # the store is gone (its server's process left): so is the wait
             pass
@@ -144,6 +146,7 @@ class Connector:
         client = self._client()
         store = dist.PrefixStore(f"{self._prefix}{lo}-{hi}/", client)
         store.set(f"here/{self._rank}", "1")
+        left = dist.PrefixStore(f"{self._prefix}left/", client)
         slices = iter(_WAIT_SLICES)
         wait = next(slices)
         while not self._stopped.is_set():
@@ -153,6 +156,8 @@ class Connector:
             except dist.DistStoreError as e:
                 if "timeout" not in str(e).lower():
                     raise
+                if left.check([str(peer)]):
+                    raise RuntimeError(f"rank {peer} shut down before it connected to rank {self._rank}")
                 wait = next(slices, wait)
         return False
 

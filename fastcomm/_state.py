@@ -341,11 +341,12 @@ def shutdown() -> None:
         _C.set_current(None, None)
     if e is not None:
         global _gloo, _token
-        if _gloo is not None:
-            _gloo.stop()
-        _gloo = None
-        _token = None
+        connector, _gloo, _token = _gloo, None, None
+        # The connector runs on through the engine's shutdown: data held for a peer whose
+        # connection is being made goes out in its closing handshake.
         e.shutdown()
+        if connector is not None:
+            connector.stop()
 
 
 atexit.register(shutdown)

@@ -169,9 +169,11 @@ void GlooTransport::connect(int peer) {
 
 std::vector<int> GlooTransport::wanted() {
   std::unique_lock<std::mutex> lk(want_mu_);
-  want_cv_.wait(lk, [&] { return closing_flag_.load() || !want_.empty(); });
+  // Served until stop() is past its closing handshake: a peer leaving with data for this rank
+  // (an abort notice) may ask for the connection while this rank leaves too.
+  want_cv_.wait(lk, [&] { return stop_.load() || !want_.empty(); });
   std::vector<int> out;
-  if (!closing_flag_) out.swap(want_);
+  if (!stop_) out.swap(want_);
   return out;
 }
 
@@ -181,7 +183,8 @@ bool GlooTransport::attach(int peer, c10::intrusive_ptr<c10d::Backend> pg, int p
   Peer& p = *peers_[peer];
   {
     std::lock_guard<std::mutex> lk(link_start_mu_);
-    if (closing_flag_ || p.link.load() != 1) return false;
+    // Still during stop()'s handshake: data held for this peer must reach it (close_handshake).
+    if (stop_ || p.link.load() != 1) return false;
     if (!reaper_.joinable()) {
       reaper_ = std::thread([this] { reap_main(); });
       pthread_setname_np(reaper_.native_handle(), "fc_gloo_reap");
@@ -208,6 +211,10 @@ bool GlooTransport::attach(int peer, c10::intrusive_ptr<c10d::Backend> pg, int p
     p.thread = std::thread([this, peer] { recv_main(peer); });
     pthread_setname_np(p.thread.native_handle(), "fc_gloo_recv");
   }
+  {
+    std::lock_guard<std::mutex> lk(close_mu_);  // stop() may wait for this connection
+  }
+  close_cv_.notify_all();
   connected_.fetch_add(1);
   send_cv_.notify_one();
   bell_.ring();
@@ -745,6 +752,20 @@ void GlooTransport::close_handshake() {
   // Only peers that got data from us can lose some; the others need nothing from us. Sending
   // "closing" to a peer that has no receiver for us (it made no group with us) would wait out
   // the linger, but then it never used our data either, and so it is not asked.
+  const auto until = std::min(stop_deadline_, std::chrono::steady_clock::now() + kCloseWait);
+  {
+    // Data held for a peer whose connection is still being made (this rank failed an op early
+    // and leaves: the op's message, the abort notice) must reach it, or the peer waits out its
+    // timeout instead of failing on them: the connector attaches it meanwhile.
+    std::unique_lock<std::mutex> lk(close_mu_);
+    close_cv_.wait_until(lk, until, [&] {
+      for (int r = 0; r < world_size_; ++r) {
+        const Peer& p = *peers_[r];
+        if (p.link.load() == 1 && p.sent_data && !p.dead) return false;
+      }
+      return true;
+    });
+  }
   std::vector<int> waiting;
   for (int r = 0; r < world_size_; ++r) {
     Peer& p = *peers_[r];
@@ -754,7 +775,6 @@ void GlooTransport::close_handshake() {
     waiting.push_back(r);
   }
   if (waiting.empty()) return;
-  const auto until = std::min(stop_deadline_, std::chrono::steady_clock::now() + kCloseWait);
   std::unique_lock<std::mutex> lk(close_mu_);
   close_cv_.wait_until(lk, until, [&] {
     for (int r : waiting) {
@@ -776,6 +796,12 @@ void GlooTransport::stop() {
     closing_ = true;
     closing_flag_ = true;
   }
+  // Receivers keep running meanwhile: they answer peers that close too, and bring our answers.
+  close_handshake();
+  {
+    std::lock_guard<std::mutex> lk(send_mu_);
+    stop_ = true;
+  }
   {
     // No connection is attached from here on (one being attached finishes first), and the
     // connector stops asking.
@@ -785,12 +811,6 @@ void GlooTransport::stop() {
     std::lock_guard<std::mutex> lk(want_mu_);
   }
   want_cv_.notify_all();
-  // Receivers keep running meanwhile: they answer peers that close too, and bring our answers.
-  close_handshake();
-  {
-    std::lock_guard<std::mutex> lk(send_mu_);
-    stop_ = true;
-  }
   send_cv_.notify_all();
   // Sends first: a frame already handed to Gloo should still reach its peer (the peer may be
   // waiting for this rank's last message) before the connections go. The reaper may be in an
