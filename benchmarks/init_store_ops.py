@@ -83,6 +83,13 @@ class CountingStore(dist.Store):
     def has_extended_api(self):
         return True
 
+    def clone(self):
+        """Another client of the same server, counted with this one."""
+        c = CountingStore(self.inner.clone())
+        c.counts = self.counts
+        self._count(["clone"])  # the new client's connection: a round trip
+        return c
+
 
 def _rank(rank, world, host, port, out):
     os.environ["FASTCOMM_HOST_ID"] = host

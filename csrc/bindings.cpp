@@ -665,7 +665,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("attach_peers", &Engine::attach_peers, py::call_guard<py::gil_scoped_release>())
       .def("unlink_segment", &Engine::unlink_segment, py::call_guard<py::gil_scoped_release>())
       .def("abandon_init", &Engine::abandon_init, py::call_guard<py::gil_scoped_release>())
-      .def("set_gloo", &Engine::set_gloo, py::arg("process_group"), py::call_guard<py::gil_scoped_release>())
+      .def("start_gloo", &Engine::start_gloo, py::call_guard<py::gil_scoped_release>())
+      .def("gloo_wanted", &Engine::gloo_wanted, py::call_guard<py::gil_scoped_release>())
+      .def("gloo_connect", &Engine::gloo_connect, py::arg("peer"), py::call_guard<py::gil_scoped_release>())
+      .def("gloo_attach", &Engine::gloo_attach, py::arg("peer"), py::arg("process_group"), py::arg("peer_rank"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("gloo_attach_failed", &Engine::gloo_attach_failed, py::arg("peer"), py::arg("why"),
+           py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
       .def(
           "init_cuda", [](Engine& e, int device) { e.init_device(c10::Device(c10::kCUDA, (c10::DeviceIndex)device)); },
@@ -688,6 +694,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("counters", &Engine::counters, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("gloo_frames_sent", counter("gloo.frames_sent"))
       .def_property_readonly("gloo_closes_sent", counter("gloo.closes_sent"))
+      .def_property_readonly("gloo_connected", counter("gloo.connected"))
       .def_property_readonly("gloo_bulk_started", counter("gloo.bulk_started"))
       .def_property_readonly("gloo_bulk_live", counter("gloo.bulk_live"))
       .def_property_readonly("gloo_frames_unreaped", counter("gloo.frames_unreaped"))

@@ -21,17 +21,16 @@ from typing import Iterable, List, Optional, Sequence
 
 import torch.distributed as dist
 
-from . import _C
+from . import _C, _connect
 
 _lock = threading.Lock()
 _engine: Optional[_C.Engine] = None
 _world: Optional["Group"] = None
-_gloo = None  # the world Gloo process group of this session, when the job spans hosts
+_gloo = None  # the session's Gloo connector (fastcomm/_connect.py), when the job spans hosts
 _generation = 0  # how many times this process called init(); keys each rendezvous apart
 _token: Optional[str] = None  # the job's random token of the current session (names its segments)
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
-_GLOO_IDLE_TIMEOUT = timedelta(days=7)
 
 
 class Group:
@@ -111,8 +110,8 @@ def init(timeout=None, store: Optional[dist.Store] = None, rank: Optional[int] =
         elif rank is None or world_size is None:
             raise ValueError("fastcomm.init: 'rank' and 'world_size' are required with 'store'")
         _generation += 1
-        store = dist.PrefixStore(_store_prefix(_generation), store)
-        engine = _rendezvous(store, rank, world_size, timeout)
+        prefix = _store_prefix(_generation)
+        engine = _rendezvous(dist.PrefixStore(prefix, store), rank, world_size, timeout, store, prefix)
         try:
             world = engine.new_group(list(range(world_size)))
         except Exception:
@@ -177,7 +176,8 @@ def _count_in(store: dist.Store, key: str, n: int, timeout: timedelta) -> None:
     store.wait([key + "/all"], timeout)
 
 
-def _rendezvous(store: dist.Store, rank: int, world: int, timeout: timedelta) -> _C.Engine:
+def _rendezvous(store: dist.Store, rank: int, world: int, timeout: timedelta, base: dist.Store,
+                prefix: str) -> _C.Engine:
     settings = _C.Settings.from_env()  # every FASTCOMM_* variable, parsed once
     ring_bytes = settings.ring_bytes
     identity = _host_identity(settings)
@@ -230,51 +230,14 @@ def _rendezvous(store: dist.Store, rank: int, world: int, timeout: timedelta) ->
     global _gloo
     _gloo = None
     if len(layout["hosts"]) > 1:
+        # No connection yet: each is made when first needed (fastcomm/_connect.py).
         try:
-            _gloo = _world_gloo(store, rank, world, timeout)
-            # A rank's mesh is complete before its peers' are: leaving init (and perhaps
-            # shutting down, closing its sockets) before every peer has finished connecting
-            # would fail a peer still inside its connect loop with "closed by peer".
-            _count_in(store, "gloo-connected", world, timeout)
-            engine.set_gloo(_gloo)
+            engine.start_gloo()
+            _gloo = _connect.Connector(engine, base, prefix, rank, timeout)
         except BaseException:
             engine.shutdown()
             raise
     return engine
-
-
-def _world_gloo(store: dist.Store, rank: int, world: int, timeout: timedelta):
-    """The one Gloo process group over the whole world that carries every cross-host message
-    (of every group). Made only when the job spans hosts, here at init because every rank takes
-    part in making it (groups are made by their members alone, so no later point has them all).
-
-    Connections are made eagerly (full mesh), not with Gloo's lazy init: a lazy connection is
-    opened inside the first send, which the engine issues under its progress lock, and to a
-    peer that died meanwhile it retries until Gloo's timeout instead of failing."""
-    saved = os.environ.get("TORCH_GLOO_LAZY_INIT")
-    os.environ["TORCH_GLOO_LAZY_INIT"] = "0"
-    try:
-        # Gloo's timeout also bounds how long a posted receive may wait, and a receive for
-        # the next message from a peer stays posted while that peer is idle, so it must not
-        # fire; ops are timed by the engine (the init timeout) instead. Every rank has already
-        # passed the rendezvous, so connecting cannot wait on a rank that never came.
-        ifnames = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
-        if len(ifnames) <= 1:
-            return dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world,
-                                         _GLOO_IDLE_TIMEOUT)
-        # Several interfaces would give Gloo one connection per interface, and messages go
-        # over one or another by tag: bulk transfers would then not travel on the connection
-        # of the frames, and the closing handshake (an answer on the frames' connection) would
-        # no longer prove that the peer has read them. So one connection: the first interface.
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = _GLOO_IDLE_TIMEOUT
-        opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifnames[0])]
-        return dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world, opts)
-    finally:
-        if saved is None:
-            del os.environ["TORCH_GLOO_LAZY_INIT"]
-        else:
-            os.environ["TORCH_GLOO_LAZY_INIT"] = saved
 
 
 def _live() -> Optional[_C.Engine]:
@@ -378,9 +341,12 @@ def shutdown() -> None:
         _C.set_current(None, None)
     if e is not None:
         global _gloo, _token
-        _gloo = None  # the engine holds its own reference until it is gone
-        _token = None
+        connector, _gloo, _token = _gloo, None, None
+        # The connector runs on through the engine's shutdown: data held for a peer whose
+        # connection is being made goes out in its closing handshake.
         e.shutdown()
+        if connector is not None:
+            connector.stop()
 
 
 atexit.register(shutdown)

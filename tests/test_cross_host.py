@@ -532,13 +532,16 @@ def _receivers_body(rank, world):
     before = _receiver_threads()  # after init, which made the world group
     fc.new_group(range(world))  # another group of the whole world: still none
     world_too = _receiver_threads()
-    fc.new_group([rank, rank ^ 1])  # a pair across hosts: the receiver for that peer
-    pair = _receiver_threads()
-    fc.new_group([rank, rank ^ 1])  # the same peer again: no second one
+    g = fc.new_group([rank, rank ^ 1])  # a pair across hosts: none until it is used
+    made = _receiver_threads()
+    fc.all_reduce(torch.ones(3), group=g)  # its first op: the connection and its receiver
+    used = _receiver_threads()
+    g2 = fc.new_group([rank, rank ^ 1])  # the same peer again: no second one
+    fc.all_reduce(torch.ones(3), group=g2)
     again = _receiver_threads()
     # A peer that shut down first would end this rank's receiver for it before it is counted.
-    fc.barrier()
-    return before, world_too, pair, again
+    fc.barrier(group=g)
+    return before, world_too, made, used, again
 
 
 def _leave_at_once_body(rank, world):
@@ -554,11 +557,11 @@ def test_a_rank_leaving_right_after_init_does_not_fail_peers_still_connecting():
         assert run(_leave_at_once_body, 6, hosts=list("ABCDEF")) == list(range(6))
 
 
-def test_receivers_start_with_groups_smaller_than_the_world():
-    # One receiver thread per remote peer this rank shares a (non-world) group with, started
-    # when the group is made; none for the world group every job has.
+def test_receivers_start_with_the_first_op_with_a_peer():
+    # One receiver thread per remote peer this rank has talked to, started with the connection
+    # at the first op; none for making groups, the world's or smaller ones.
     res = run(_receivers_body, 4, hosts=EVERY)
-    assert res == [(0, 0, 1, 1)] * 4
+    assert res == [(0, 0, 0, 1, 1)] * 4
 
 
 def test_a_slow_peer_does_not_hold_back_frames_to_others():

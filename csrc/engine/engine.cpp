@@ -64,18 +64,29 @@ void Engine::abandon_init() {
   shutdown();
 }
 
-void Engine::set_gloo(c10::intrusive_ptr<c10d::Backend> pg) {
+void Engine::start_gloo() {
   std::lock_guard<std::mutex> lk(mu_);
-  TORCH_CHECK(!shut_down_, "fastcomm: rank ", opts_.rank, ": set_gloo after shutdown()");
+  TORCH_CHECK(!shut_down_, "fastcomm: rank ", opts_.rank, ": start_gloo after shutdown()");
   TORCH_CHECK(!transports_.spans_hosts(), "fastcomm: rank ", opts_.rank, ": the Gloo transport is already set");
   driver_.prefer_sleep();
-  transports_.attach_gloo(std::move(pg), opts_.rank, std::chrono::milliseconds(opts_.timeout_ms),
-                          opts_.settings.gloo_bulk_bytes);
+  transports_.attach_gloo(opts_.rank, std::chrono::milliseconds(opts_.timeout_ms), opts_.settings.gloo_bulk_bytes);
   // The transport thread that sees a transfer end runs the pass that uses it: waking a sleeping
   // driver for that would cost a context switch per op. The driver is woken once its Work is.
   transports_.set_delivery_hook([this] { return progress_.from_transport(); });
   transports_.set_close_gate([this](int peer) { return progress_.busy_with(peer); });
 }
+
+// The Gloo transport lives until the engine does, and is set once before the connector
+// starts: these read it without the engine lock.
+std::vector<int> Engine::gloo_wanted() { return transports_.gloo_wanted(); }
+
+void Engine::gloo_connect(int peer) { transports_.gloo_connect(peer); }
+
+bool Engine::gloo_attach(int peer, c10::intrusive_ptr<c10d::Backend> pg, int peer_rank) {
+  return transports_.gloo_attach(peer, std::move(pg), peer_rank);
+}
+
+void Engine::gloo_attach_failed(int peer, const std::string& why) { transports_.gloo_attach_failed(peer, why); }
 
 std::map<std::string, uint64_t> Engine::counters() {
   std::lock_guard<std::mutex> lk(mu_);

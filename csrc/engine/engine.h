@@ -80,9 +80,19 @@ class Engine final : public Waiter, public HostLink, public std::enable_shared_f
   // A failed init: removes the names of every same-host rank's segment (a rank that died
   // mid-init cannot remove its own) and shuts down.
   void abandon_init();
-  // Hands over the world Gloo process group that reaches ranks on other hosts (made by the
-  // Python layer when the job spans hosts); without it, groups spanning hosts are refused.
-  void set_gloo(c10::intrusive_ptr<c10d::Backend> pg);
+  // Reaches ranks on other hosts through Gloo (called by the Python layer when the job spans
+  // hosts); without it, groups spanning hosts are refused. Connections are made per peer when
+  // first needed, by the Python layer's connector through the gloo_* calls below.
+  void start_gloo();
+  // The connector's calls (no engine lock; blocking ones are bound without the GIL):
+  // gloo_wanted() blocks until peers need a connection (returns them; empty once stopping).
+  std::vector<int> gloo_wanted();
+  // `peer` asked this rank for a connection (it has something to send it): want one too.
+  void gloo_connect(int peer);
+  // Hands over the two-rank process group with `peer` (`peer_rank`: its rank there); false if
+  // the engine stopped meanwhile.
+  bool gloo_attach(int peer, c10::intrusive_ptr<c10d::Backend> pg, int peer_rank);
+  void gloo_attach_failed(int peer, const std::string& why);
 
   // timeout_ms: how long each op of the groups may take; 0 = the engine's (init's) timeout.
   GroupHandle new_group(std::vector<int> ranks, int64_t timeout_ms = 0);

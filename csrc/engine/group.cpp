@@ -57,13 +57,6 @@ std::vector<GroupHandle> GroupRegistry::create(const std::vector<std::vector<int
     for (int r : ranks)
       TORCH_CHECK(tr.reaches(r), "fastcomm.new_group: rank ", me, ": group ", ranks_label(ranks),
                   " spans hosts (rank ", r, " is on another host) but this engine has no Gloo transport");
-    // Members on other hosts are connected now, not at the first message: a member slow to
-    // issue its first op would otherwise hold back the frames to every other peer. Not for the
-    // world group: every job has one, and it says nothing about which peers this rank talks
-    // to. Done before the group is registered, so a failure leaves no half-made group.
-    if ((int)ranks.size() < W)
-      for (int r : ranks)
-        if (r != me) tr.of(r)->connect(r);
     const uint32_t instance = instances_[ranks]++;
     uint64_t id = mix64(0x66636f6dULL ^ ranks.size());
     for (int r : ranks) id = mix64(id ^ (uint64_t)r);

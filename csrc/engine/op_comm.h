@@ -31,7 +31,7 @@ class OpComm final : public Comm {
   void pop(int from) override { router_.pop(g_, p_.seq, g_.ranks[from]); }
   void check_abort(int from) override {
     const int peer = g_.ranks[from];
-    checked(peer, router_.peek(g_, p_.seq, peer, /*scan=*/false));
+    if (tr_.of(peer)->linked(peer)) checked(peer, router_.peek(g_, p_.seq, peer, /*scan=*/false));
   }
   size_t bulk_min(int to) override {
     const int peer = g_.ranks[to];

@@ -67,7 +67,11 @@ void Progress::post_locked(PostedOps ops, const c10::intrusive_ptr<Work>& work, 
   for (auto& x : ops) {
     GroupState& g = *x.group;
     const std::string exited = exited_locked(g.ranks);
-    if (!exited.empty()) {
+    // A group across hosts queues the op anyway: health fails it and tells the members, some
+    // of which cannot see the death themselves (health_locked).
+    bool remote = false;
+    for (int r : g.ranks) remote = remote || !tr_.is_local(r);
+    if (!exited.empty() && (x.port || !remote)) {
       settle_locked(done, work,
                     comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ", group " + g.label + ": " +
                                   (x.any_source ? "recv from any source (tag " + std::to_string(x.port->tag) + ")"
@@ -302,7 +306,8 @@ bool Progress::pass_once_locked(Done& done) {
 
 // The other members fail the op too instead of waiting for data that will not come. A full
 // ring just means a peer learns by its own timeout.
-void Progress::tell_peers_locked(const GroupState& g, const Pending& p, std::exception_ptr e) {
+void Progress::tell_peers_locked(const GroupState& g, const Pending& p, std::exception_ptr e,
+                                 const std::vector<char>* skip) {
   std::string why;
   try {
     std::rethrow_exception(e);
@@ -315,12 +320,13 @@ void Progress::tell_peers_locked(const GroupState& g, const Pending& p, std::exc
   Header h = OpComm::header_of(g, p, 0, 0, (uint32_t)why.size());
   h.flags = kMsgAbort;
   for (int r : g.ranks)
-    if (r != rank_ && !dead_[r]) tr_.of(r)->try_send(r, h, why.data());
+    if (r != rank_ && !dead_[r] && !(skip && (*skip)[r])) tr_.of(r)->try_send(r, h, why.data());
 }
 
-void Progress::fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, bool tell_peers) {
+void Progress::fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, bool tell_peers,
+                                 const std::vector<char>* skip) {
   Pending& p = g.queue.front();
-  if (tell_peers) tell_peers_locked(g, p, e);
+  if (tell_peers) tell_peers_locked(g, p, e, skip);
   settle_locked(done, p.work, e);
   router_.purge(g, p.seq);
   done.gone.push_back(std::move(p));
@@ -340,10 +346,11 @@ void Progress::health_locked(Done& done) {
   auto look = [&](const std::vector<int>& ranks) {
     for (int r : ranks) {
       if (r == rank_ || dead_[r]) continue;
-      // A remote peer's death shows as a failed receive, so it needs a receiver even when this
-      // rank's ops never read from it (a hierarchical op's member, or leader, on another host).
+      // A remote peer's death shows only on a connection this rank holds: a member it never
+      // talks to (a hierarchical op's member, or leader, on another host) is not connected to
+      // for it (connections follow traffic); its death reaches this rank through the peers
+      // that do talk to it, which fail the op and tell the other members.
       Transport* tr = tr_.of(r);
-      tr->connect(r);
       if (!tr->peer_alive(r)) {
         dead_[r] = 1;
         ++n_dead_;
@@ -379,6 +386,12 @@ void Progress::health_locked(Done& done) {
       msg = failure_prefix(g, p) + " timed out after " + std::to_string(g.timeout.count()) +
             " ms, the group's timeout (new_group's, else init's); a member stalled or issued "
             "this group's collectives in a different order";
+      for (int r : g.ranks) {
+        if (r == rank_) continue;
+        Transport* t = tr_.of(r);
+        const std::string why = t ? t->pending_reason(r) : std::string();
+        if (!why.empty()) msg += "; " + why;
+      }
     }
     if (msg.empty()) {
       ++i;
@@ -386,10 +399,23 @@ void Progress::health_locked(Done& done) {
     }
     auto e = comm_error_ptr(msg);
     // A dead member dooms every queued op of the group; a timeout only the one that stalled.
-    // Other members are not told of a death: each finds out itself (the look above covers
-    // every member of a busy group), and a notice could reach one before its own look did.
+    // Members on a dead rank's host are not told of its death: each finds out itself (the
+    // look above covers every member of a busy group; a notice could reach one first, and it
+    // would keep the dead rank's segment mapped). A member on another host sees the death only
+    // through a connection it holds, and connections follow traffic (a hierarchical op's leader
+    // never talks to the other host's members): those this rank knows to be off the dead
+    // ranks' hosts are told (the others on this rank's host, or, a dead rank being on this
+    // rank's host, the members on other hosts).
+    std::vector<char> skip;
+    if (dead) {
+      bool dead_here = false, dead_away = false;
+      for (int r : g.ranks)
+        if (dead_[r]) (tr_.is_local(r) ? dead_here : dead_away) = true;
+      skip.assign(dead_.size(), 0);
+      for (int r : g.ranks) skip[r] = tr_.is_local(r) ? dead_here : dead_away;
+    }
     do {
-      fail_front_locked(g, e, done, !dead);
+      fail_front_locked(g, e, done, true, dead ? &skip : nullptr);
     } while (dead && !g.queue.empty());
     emptied |= g.queue.empty();
     ++i;

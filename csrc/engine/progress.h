@@ -97,9 +97,12 @@ class Progress {
 
  private:
   void settle_locked(Done& done, const c10::intrusive_ptr<Work>& w, std::exception_ptr e);
-  void fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, bool tell_peers);
+  // `skip`: members not to tell (indexed by rank; null: tell every live member).
+  void fail_front_locked(GroupState& g, std::exception_ptr e, Done& done, bool tell_peers,
+                         const std::vector<char>* skip = nullptr);
   // Best effort: an abort notice of op `p` with `e`'s message to the group's live members.
-  void tell_peers_locked(const GroupState& g, const Pending& p, std::exception_ptr e);
+  void tell_peers_locked(const GroupState& g, const Pending& p, std::exception_ptr e,
+                         const std::vector<char>* skip = nullptr);
   // Drops the groups whose queues emptied, keeping the others in the order they became busy:
   // passes step them in that order, the order their peers' messages come in, so a pass does
   // not set aside (stash) the messages of groups it has yet to reach.

@@ -82,6 +82,7 @@ bool MessageRouter::drop_stale(const GroupState& g, int self) {
   for (int r : g.ranks) {
     if (r == self) continue;
     Transport* tr = tr_.of(r);
+    if (!tr->linked(r)) continue;
     while (const Message* m = tr->peek(r)) {
       const GroupState* owner = groups_.find(m->hdr.group);
       if (owner == nullptr || m->hdr.seq >= owner->head_seq) break;

@@ -96,9 +96,16 @@ class Transport {
   virtual bool peer_alive(int peer) = 0;
   // Why a peer is reported gone, when the transport knows more than that ("" otherwise).
   virtual std::string death_reason(int /*peer*/) { return ""; }
+  // What an op waiting on `peer` may be waiting for besides the peer itself (a connection
+  // still being made), for a timeout's message; "" if nothing.
+  virtual std::string pending_reason(int /*peer*/) { return ""; }
   // Starts whatever it takes to hear from `peer` (and so to learn of its death) before any op
   // reads from it. Idempotent.
   virtual void connect(int /*peer*/) {}
+  // Whether anything can have come from `peer` yet (false while no connection to it is up):
+  // looking at a peer only in case it sent something (an abort, a stale message) need not,
+  // and should not, make a connection, which peek() does.
+  virtual bool linked(int /*peer*/) { return true; }
   // A dead peer's resources may go: no op reads from it any more.
   virtual void release_peer(int /*peer*/) {}
   // Stops the transport's threads; no call but the destructor follows.

@@ -51,13 +51,27 @@ void TransportSet::unlink_local_segments() {
   if (shm_) shm_->unlink_local_segments();
 }
 
-void TransportSet::attach_gloo(c10::intrusive_ptr<c10d::Backend> pg, int rank, std::chrono::milliseconds linger,
-                               size_t bulk_bytes) {
+void TransportSet::attach_gloo(int rank, std::chrono::milliseconds linger, size_t bulk_bytes) {
   std::vector<char> remote(by_rank_.size(), 0);
   for (size_t r = 0; r < remote.size(); ++r) remote[r] = !local_[r];
-  auto gloo = std::make_unique<GlooTransport>(std::move(pg), rank, (int)by_rank_.size(), remote, max_payload_,
-                                              bell_, linger, bulk_bytes);
+  auto gloo = std::make_unique<GlooTransport>(rank, (int)by_rank_.size(), remote, max_payload_, bell_, linger,
+                                              bulk_bytes);
+  gloo_ = gloo.get();
   add(std::move(gloo), remote);
+}
+
+std::vector<int> TransportSet::gloo_wanted() { return gloo_ ? gloo_->wanted() : std::vector<int>{}; }
+
+void TransportSet::gloo_connect(int peer) {
+  if (gloo_) gloo_->connect(peer);
+}
+
+bool TransportSet::gloo_attach(int peer, c10::intrusive_ptr<c10d::Backend> pg, int peer_rank) {
+  return gloo_ && gloo_->attach(peer, std::move(pg), peer_rank);
+}
+
+void TransportSet::gloo_attach_failed(int peer, const std::string& why) {
+  if (gloo_) gloo_->attach_failed(peer, why);
 }
 
 void TransportSet::set_close_gate(const std::function<int(int)>& busy_with) {

@@ -19,6 +19,7 @@
 namespace fastcomm {
 
 class ShmTransport;
+class GlooTransport;
 
 class TransportSet {
  public:
@@ -37,9 +38,15 @@ class TransportSet {
   void attach_peers();
   void unlink_own();
   void unlink_local_segments();
-  // Reaches the ranks on other hosts through `pg`, a Gloo process group over the world.
-  void attach_gloo(c10::intrusive_ptr<c10d::Backend> pg, int rank, std::chrono::milliseconds linger,
-                   size_t bulk_bytes);
+  // Reaches the ranks on other hosts through Gloo, a connection per peer made when first
+  // needed (transport/gloo/transport.h); gloo() is that transport, null before.
+  void attach_gloo(int rank, std::chrono::milliseconds linger, size_t bulk_bytes);
+  // The connector's calls into it (GlooTransport::wanted, attach, attach_failed); no-ops
+  // before attach_gloo(). Any thread, no engine lock.
+  std::vector<int> gloo_wanted();
+  void gloo_connect(int peer);
+  bool gloo_attach(int peer, c10::intrusive_ptr<c10d::Backend> pg, int peer_rank);
+  void gloo_attach_failed(int peer, const std::string& why);
 
   // The transport to `peer`; null if none reaches it.
   Transport* of(int peer) const { return by_rank_[peer]; }
@@ -67,6 +74,7 @@ class TransportSet {
   std::vector<Transport*> by_rank_;
   std::vector<char> local_;
   ShmTransport* shm_ = nullptr;
+  GlooTransport* gloo_ = nullptr;
   Doorbell bell_;
   size_t max_payload_ = 0;
 };

@@ -19,9 +19,12 @@ constexpr size_t kLenWords = 16;
 constexpr uint64_t kCtlClose = 1;     // the sender is closing: answer once you have read this
 constexpr uint64_t kCtlCloseAck = 2;  // the answer
 constexpr uint64_t kCtlAll = kCtlClose | kCtlCloseAck;
-// How long stop() waits for those answers. A live peer's receiver thread answers within
-// microseconds whatever its Python code is doing; only a peer that is stopped or hung does not,
-// and for that one the op timeout (minutes, by default) would be far too long a shutdown.
+// How long stop() waits for those answers. A peer answers once it has read every frame before
+// "closing" and no op of a group with us runs there any more (a rank that leaves after its
+// last op may be ahead of its peers, whose ops of that group may still be running: our
+// connection closing would fail them). Only a peer that is stopped, hung, or waits for an op
+// we never issued does not, and for that one the op timeout (minutes, by default) would be
+// far too long a shutdown.
 constexpr std::chrono::seconds kCloseWait{10};
 // Frames are cut at about this size. Smaller frames overlap the receiver's fold with the
 // transfer of the next frame sooner; larger ones pay Gloo's per-message cost (a ready notice,
@@ -34,6 +37,10 @@ constexpr int kRecvWindow = 4;
 // Sent frames kept for reuse (per transport, all peers together).
 constexpr size_t kPoolMax = 8;
 constexpr int kFrameTag = 0x6663;
+// How long a wait on Gloo may last: a receive for a peer's next frame stays posted while the
+// peer is idle, for as long as the job runs. (The process groups' own timeout, which bounds
+// making the connection, would otherwise apply; ops are timed by the engine.)
+constexpr std::chrono::milliseconds kIdleWait{std::chrono::hours(24 * 7)};
 // Bulk transfers use tags from here on, one per slot number (modulo the span: far more than
 // can ever be in flight between two ranks). Gloo tags are non-negative ints.
 constexpr int kBulkTagBase = 0x10000;
@@ -98,11 +105,9 @@ struct GlooTransport::BulkXfer : Bulk {
   bool waiter_left = false;
 };
 
-GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> pg, int rank, int world_size,
-                             std::vector<char> remote, size_t max_payload, Doorbell bell,
-                             std::chrono::milliseconds linger, size_t bulk_bytes)
-    : pg_(std::move(pg)),
-      rank_(rank),
+GlooTransport::GlooTransport(int rank, int world_size, std::vector<char> remote, size_t max_payload,
+                             Doorbell bell, std::chrono::milliseconds linger, size_t bulk_bytes)
+    : rank_(rank),
       world_size_(world_size),
       remote_(std::move(remote)),
       max_payload_(max_payload),
@@ -112,7 +117,6 @@ GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> pg, int rank, int
       bell_(bell),
       bulk_min_(bulk_bytes),
       bulk_next_(world_size, 0) {
-  TORCH_CHECK_VALUE(pg_, "fastcomm: no Gloo process group for the Gloo transport");
   TORCH_CHECK_VALUE((int)remote_.size() == world_size_, "fastcomm: Gloo transport: bad peer list");
   peers_.reserve(world_size_);
   for (int r = 0; r < world_size_; ++r) peers_.push_back(std::make_unique<Peer>());
@@ -120,7 +124,11 @@ GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> pg, int rank, int
 
 GlooTransport::~GlooTransport() {
   stop();
-  pg_.reset();  // our reference to the process group first, then the frames it may point into
+  // Our references to the process groups first, then the frames they may point into.
+  for (auto& p : peers_) {
+    std::lock_guard<std::mutex> lk(p->link_mu);
+    p->pg.reset();
+  }
   unfinished_.clear();
   bulk_unfinished_.clear();
   bulk_unfinished_bytes_.clear();
@@ -147,22 +155,88 @@ std::shared_ptr<GlooOutBuf> GlooTransport::new_frame() {
 }
 
 void GlooTransport::connect(int peer) {
+  if (peer < 0 || peer >= world_size_ || !remote_[peer] || stop_) return;
   Peer& p = *peers_[peer];
-  if (p.started || !remote_[peer] || stop_) return;
-  // Marked started only once its thread exists: if making a thread throws, a later call tries
-  // again instead of leaving the peer without a receiver for good.
-  if (!reaper_.joinable()) {
-    reaper_ = std::thread([this] { reap_main(); });
-    pthread_setname_np(reaper_.native_handle(), "fc_gloo_reap");  // named before connect returns
+  int none = 0;  // the engine and the connector's listener may ask at once
+  if (p.link.load() != 0 || !p.link.compare_exchange_strong(none, 1)) return;
+  p.asked_ns = std::chrono::steady_clock::now().time_since_epoch().count();
+  {
+    std::lock_guard<std::mutex> lk(want_mu_);
+    want_.push_back(peer);
   }
-  p.thread = std::thread([this, peer] { recv_main(peer); });
-  pthread_setname_np(p.thread.native_handle(), "fc_gloo_recv");
-  p.started = true;
+  want_cv_.notify_all();
+}
+
+std::vector<int> GlooTransport::wanted() {
+  std::unique_lock<std::mutex> lk(want_mu_);
+  // Served until stop() is past its closing handshake: a peer leaving with data for this rank
+  // (an abort notice) may ask for the connection while this rank leaves too.
+  want_cv_.wait(lk, [&] { return stop_.load() || !want_.empty(); });
+  std::vector<int> out;
+  if (!stop_) out.swap(want_);
+  return out;
+}
+
+bool GlooTransport::attach(int peer, c10::intrusive_ptr<c10d::Backend> pg, int peer_rank) {
+  TORCH_CHECK(peer >= 0 && peer < world_size_ && remote_[peer] && pg, "fastcomm: rank ", rank_,
+              ": bad Gloo connection for rank ", peer);
+  Peer& p = *peers_[peer];
+  {
+    std::lock_guard<std::mutex> lk(link_start_mu_);
+    // Still during stop()'s handshake: data held for this peer must reach it (close_handshake).
+    if (stop_ || p.link.load() != 1) return false;
+    if (!reaper_.joinable()) {
+      reaper_ = std::thread([this] { reap_main(); });
+      pthread_setname_np(reaper_.native_handle(), "fc_gloo_reap");
+    }
+    {
+      // Held frames and bulk sends go out first, in order; later ones follow them, since
+      // senders take link_mu too until they see the link up.
+      std::lock_guard<std::mutex> lk2(p.link_mu);
+      p.pg = std::move(pg);
+      p.prank = peer_rank;
+      std::vector<Peer::Held> held;
+      held.swap(p.held);
+      for (auto& h : held) {
+        if (h.frame) {
+          const uint64_t words[2] = {h.frame->size, h.flags};
+          std::memcpy(h.frame->data, words, kLenWords);
+          post_frame(peer, h.frame);
+        } else {
+          post_held_bulk(peer, h.bulk);
+        }
+      }
+      p.link = 2;
+    }
+    p.thread = std::thread([this, peer] { recv_main(peer); });
+    pthread_setname_np(p.thread.native_handle(), "fc_gloo_recv");
+  }
+  {
+    std::lock_guard<std::mutex> lk(close_mu_);  // stop() may wait for this connection
+  }
+  close_cv_.notify_all();
+  connected_.fetch_add(1);
+  send_cv_.notify_one();
+  bell_.ring();
+  return true;
+}
+
+void GlooTransport::attach_failed(int peer, const std::string& why) {
+  if (peer < 0 || peer >= world_size_ || !remote_[peer]) return;
+  mark_dead(peer, "connecting to rank " + std::to_string(peer) + " (Gloo) failed: " + why);
+}
+
+std::string GlooTransport::pending_reason(int peer) {
+  const Peer& p = *peers_[peer];
+  if (p.link.load() != 1 || p.dead) return "";
+  const int64_t ns = std::chrono::steady_clock::now().time_since_epoch().count() - p.asked_ns.load();
+  return "no connection to rank " + std::to_string(peer) + " yet (asked for " + std::to_string(ns / 1000000) +
+         " ms ago; it has not answered: gone, or stalled)";
 }
 
 bool GlooTransport::try_send(int peer, const Header& hdr, const void* payload) {
   Peer& p = *peers_[peer];
-  if (!p.started) connect(peer);
+  if (p.link.load(std::memory_order_relaxed) == 0) connect(peer);
   const size_t rec = sizeof(Header) + align8(hdr.len);
   TORCH_INTERNAL_ASSERT(kLenWords + rec <= frame_max_, "message of ", hdr.len,
                         " bytes exceeds the Gloo frame");
@@ -197,12 +271,25 @@ void GlooTransport::flush() {
 }
 
 bool GlooTransport::send_frame(int peer, const std::shared_ptr<GlooOutBuf>& b, uint64_t flags) {
+  Peer& p = *peers_[peer];
   const uint64_t words[2] = {b->size, flags};
   std::memcpy(b->data, words, kLenWords);
+  if (p.link.load() != 2) {
+    std::lock_guard<std::mutex> lk(p.link_mu);
+    if (p.link.load() != 2) {  // attach() sends it, before anything later
+      p.held.push_back(Peer::Held{b, flags, nullptr});
+      return true;
+    }
+  }
+  return post_frame(peer, b);
+}
+
+bool GlooTransport::post_frame(int peer, const std::shared_ptr<GlooOutBuf>& b) {
+  Peer& p = *peers_[peer];
   auto opts = at::TensorOptions().dtype(at::kByte);
   std::vector<at::Tensor> t{at::from_blob(b->data, {(int64_t)b->size}, [b](void*) {}, opts)};
   try {
-    auto w = pg_->send(t, peer, kFrameTag);
+    auto w = p.pg->send(t, p.prank, kFrameTag);
     peers_[peer]->frames_in_flight.fetch_add(1);
     std::lock_guard<std::mutex> lk(send_mu_);
     // Past the reaper's end nobody waits on it: it lives, unwaited, as long as the transport.
@@ -232,7 +319,7 @@ void GlooTransport::send_control(int peer, uint64_t flags) {
 const Message* GlooTransport::peek(int peer) {
   Peer& p = *peers_[peer];
   if (p.have) return &p.msg;
-  if (!p.started) connect(peer);
+  if (p.link.load(std::memory_order_relaxed) == 0) connect(peer);
   if (!p.cur.buf.defined()) {
     if (p.ready.load(std::memory_order_acquire) == 0) return nullptr;
     std::lock_guard<std::mutex> lk(p.mu);
@@ -285,7 +372,7 @@ size_t GlooTransport::bulk_min(int peer, bool more_ops) {
 }
 
 std::shared_ptr<Bulk> GlooTransport::send_bulk(int peer, at::Tensor bytes) {
-  if (!peers_[peer]->started) connect(peer);
+  if (peers_[peer]->link.load(std::memory_order_relaxed) == 0) connect(peer);
   return start_bulk(peer, true, bulk_next_[peer]++, std::move(bytes), nullptr);
 }
 
@@ -295,11 +382,25 @@ std::shared_ptr<Bulk> GlooTransport::recv_bulk(int peer, uint64_t slot, at::Tens
 
 std::shared_ptr<Bulk> GlooTransport::start_bulk(int peer, bool send, uint64_t slot, at::Tensor bytes,
                                                 Bulk* with) {
+  Peer& p = *peers_[peer];
+  if (p.link.load() != 2 && !stop_ && !p.dead) {
+    // (Only a send can come first: a receive answers an offer, which came over the link.)
+    std::lock_guard<std::mutex> lk(p.link_mu);
+    if (p.link.load() != 2) {
+      auto x = std::make_shared<BulkXfer>();
+      x->slot = slot;
+      x->peer = peer;
+      x->send = send;
+      x->bytes = std::move(bytes);
+      p.held.push_back(Peer::Held{nullptr, 0, x});
+      return x;
+    }
+  }
   c10::intrusive_ptr<c10d::Work> w;
-  if (!stop_ && !peers_[peer]->dead) {
+  if (!stop_ && !p.dead) {
     try {
       std::vector<at::Tensor> v{bytes};
-      w = send ? pg_->send(v, peer, bulk_tag(slot)) : pg_->recv(v, peer, bulk_tag(slot));
+      w = send ? p.pg->send(v, p.prank, bulk_tag(slot)) : p.pg->recv(v, p.prank, bulk_tag(slot));
     } catch (const std::exception& e) {
       mark_dead(peer, (send ? "Gloo send to rank " : "Gloo receive from rank ") +
                           std::to_string(peer) + " failed: " + what_of(e));
@@ -325,9 +426,28 @@ std::shared_ptr<Bulk> GlooTransport::watch_bulk(int peer, bool send, c10::intrus
   x->send = send;
   x->work = std::move(w);
   x->bytes = std::move(bytes);
+  watch(x, with);
+  return x;
+}
+
+void GlooTransport::post_held_bulk(int peer, const std::shared_ptr<BulkXfer>& x) {
+  Peer& p = *peers_[peer];
+  if (!stop_ && !p.dead) {
+    try {
+      std::vector<at::Tensor> v{x->bytes};
+      x->work = p.pg->send(v, p.prank, bulk_tag(x->slot));
+    } catch (const std::exception& e) {
+      mark_dead(peer, "Gloo send to rank " + std::to_string(peer) + " failed: " + what_of(e));
+    }
+  }
+  watch(x, nullptr);
+}
+
+void GlooTransport::watch(const std::shared_ptr<BulkXfer>& x, Bulk* with) {
+  const int peer = x->peer;
   if (!x->work) {  // never started: the peer is dead (the engine fails the op) or we are stopping
     x->state.store(2, std::memory_order_release);
-    return x;
+    return;
   }
   ++bulk_started_;
   std::lock_guard<std::mutex> lk(bulk_mu_);
@@ -336,7 +456,7 @@ std::shared_ptr<Bulk> GlooTransport::watch_bulk(int peer, bool send, c10::intrus
     Released none;  // an aborted transfer keeps its references
     settle_bulk(*x, false, none);
     x->state.store(2, std::memory_order_release);
-    return x;
+    return;
   }
   peers_[peer]->bulk_in_flight.fetch_add(1);
   bulk_live_.push_back(x);
@@ -346,13 +466,12 @@ std::shared_ptr<Bulk> GlooTransport::watch_bulk(int peer, bool send, c10::intrus
   auto* joint = dynamic_cast<BulkXfer*>(with);
   if (joint && joint->peer == peer && !joint->waiter_left) {
     joint->then.push_back(x);
-    return x;
+    return;
   }
   bulk_queue_.push_back(x);
   // One waiter per transfer: an idle one if there is one for it, else a new one.
   if (bulk_idle_ < (int)bulk_queue_.size()) bulk_threads_.emplace_back([this] { bulk_main(); });
   else bulk_cv_.notify_one();
-  return x;
 }
 
 void GlooTransport::settle_bulk(BulkXfer& x, bool ok, Released& release) {
@@ -384,7 +503,7 @@ void GlooTransport::bulk_main() {
       bool ok = false;
       std::string err;
       try {
-        ok = x->work->wait();
+        ok = x->work->wait(kIdleWait);
       } catch (const std::exception& e) {
         err = what_of(e);
       }
@@ -471,7 +590,7 @@ c10::intrusive_ptr<c10d::Work> GlooTransport::post_recv(int peer, at::Tensor& t,
   std::lock_guard<std::mutex> lk(p.mu);
   if (stop_) return {};
   std::vector<at::Tensor> v{t};
-  auto w = pg_->recv(v, peer, tag);
+  auto w = p.pg->recv(v, p.prank, tag);
   p.posted.push_back(w);
   return w;
 }
@@ -523,7 +642,7 @@ void GlooTransport::recv_main(int peer) {
     while (!stop_ && !window.empty()) {
       auto [t, w] = std::move(window.front());
       window.pop_front();
-      const bool ok = w->wait();
+      const bool ok = w->wait(kIdleWait);
       forget(w);
       if (stop_ || !ok) break;
       const uint8_t* base = t.data_ptr<uint8_t>();
@@ -614,7 +733,7 @@ void GlooTransport::reap_main() {
             stop_deadline_ - std::chrono::steady_clock::now());
         sent = f.work->wait(std::max(left, std::chrono::milliseconds(1)));
       } else {
-        sent = f.work->wait();
+        sent = f.work->wait(kIdleWait);
       }
     } catch (const std::exception& e) {
       if (!stop_) mark_dead(f.peer, "Gloo send to rank " + std::to_string(f.peer) + " failed: " + what_of(e));
@@ -633,16 +752,29 @@ void GlooTransport::close_handshake() {
   // Only peers that got data from us can lose some; the others need nothing from us. Sending
   // "closing" to a peer that has no receiver for us (it made no group with us) would wait out
   // the linger, but then it never used our data either, and so it is not asked.
+  const auto until = std::min(stop_deadline_, std::chrono::steady_clock::now() + kCloseWait);
+  {
+    // Data held for a peer whose connection is still being made (this rank failed an op early
+    // and leaves: the op's message, the abort notice) must reach it, or the peer waits out its
+    // timeout instead of failing on them: the connector attaches it meanwhile.
+    std::unique_lock<std::mutex> lk(close_mu_);
+    close_cv_.wait_until(lk, until, [&] {
+      for (int r = 0; r < world_size_; ++r) {
+        const Peer& p = *peers_[r];
+        if (p.link.load() == 1 && p.sent_data && !p.dead) return false;
+      }
+      return true;
+    });
+  }
   std::vector<int> waiting;
   for (int r = 0; r < world_size_; ++r) {
     Peer& p = *peers_[r];
-    if (!p.started || !p.sent_data || p.dead || p.peer_closing) continue;
+    if (p.link.load() != 2 || !p.sent_data || p.dead || p.peer_closing) continue;
     send_control(r, kCtlClose);
     ++closes_sent_;
     waiting.push_back(r);
   }
   if (waiting.empty()) return;
-  const auto until = std::min(stop_deadline_, std::chrono::steady_clock::now() + kCloseWait);
   std::unique_lock<std::mutex> lk(close_mu_);
   close_cv_.wait_until(lk, until, [&] {
     for (int r : waiting) {
@@ -670,6 +802,15 @@ void GlooTransport::stop() {
     std::lock_guard<std::mutex> lk(send_mu_);
     stop_ = true;
   }
+  {
+    // No connection is attached from here on (one being attached finishes first), and the
+    // connector stops asking.
+    std::lock_guard<std::mutex> lk(link_start_mu_);
+  }
+  {
+    std::lock_guard<std::mutex> lk(want_mu_);
+  }
+  want_cv_.notify_all();
   send_cv_.notify_all();
   // Sends first: a frame already handed to Gloo should still reach its peer (the peer may be
   // waiting for this rank's last message) before the connections go. The reaper may be in an
@@ -703,6 +844,7 @@ void GlooTransport::stop() {
 std::map<std::string, uint64_t> GlooTransport::counters() {
   return {{"frames_sent", frames_sent()},
           {"closes_sent", closes_sent()},
+          {"connected", connected()},
           {"bulk_started", bulk_started()},
           {"bulk_live", bulk_live()},
           {"frames_unreaped", frames_unreaped()}};

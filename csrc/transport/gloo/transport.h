@@ -1,5 +1,9 @@
 #pragma once
-// Gloo transport for peers on other hosts, over one world ProcessGroupGloo (docs/design.md).
+// Gloo transport for peers on other hosts, over a two-rank ProcessGroupGloo per peer, made
+// when this rank first needs the peer (docs/design.md, "Connections across hosts"): connect()
+// asks the session's connector (a thread of the Python layer, which makes the process group
+// with the peer's through the store) and returns at once; frames and bulk sends to the peer
+// are held until attach() brings its process group, then go out in order.
 // Everything appended for a peer between two flushes travels as one frame; the receiver keeps a
 // window of frame-sized receives posted, since Gloo sends only into a posted receive. Large
 // spans go as bulk transfers on tags of their own, straight from and into the op's memory.
@@ -36,8 +40,7 @@ class GlooTransport final : public Transport {
   // `linger`: how long stop() lets sends in flight finish (a peer may still be reading this
   // rank's last messages; unlike a shared-memory ring, they die with the process).
   // `bulk_bytes`: spans from this size go as bulk transfers (0: adaptive, SIZE_MAX: never).
-  GlooTransport(c10::intrusive_ptr<c10d::Backend> pg, int rank, int world_size,
-                std::vector<char> remote, size_t max_payload, Doorbell bell,
+  GlooTransport(int rank, int world_size, std::vector<char> remote, size_t max_payload, Doorbell bell,
                 std::chrono::milliseconds linger, size_t bulk_bytes);
   ~GlooTransport() override;
 
@@ -58,8 +61,22 @@ class GlooTransport final : public Transport {
   void set_delivery_hook(std::function<bool()> hook) override { bulk_hook_ = std::move(hook); }
   void set_close_gate(std::function<int(int)> busy_with) override { close_gate_ = std::move(busy_with); }
 
-  // Starts the receiver for `peer` if it has none yet (called when a group with it is made).
+  // Asks for a connection to `peer` if none is asked for yet (at first use, or when the peer
+  // asked for one through the store: any thread); never blocks.
   void connect(int peer) override;
+  bool linked(int peer) override { return peers_[peer]->link.load(std::memory_order_acquire) == 2; }
+  // The connector's side (any thread, no engine lock). wanted(): blocks until some peers are
+  // asked for (returns them) or the transport stops (returns an empty list).
+  std::vector<int> wanted();
+  // The process group with `peer` is up (`peer_rank`: the peer's rank in it): sends what was
+  // held, starts its receiver. False if the transport stopped meanwhile (pg is not used).
+  bool attach(int peer, c10::intrusive_ptr<c10d::Backend> pg, int peer_rank);
+  // The connection could not be made: the peer is declared dead with `why`.
+  void attach_failed(int peer, const std::string& why);
+  // Peers with a connection asked for and not made yet (what a timeout names).
+  std::string pending_reason(int peer) override;
+  // Peers this rank holds a connection to.
+  size_t connected() const { return connected_.load(); }
   // Waits (bounded) for every peer this rank sent data to to confirm it has read it, and for
   // sends in flight; then aborts posted receives and joins the helper threads.
   void stop() override;
@@ -90,11 +107,25 @@ class GlooTransport final : public Transport {
   size_t frame_max() const { return frame_max_; }
 
  private:
+  struct BulkXfer;
   struct Frame {
     at::Tensor buf;  // a frame_max()-sized receive buffer
     size_t len = 0;  // bytes Gloo wrote into it (from the length word)
   };
   struct Peer {
+    // The connection: 0 none asked for, 1 asked for, 2 up (pg set: read without link_mu only
+    // by threads that saw 2). Frames and bulk sends wait in `held` until it is up.
+    std::atomic<int> link{0};
+    std::mutex link_mu;
+    c10::intrusive_ptr<c10d::Backend> pg;
+    int prank = 0;  // the peer's rank in pg
+    std::atomic<int64_t> asked_ns{0};  // when it was asked for (steady clock)
+    struct Held {
+      std::shared_ptr<GlooOutBuf> frame;  // a frame (flags), or ...
+      uint64_t flags = 0;
+      std::shared_ptr<BulkXfer> bulk;  // ... a bulk send not posted yet
+    };
+    std::vector<Held> held;
     // Sending side (engine lock).
     std::shared_ptr<GlooOutBuf> out;  // records appended since the last flush
     bool dirty = false;
@@ -116,7 +147,6 @@ class GlooTransport final : public Transport {
     std::atomic<size_t> ready{0};
     std::vector<c10::intrusive_ptr<c10d::Work>> posted;  // receives in flight (for abort)
     std::thread thread;
-    bool started = false;
     std::atomic<bool> dead{false};
     std::atomic<bool> close_acked{false};   // the peer confirmed our "closing" frame
     std::atomic<bool> peer_closing{false};  // the peer sent "closing" itself
@@ -133,6 +163,10 @@ class GlooTransport final : public Transport {
   // Answers a peer's "closing" once no op of a group with it runs here (close_gate_), or at
   // kCloseWait, when the closer stops waiting; runs on that peer's receiver thread.
   void answer_close(int peer);
+  // Hands a frame to Gloo (link up, link_mu held).
+  bool post_frame(int peer, const std::shared_ptr<GlooOutBuf>& b);
+  // Posts a bulk send held while the link was down (link_mu held).
+  void post_held_bulk(int peer, const std::shared_ptr<BulkXfer>& x);
   // The closing handshake of stop(); returns when every peer it waits for has answered or
   // died, or at the deadline.
   void close_handshake();
@@ -140,13 +174,13 @@ class GlooTransport final : public Transport {
   void reap_main();
   void mark_dead(int peer, const std::string& why);
   c10::intrusive_ptr<c10d::Work> post_recv(int peer, at::Tensor& t, int tag);
-  struct BulkXfer;
   // Posts the Gloo send or receive of a transfer (marking the peer dead if Gloo refuses it)
   // and hands it to watch_bulk.
   std::shared_ptr<Bulk> start_bulk(int peer, bool send, uint64_t slot, at::Tensor bytes, Bulk* with);
   // Hands a started transfer to a waiter thread (starting one if none is idle).
   std::shared_ptr<Bulk> watch_bulk(int peer, bool send, c10::intrusive_ptr<c10d::Work> w,
                                    at::Tensor bytes, uint64_t slot, Bulk* with);
+  void watch(const std::shared_ptr<BulkXfer>& x, Bulk* with);
   struct Released {
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     std::vector<at::Tensor> tensors;
@@ -158,7 +192,6 @@ class GlooTransport final : public Transport {
   void bulk_main();
   void stop_bulk();
 
-  c10::intrusive_ptr<c10d::Backend> pg_;
   int rank_;
   int world_size_;
   std::vector<char> remote_;
@@ -177,7 +210,13 @@ class GlooTransport final : public Transport {
   std::condition_variable close_cv_;
   uint64_t frames_sent_ = 0;
   size_t bulk_min_;
-  uint64_t bulk_started_ = 0;
+  std::atomic<uint64_t> bulk_started_{0};
+  // Peers asked for and not yet handed to the connector, and whether it may stop (want_mu_).
+  std::mutex want_mu_;
+  std::condition_variable want_cv_;
+  std::vector<int> want_;
+  std::atomic<size_t> connected_{0};
+  std::mutex link_start_mu_;  // attach() against stop(): no receiver starts once stop() joins
   std::vector<uint64_t> bulk_next_;  // next slot number per peer (engine lock)
 
   // Bulk transfers in flight and their waiter threads (bulk_mu_).
