@@ -17,33 +17,16 @@ import torch
 import torch.distributed as dist
 
 import harness
+from _device import DEV, ENV, ON_GPU, channels, dsync, setup
 from _helpers import _DTYPES, expect, gen
 
 import fastcomm as fc
 
-DEV = os.environ.get("FASTCOMM_DEVICE_TEST", "cpu")
-ON_GPU = DEV == "cuda"
-ENV = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"} if ON_GPU else {"FASTCOMM_FAKE_DEVICE": "1"}
-channels = pytest.mark.parametrize("channel", [{"FASTCOMM_DEVICE_IPC": "0"}, {"FASTCOMM_DEVICE_IPC": "1"}],
-                                   ids=["nccl", "ipc"])
 fake_only = pytest.mark.skipif(ON_GPU, reason="kills a rank under the fake runtime")
 
 # Group shapes 3 to 5, overlapping; each case names its group and the receiving member.
 LISTS = [[0, 1, 2], [1, 2, 3, 4], [0, 1, 2, 3, 4], [0, 2, 4]]
 DTYPES = ["float32", "int64", "bfloat16"]
-
-
-def setup(rank):
-    if ON_GPU:
-        os.environ["NCCL_HOSTID"] = f"fastcomm-host{rank}"
-        torch.cuda.set_device(0)
-
-
-def dsync():
-    if ON_GPU:
-        torch.cuda.synchronize()
-    else:
-        fc._state._engine.device_synchronize("cpu")
 
 
 def payload(sender, k, case, numel, dt):

@@ -20,28 +20,15 @@ import torch
 import torch.distributed as dist
 
 import harness
+from _device import DEV, ENV, ON_GPU, channels, dsync, fake_only, setup
 from _helpers import _DTYPES, expect, fold, gen
 
 import fastcomm as fc
 
 # FASTCOMM_DEVICE_TEST=cuda (scripts/gpu_check.sh) runs the same cases on CUDA tensors, several
 # ranks sharing GPU 0; by default they run on the fake.
-DEV = os.environ.get("FASTCOMM_DEVICE_TEST", "cpu")
-ON_GPU = DEV == "cuda"
-ENV = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"} if ON_GPU else {"FASTCOMM_FAKE_DEVICE": "1"}
 SIZES = [0, 1, 7]
 DTYPES = ["float32", "bfloat16", "int64"]
-fake_only = pytest.mark.skipif(ON_GPU, reason="uses the fake runtime's test hooks")
-# Same-host pair channels are NCCL communicators or IPC links (FASTCOMM_DEVICE_IPC); the
-# collectives must not care which.
-channels = pytest.mark.parametrize("channel", [{"FASTCOMM_DEVICE_IPC": "0"}, {"FASTCOMM_DEVICE_IPC": "1"}],
-                                   ids=["nccl", "ipc"])
-
-
-def setup(rank):
-    if ON_GPU:  # before any NCCL use: NCCL reads the host id once per process
-        os.environ["NCCL_HOSTID"] = f"fastcomm-host{rank}"
-        torch.cuda.set_device(0)
 
 
 def D(t):
@@ -55,15 +42,6 @@ def full(shape, v, **kw):
 
 def empty(*shape, **kw):
     return torch.empty(*shape, device=DEV, **kw)
-
-
-def dsync():
-    """What reading a CUDA tensor on the host does first: wait for the caller's stream (the
-    fake's runs asynchronously, as a GPU's does)."""
-    if ON_GPU:
-        torch.cuda.synchronize()
-    else:
-        fc._state._engine.device_synchronize("cpu")
 
 
 def dbg(what, arg=0):

@@ -23,28 +23,12 @@ import torch
 import torch.distributed as dist
 
 import harness
+from _device import DEV, ENV, dsync, fake_only, setup
 from _helpers import _DTYPES, expect, fold, gen
 
 import fastcomm as fc
 
-DEV = os.environ.get("FASTCOMM_DEVICE_TEST", "cpu")
-ON_GPU = DEV == "cuda"
-ENV = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"} if ON_GPU else {"FASTCOMM_FAKE_DEVICE": "1"}
-fake_only = pytest.mark.skipif(ON_GPU, reason="uses the fake runtime's test hooks")
 LISTS5 = [[0, 1], [1, 2], [3, 4], [0, 1, 2], [1, 2, 3, 4], [0, 1, 2, 3, 4]]
-
-
-def setup(rank):
-    if ON_GPU:
-        os.environ["NCCL_HOSTID"] = f"fastcomm-host{rank}"
-        torch.cuda.set_device(0)
-
-
-def dsync():
-    if ON_GPU:
-        torch.cuda.synchronize()
-    else:
-        fc._state._engine.device_synchronize("cpu")
 
 
 def same(got, ref, what):
