@@ -17,6 +17,8 @@ paid), it reports:
 - init s after last: from the moment the last rank of the job called init to this rank's
   return from it: init without the wait for ranks still starting (forking, importing,
   connecting to the store: the launcher's cost, the same for every library);
+- init cpu ms: the CPU time the process spent in the init call (all its threads): with more
+  ranks than cores, init after last is at least about W times this over the cores;
 - ring s: making the two groups and the first round of all_reduces (where connections made on
   first use are paid);
 - store ops: calls to the store (round trips), init and ring together, counted by a wrapper
@@ -77,10 +79,12 @@ def _body(tcp, rank, world, impl, hosts):
         import fastcomm as fc  # (loading the extension is starting the process, not init)
     sockets0 = _sockets()
     start = time.time()  # one clock for every rank of the job (init s after last)
+    c0 = time.process_time()
     t0 = time.perf_counter()
     if impl == "fastcomm":
         fc.init(store=store, rank=rank, world_size=world, timeout=timeout)
         t1 = time.perf_counter()
+        c1 = time.process_time()
         groups = [fc.new_group(p) for p in _pairs(rank, world)]
 
         def all_reduce(t, g):
@@ -88,6 +92,7 @@ def _body(tcp, rank, world, impl, hosts):
     else:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         t1 = time.perf_counter()
+        c1 = time.process_time()
         made = {}
         for i in range(world):
             p = tuple(sorted((i, (i + 1) % world)))
@@ -119,7 +124,7 @@ def _body(tcp, rank, world, impl, hosts):
         for w in [dist.barrier(group=g, async_op=True) for g in groups]:
             w.wait()
         dist.destroy_process_group()
-    return {"init_s": t1 - t0, "ring_s": t2 - t1, "store_ops": ops, "sockets": sockets,
+    return {"init_s": t1 - t0, "init_cpu_ms": (c1 - c0) * 1e3, "ring_s": t2 - t1, "store_ops": ops, "sockets": sockets,
             "start": start, "init_end": start + (t1 - t0)}
 
 
@@ -171,7 +176,8 @@ def main():
     print(f"- load average at start: {os.getloadavg()[0]:.2f}\n")
     results, failures = {"runs": {}}, []
     head = ["W", "hosts"] + [f"{impl}: {k}" for impl in a.impls
-                             for k in ("init s", "init s after last", "ring s", "store ops", "sockets", "job s")]
+                             for k in ("init s", "init s after last", "init cpu ms", "ring s", "store ops",
+                                       "sockets", "job s")]
     rows = []
     for layout in a.hosts:
         results["runs"][layout] = []
@@ -186,11 +192,12 @@ def main():
                     m = measure(w, hosts, impl)
                 except _launch.JobError as e:
                     failures.append(f"W={w} hosts={hosts} {impl}: {e}")
-                    cells += ["failed"] * 6
+                    cells += ["failed"] * 7
                     continue
                 row[impl] = m
                 cells += [f"{m['init_s'][0]:.2f}/{m['init_s'][1]:.2f}",
                           f"{m['init_last_s'][0]:.2f}/{m['init_last_s'][1]:.2f}",
+                          f"{m['init_cpu_ms'][0]:.0f}/{m['init_cpu_ms'][1]:.0f}",
                           f"{m['ring_s'][0]:.2f}/{m['ring_s'][1]:.2f}",
                           f"{m['store_ops'][0]:.0f}/{m['store_ops'][1]:.0f}",
                           f"{m['sockets'][0]:.0f}/{m['sockets'][1]:.0f}", f"{m['job_s']:.1f}"]
