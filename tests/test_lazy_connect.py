@@ -169,3 +169,19 @@ def test_a_peer_gone_before_first_contact_fails_only_its_ops():
     msg, elapsed = res[0]
     # Bounded by the group's timeout (and the harness's), not by Gloo's connect retries.
     assert elapsed < op_timeout + 30, (elapsed, msg)
+
+
+def test_scale_out_benchmark_runs_its_ring():
+    # benchmarks/scale_out.py's measurement, one small job per library: every rank's ring
+    # results are checked inside; a rank holds its two neighbours' connections and the listening
+    # socket (fastcomm), or one per peer (torch's eager full mesh).
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import scale_out
+
+    m = scale_out.measure(4, 4, "fastcomm")
+    assert m["sockets"] == [3, 3], m
+    assert 0 <= m["init_last_s"][0] <= m["init_s"][1], m
+    torch_m = scale_out.measure(4, 4, "torch eager")
+    assert torch_m["sockets"][0] == 4 + 4, torch_m
