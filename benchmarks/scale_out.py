@@ -14,6 +14,11 @@ float32 on each and checks the results. Per rank (the median rank, and the most 
 paid), it reports:
 
 - init s: the init call (fastcomm.init; torch's init_process_group), in the process;
+- init s after last: from the moment the last rank of the job called init to this rank's
+  return from it: init without the wait for ranks still starting (forking, importing,
+  connecting to the store: the launcher's cost, the same for every library);
+- init cpu ms: the CPU time the process spent in the init call (all its threads): with more
+  ranks than cores, init after last is at least about W times this over the cores;
 - ring s: making the two groups and the first round of all_reduces (where connections made on
   first use are paid);
 - store ops: calls to the store (round trips), init and ring together, counted by a wrapper
@@ -70,13 +75,16 @@ def _body(tcp, rank, world, impl, hosts):
         os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     store = CountingStore(tcp)
     timeout = timedelta(seconds=120)
+    if impl == "fastcomm":
+        import fastcomm as fc  # (loading the extension is starting the process, not init)
     sockets0 = _sockets()
+    start = time.time()  # one clock for every rank of the job (init s after last)
+    c0 = time.process_time()
     t0 = time.perf_counter()
     if impl == "fastcomm":
-        import fastcomm as fc
-
         fc.init(store=store, rank=rank, world_size=world, timeout=timeout)
         t1 = time.perf_counter()
+        c1 = time.process_time()
         groups = [fc.new_group(p) for p in _pairs(rank, world)]
 
         def all_reduce(t, g):
@@ -84,6 +92,7 @@ def _body(tcp, rank, world, impl, hosts):
     else:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         t1 = time.perf_counter()
+        c1 = time.process_time()
         made = {}
         for i in range(world):
             p = tuple(sorted((i, (i + 1) % world)))
@@ -115,7 +124,8 @@ def _body(tcp, rank, world, impl, hosts):
         for w in [dist.barrier(group=g, async_op=True) for g in groups]:
             w.wait()
         dist.destroy_process_group()
-    return {"init_s": t1 - t0, "ring_s": t2 - t1, "store_ops": ops, "sockets": sockets}
+    return {"init_s": t1 - t0, "init_cpu_ms": (c1 - c0) * 1e3, "ring_s": t2 - t1, "store_ops": ops, "sockets": sockets,
+            "start": start, "init_end": start + (t1 - t0)}
 
 
 def measure(world, hosts, impl):
@@ -123,6 +133,9 @@ def measure(world, hosts, impl):
     res = _launch.run_job(_body, world, impl, hosts, timeout=600)
     job_s = time.monotonic() - t0
     out = {"job_s": job_s}
+    last = max(r.pop("start") for r in res)
+    for r in res:
+        r["init_last_s"] = max(0.0, r.pop("init_end") - last)
     for k in res[0]:
         vals = sorted(r[k] for r in res)
         out[k] = [statistics.median(vals), vals[-1]]
@@ -134,8 +147,9 @@ def _plot(results, path):
     if plt is None:
         return
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for ax, key, label in zip(axes, ("sockets", "store_ops", "init_s"),
-                              ("sockets per rank", "store ops per rank", "init s (median rank)")):
+    for ax, key, label in zip(axes, ("sockets", "store_ops", "init_last_s"),
+                              ("sockets per rank", "store ops per rank",
+                               "init s after the last rank called it (median rank)")):
         for layout, rows in results["runs"].items():
             for impl in IMPLS:
                 pts = [(r["world"], r[impl][key][0]) for r in rows if impl in r]
@@ -162,7 +176,8 @@ def main():
     print(f"- load average at start: {os.getloadavg()[0]:.2f}\n")
     results, failures = {"runs": {}}, []
     head = ["W", "hosts"] + [f"{impl}: {k}" for impl in a.impls
-                             for k in ("init s", "ring s", "store ops", "sockets", "job s")]
+                             for k in ("init s", "init s after last", "init cpu ms", "ring s", "store ops",
+                                       "sockets", "job s")]
     rows = []
     for layout in a.hosts:
         results["runs"][layout] = []
@@ -177,10 +192,13 @@ def main():
                     m = measure(w, hosts, impl)
                 except _launch.JobError as e:
                     failures.append(f"W={w} hosts={hosts} {impl}: {e}")
-                    cells += ["failed"] * 5
+                    cells += ["failed"] * 7
                     continue
                 row[impl] = m
-                cells += [f"{m['init_s'][0]:.2f}/{m['init_s'][1]:.2f}", f"{m['ring_s'][0]:.2f}/{m['ring_s'][1]:.2f}",
+                cells += [f"{m['init_s'][0]:.2f}/{m['init_s'][1]:.2f}",
+                          f"{m['init_last_s'][0]:.2f}/{m['init_last_s'][1]:.2f}",
+                          f"{m['init_cpu_ms'][0]:.0f}/{m['init_cpu_ms'][1]:.0f}",
+                          f"{m['ring_s'][0]:.2f}/{m['ring_s'][1]:.2f}",
                           f"{m['store_ops'][0]:.0f}/{m['store_ops'][1]:.0f}",
                           f"{m['sockets'][0]:.0f}/{m['sockets'][1]:.0f}", f"{m['job_s']:.1f}"]
             results["runs"][layout].append(row)

@@ -666,7 +666,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("unlink_segment", &Engine::unlink_segment, py::call_guard<py::gil_scoped_release>())
       .def("abandon_init", &Engine::abandon_init, py::call_guard<py::gil_scoped_release>())
       .def("start_gloo", &Engine::start_gloo, py::call_guard<py::gil_scoped_release>())
-      .def("gloo_wanted", &Engine::gloo_wanted, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "gloo_wanted",
+          [](Engine& e, int64_t timeout_ms) {
+            GlooWants w;
+            {
+              py::gil_scoped_release nogil;
+              w = e.gloo_wanted(timeout_ms);
+            }
+            return py::make_tuple(w.peers, w.look, w.stopping);
+          },
+          py::arg("timeout_ms") = -1)
       .def("gloo_connect", &Engine::gloo_connect, py::arg("peer"), py::call_guard<py::gil_scoped_release>())
       .def("gloo_attach", &Engine::gloo_attach, py::arg("peer"), py::arg("process_group"), py::arg("peer_rank"),
            py::call_guard<py::gil_scoped_release>())

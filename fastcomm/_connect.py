@@ -1,36 +1,42 @@
 """Connections to ranks on other hosts, made when first needed (docs/design.md, "Connections
 across hosts").
 
-The engine asks for a connection to a peer on another host the first time it has something to
-send it, an op reads from it, or a group with it is made; it never waits for one. A thread here
-takes those requests and, per peer, meets the peer through the store (each side sets a key, then
-waits for the other's) and makes a two-rank Gloo process group with it, which it hands to the
-engine. All of it runs off the engine's lock: that peer's messages wait, other peers' go on.
-A rank therefore holds connections only to the peers it talks to, whatever the world size.
+The engine asks for a connection to a peer on another host the first time it sends to it, reads
+from it or starts a bulk transfer; it never waits for one. Each rank has a list of requests in
+the store (asks/{rank}/k). To meet a peer, a rank puts its own rank in the peer's list; the
+connector reads its own list in order and asks its engine for a connection to each rank it
+finds there, which puts this rank in that rank's list in turn. Once a rank has both put itself
+in the peer's list and read the peer in its own, the two are met: both make a two-rank Gloo
+process group and hand it to the engine. All of it runs off the engine's lock: that peer's
+messages wait, other peers' go on. A rank therefore holds connections only to the peers it
+talks to, whatever the world size.
 
-The peer hears of it through its list of requests in the store (asks/{peer}/k): a second
-thread per rank waits on its own list and asks its engine for the connection too. So a message
-reaches a peer even when no op of the peer reads from this rank (the first message of a
-mismatched op, which the peer must see to fail its own). A peer that never answers (gone, or
-stalled) is waited for until the engine stops; the ops that need it fail at their group's
-timeout, naming it.
+The list is read while a meeting is under way, and when the engine says an op has waited long
+(a peer may then be asking for a connection this rank does not want itself: a mismatched op's
+message, which this rank must see to fail its own, or an any-source receive's sender). An idle
+rank makes no store round trips, and fastcomm opens no store connection of its own: the store's
+server takes each new client on its one thread, behind a reverse lookup of its address
+(docs/benchmarks.md). Nothing blocks on the session's client either (the user's torch shares
+it): reads of the list and the process groups' address exchange poll.
 """
 from __future__ import annotations
 
 import os
 import threading
+import time
 from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
 
-# How long one wait on the store for the peer's key lasts before the thread looks whether the
-# session stopped: grows from the first to the last, so that a peer that is slow to ask costs
-# few store round trips and a shutdown waits at most the last.
-_WAIT_SLICES = (1.0, 2.0, 4.0)
-# The listener's wait for its next request: a session's whole life (stop() posts a last
-# request to end it), so an idle rank makes no store round trips.
-_LISTEN_WAIT = timedelta(days=7)
+# Reads of the list while a meeting is under way: the first soon, then further apart.
+_FIRST_READ = 0.002
+_LAST_READ = 0.5
+# Reads the engine asks for (an op waits long): further apart while they find nothing, so
+# that ranks waiting long (on a slow peer, say) load the store little.
+_FIRST_LOOK = 0.05
+_LAST_LOOK = 5.0
+# A request that says its sender left before meeting the reader: -(rank + 2).
 
 
 def _device():
@@ -49,9 +55,73 @@ def _rank_as_seq() -> bool:
     return os.environ.get("GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER", "") in ("1", "True")
 
 
+class _PollingStore(dist.Store):
+    """The session's client for a two-rank group's address exchange, with waits that poll
+    rather than hold the client: a held client would make a rank's other connections (and
+    through them its peers') wait on this one, a cycle once they form a ring."""
+
+    def __init__(self, inner: dist.Store, stopped: threading.Event, timeout: timedelta):
+        super().__init__()
+        self._inner = inner
+        self._stopped = stopped
+        self._timeout = timeout
+
+    def _await(self, keys, timeout=None) -> None:
+        limit = time.monotonic() + (timeout or self._timeout).total_seconds()
+        pause = 0.002
+        while not self._inner.check(keys):
+            if self._stopped.is_set():
+                raise RuntimeError("fastcomm is shutting down")
+            if time.monotonic() > limit:
+                raise dist.DistStoreError(f"wait timeout for keys {keys}")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+    def set(self, key, value):
+        self._inner.set(key, value)
+
+    def get(self, key):
+        self._await([key])
+        return self._inner.get(key)
+
+    def wait(self, keys, timeout=None):
+        self._await(keys, timeout)
+
+    def check(self, keys):
+        return self._inner.check(keys)
+
+    def add(self, key, value):
+        return self._inner.add(key, value)
+
+    def multi_set(self, keys, values):
+        self._inner.multi_set(keys, values)
+
+    def multi_get(self, keys):
+        self._await(keys)
+        return self._inner.multi_get(keys)
+
+    def append(self, key, value):
+        self._inner.append(key, value)
+
+    def compare_set(self, key, expected, desired):
+        return self._inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key):
+        return self._inner.delete_key(key)
+
+    def num_keys(self):
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout):
+        self._timeout = timeout
+
+    def has_extended_api(self):
+        return True
+
+
 class Connector:
-    """The session's connection maker: one thread taking the engine's requests, one short-lived
-    thread per connection being made."""
+    """The session's connection maker: a thread taking the engine's requests and reading this
+    rank's list, and one short-lived thread per connection being made."""
 
     def __init__(self, engine, base_store: dist.Store, prefix: str, rank: int, timeout: timedelta):
         self._engine = engine
@@ -62,120 +132,149 @@ class Connector:
         self._device = None if _rank_as_seq() else _device()
         self._stopped = threading.Event()
         self._lock = threading.Lock()
+        # Under _lock: peers this rank has put itself in the list of (with when), peers read
+        # in its own list, and peers met (their group is being made or made).
+        self._posted = {}
+        self._heard = set()
+        self._met = set()
+        self._next = 1  # the next entry of this rank's list to read (the connector's thread)
         self._made = 0  # connections handed to the engine
-        self._asked_by = set()  # peers that asked this rank first (no need to ask them back)
+        # The process groups' store. Held here for the session: a store written in Python
+        # lives only while its Python object does, and the groups keep theirs.
+        self._polling = _PollingStore(base_store, self._stopped, timeout)
         self._thread = threading.Thread(target=self._main, name="fc_gloo_connect", daemon=True)
         self._thread.start()
-        self._listener = threading.Thread(target=self._listen, args=(self._client(),),
-                                          name="fc_gloo_listen", daemon=True)
-        self._listener.start()
 
     @property
     def made(self) -> int:
         return self._made
 
     def stop(self) -> None:
-        """Stops asking; the engine's shutdown (which must follow) ends the request thread,
-        a last request of this rank to itself the listener. Threads still waiting for a peer
-        end at their next look (at most the last slice)."""
+        """Stops meeting peers (after the engine's shutdown, which ends the connector's thread)
+        and tells the peers that put themselves in this rank's list and were not met that it
+        left."""
         self._stopped.set()
+        self._thread.join(timeout=1.0)
         try:
-            # A peer still waiting to meet this rank (it holds something for it) stops waiting.
+            # A peer that puts itself in this rank's list from now on looks here and gives up;
+            # one that did before is in the list, read below.
             self._base.set(f"{self._prefix}left/{self._rank}", "1")
-            self._ask(self._rank, -1)
+            self._read_list()
+            with self._lock:
+                waiting = sorted(self._heard - self._met)
+            for peer in waiting:
+                self._post(peer, -(self._rank + 2))
         except Exception:  # the store is gone (its server's process left): so is the wait
             pass
-        self._listener.join(timeout=1.0)
 
-    def _client(self) -> dist.Store:
-        """A store client of its own: a wait holds its client for the wait's length, and the
-        session and the other connections being made must not queue behind it."""
-        try:
-            return self._base.clone()
-        except Exception:  # a store without clone(): shared, the waits then take turns
-            return self._base
-
-    def _ask(self, peer: int, who: int) -> None:
-        """Appends `who` to `peer`'s list of requests (two round trips)."""
+    def _post(self, peer: int, value: int) -> None:
+        """Appends `value` to `peer`'s list of requests (two round trips)."""
         store = dist.PrefixStore(f"{self._prefix}asks/{peer}/", self._base)
         k = store.add("n", 1)
-        store.set(str(k), str(who))
+        store.set(str(k), str(value))
 
-    def _listen(self, client: dist.Store) -> None:
-        """Takes this rank's requests in order; asks the engine for a connection to each
-        asker (a no-op if it has asked already). Ends at the request of -1 (stop())."""
-        store = dist.PrefixStore(f"{self._prefix}asks/{self._rank}/", client)
-        shared = client is self._base
-        k = 1
+    def _read_list(self) -> bool:
+        """Reads the entries of this rank's list that are there (one round trip when there is
+        none); True if there was one."""
+        store = dist.PrefixStore(f"{self._prefix}asks/{self._rank}/", self._base)
+        found = False
+        while store.check([str(self._next)]):
+            value = int(store.get(str(self._next)))
+            self._next += 1
+            found = True
+            if value >= 0:
+                self._heard_from(value)
+                continue
+            peer = -value - 2
+            with self._lock:
+                gone = peer not in self._met
+                self._posted.pop(peer, None)
+            if gone:
+                self._engine.gloo_attach_failed(
+                    peer, f"rank {peer} shut down before it connected to rank {self._rank}")
+        return found
+
+    def _heard_from(self, peer: int) -> None:
+        with self._lock:
+            self._heard.add(peer)
+            meet = not self._stopped.is_set() and peer in self._posted and peer not in self._met
+            if meet:
+                self._met.add(peer)
+                del self._posted[peer]
+        if meet:
+            self._start(peer)
+        elif not self._stopped.is_set():
+            self._engine.gloo_connect(peer)  # a no-op if it asked already
+
+    def _meetings(self) -> bool:
+        """Whether a meeting is under way; gives up on peers that did not answer within the
+        timeout (their ops have failed by then, naming them)."""
+        now = time.monotonic()
+        with self._lock:
+            late = [p for p, t in self._posted.items() if now - t > self._timeout.total_seconds()]
+            for p in late:
+                del self._posted[p]
+            return bool(self._posted)
+
+    def _main(self) -> None:
+        pause = _FIRST_READ
+        look_pause, last_look, last_asked = _FIRST_LOOK, 0.0, 0.0
         try:
             while True:
-                try:
-                    store.wait([str(k)], timedelta(seconds=1) if shared else _LISTEN_WAIT)
-                except dist.DistStoreError as e:
-                    if "timeout" not in str(e).lower() or self._stopped.is_set():
-                        return
-                    continue
-                peer = int(store.get(str(k)))
-                k += 1
-                if peer < 0 or self._stopped.is_set():
+                meeting = self._meetings()
+                peers, look, stopping = self._engine.gloo_wanted(int(pause * 1000) if meeting else -1)
+                if stopping or self._stopped.is_set():
                     return
-                with self._lock:
-                    self._asked_by.add(peer)
-                self._engine.gloo_connect(peer)
+                for peer in peers:
+                    self._ask(peer)
+                now = time.monotonic()
+                if look:
+                    if now - last_asked > 1.0:  # a new wait: look soon again
+                        look_pause = _FIRST_LOOK
+                    last_asked = now
+                    look = now - last_look >= look_pause
+                if peers or meeting or look:
+                    found = self._read_list()
+                    if look:
+                        last_look = now
+                        look_pause = _FIRST_LOOK if found else min(look_pause * 2, _LAST_LOOK)
+                    pause = _FIRST_READ if found or peers else min(pause * 2, _LAST_READ)
         except Exception:  # the store is gone: the job is ending
             return
 
-    def _main(self) -> None:
-        while True:
-            peers = self._engine.gloo_wanted()  # blocks without the GIL; empty once stopping
-            if not peers or self._stopped.is_set():
-                return
-            for peer in peers:
-                threading.Thread(target=self._connect, args=(peer,), name="fc_gloo_connect",
-                                 daemon=True).start()
-
-    def _meet(self, peer: int, lo: int, hi: int) -> bool:
-        """Asks the peer (unless it asked first), sets this rank's key and waits for the
-        peer's; False if the session stopped first. The waits are on a client of its own
-        (closed after)."""
+    def _ask(self, peer: int) -> None:
+        try:
+            self._post(peer, self._rank)
+            # (After the post: a peer that leaves later reads it and answers that it left.)
+            if self._base.check([f"{self._prefix}left/{peer}"]):
+                raise RuntimeError(f"rank {peer} shut down before it connected to rank {self._rank}")
+        except Exception as e:
+            if not self._stopped.is_set():
+                self._engine.gloo_attach_failed(peer, f"{type(e).__name__}: {e}")
+            return
         with self._lock:
-            asked = peer in self._asked_by
-        if not asked:
-            self._ask(peer, self._rank)
-        # (Held here: a store written in Python lives only while its Python object does.)
-        client = self._client()
-        store = dist.PrefixStore(f"{self._prefix}{lo}-{hi}/", client)
-        store.set(f"here/{self._rank}", "1")
-        left = dist.PrefixStore(f"{self._prefix}left/", client)
-        slices = iter(_WAIT_SLICES)
-        wait = next(slices)
-        while not self._stopped.is_set():
-            try:
-                store.wait([f"here/{peer}"], timedelta(seconds=wait))
-                return True
-            except dist.DistStoreError as e:
-                if "timeout" not in str(e).lower():
-                    raise
-                if left.check([str(peer)]):
-                    raise RuntimeError(f"rank {peer} shut down before it connected to rank {self._rank}")
-                wait = next(slices, wait)
-        return False
+            meet = peer in self._heard and peer not in self._met
+            if meet:
+                self._met.add(peer)
+            else:
+                self._posted[peer] = time.monotonic()
+        if meet:
+            self._start(peer)
+
+    def _start(self, peer: int) -> None:
+        threading.Thread(target=self._connect, args=(peer,), name="fc_gloo_connect", daemon=True).start()
 
     def _connect(self, peer: int) -> None:
+        """Both sides are met: the process group connects at once. Its timeout bounds only the
+        connecting (the transport waits on its transfers with its own bound)."""
         lo, hi = min(self._rank, peer), max(self._rank, peer)
-        pg: Optional[dist.ProcessGroup] = None
         try:
-            if not self._meet(peer, lo, hi) or self._stopped.is_set():
-                return
-            # Both sides are here: the process group connects at once. Its timeout bounds only
-            # the connecting (the transport waits on its transfers with its own bound).
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = self._timeout
             opts._threads = 1
             opts._devices = [self._device if self._device is not None else _device()]
-            # (On the session's client: the group keeps its store, and needs it only now.)
-            store = dist.PrefixStore(f"{self._prefix}{lo}-{hi}/pg/", self._base)
-            pg = dist.ProcessGroupGloo(store, 0 if self._rank == lo else 1, 2, opts)
+            store = dist.PrefixStore(f"{self._prefix}{lo}-{hi}/pg/", self._polling)
+            pg: Optional[dist.ProcessGroup] = dist.ProcessGroupGloo(store, 0 if self._rank == lo else 1, 2, opts)
             if self._engine.gloo_attach(peer, pg, 1 if self._rank == lo else 0):
                 with self._lock:
                     self._made += 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,51 @@ def test_a_ring_holds_connections_to_its_neighbours_only():
         # Two neighbours: two sockets more than at init (the device's listening socket and the
         # store's client were there already), whatever the world size.
         assert sock1 - sock0 == 2, f"rank {rank}: sockets {sock0} at init, {sock1} after the ring"
+
+
+def _store_connections(port):
+    """This process's TCP connections to `port` (the store's server)."""
+    import socket
+
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        try:
+            n += s.family in (socket.AF_INET, socket.AF_INET6) and s.getpeername()[1] == port
+        except OSError:  # listening, or not connected
+            pass
+        finally:
+            s.close()
+    return n
+
+
+def _store_clients_body(rank, world):
+    import harness
+
+    os.environ["FASTCOMM_HOST_ID"] = f"h{rank}"
+    store = harness.child_store()  # the session's store client
+    before = _store_connections(store.port)
+    fc.init(store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        _, _, failures = _ring_body(rank, world, 2)
+        after = _store_connections(store.port)
+    finally:
+        fc.shutdown()
+    return before, after, failures
+
+
+def test_no_store_client_of_its_own():
+    # Each new client of the store costs its server (one thread for the whole job) a reverse
+    # lookup of the client's address: fastcomm uses the session's client only.
+    res = __import__("harness").run(_store_clients_body, 4, init=False, timeout=120)
+    for rank, (before, after, failures) in enumerate(res):
+        assert not failures, failures
+        assert after == before, f"rank {rank}: {before} connections to the store before init, {after} after a ring"
 
 
 def _hier_body(rank, world):
@@ -123,3 +169,19 @@ def test_a_peer_gone_before_first_contact_fails_only_its_ops():
     msg, elapsed = res[0]
     # Bounded by the group's timeout (and the harness's), not by Gloo's connect retries.
     assert elapsed < op_timeout + 30, (elapsed, msg)
+
+
+def test_scale_out_benchmark_runs_its_ring():
+    # benchmarks/scale_out.py's measurement, one small job per library: every rank's ring
+    # results are checked inside; a rank holds its two neighbours' connections and the listening
+    # socket (fastcomm), or one per peer (torch's eager full mesh).
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import scale_out
+
+    m = scale_out.measure(4, 4, "fastcomm")
+    assert m["sockets"] == [3, 3], m
+    assert 0 <= m["init_last_s"][0] <= m["init_s"][1], m
+    torch_m = scale_out.measure(4, 4, "torch eager")
+    assert torch_m["sockets"][0] == 4 + 4, torch_m

@@ -78,7 +78,7 @@ void Engine::start_gloo() {
 
 // The Gloo transport lives until the engine does, and is set once before the connector
 // starts: these read it without the engine lock.
-std::vector<int> Engine::gloo_wanted() { return transports_.gloo_wanted(); }
+GlooWants Engine::gloo_wanted(int64_t timeout_ms) { return transports_.gloo_wanted(timeout_ms); }
 
 void Engine::gloo_connect(int peer) { transports_.gloo_connect(peer); }
 

@@ -85,8 +85,9 @@ class Engine final : public Waiter, public HostLink, public std::enable_shared_f
   // first needed, by the Python layer's connector through the gloo_* calls below.
   void start_gloo();
   // The connector's calls (no engine lock; blocking ones are bound without the GIL):
-  // gloo_wanted() blocks until peers need a connection (returns them; empty once stopping).
-  std::vector<int> gloo_wanted();
+  // gloo_wanted() blocks until peers need a connection, the engine asks the connector to read
+  // its requests, the transport stops, or timeout_ms passes (< 0: no bound).
+  GlooWants gloo_wanted(int64_t timeout_ms);
   // `peer` asked this rank for a connection (it has something to send it): want one too.
   void gloo_connect(int peer);
   // Hands over the two-rank process group with `peer` (`peer_rank`: its rank there); false if

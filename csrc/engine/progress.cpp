@@ -9,6 +9,9 @@
 
 namespace fastcomm {
 
+// How long an op waits before the connector is asked to look for requests (health_locked).
+constexpr std::chrono::milliseconds kLookForAsks{50};
+
 namespace {
 // The time deadlines count from: the coarse clock (a read of a kernel word, where a precise
 // read costs a blocking op several percent), one resolution step on, so that no op times out
@@ -366,6 +369,13 @@ void Progress::health_locked(Done& done) {
     for (int r : newly_dead) tr_.of(r)->release_peer(r);
   }
   const auto now = Clock::now();
+  // An op waiting this long may wait for a peer that asks this rank for a connection it does
+  // not want itself (a mismatched op's message, an any-source receive's sender): the connector
+  // then reads its requests (fastcomm/_connect.py; it paces the reads).
+  bool waits_long = !busy_ports_.empty();
+  for (GroupState* g : busy_)
+    waits_long = waits_long || (!g->queue.empty() && now - (g->queue.front().deadline - g->timeout) >= kLookForAsks);
+  if (waits_long) tr_.gloo_look_for_asks();
   bool emptied = false;
   for (size_t i = 0; i < busy_.size();) {
     GroupState& g = *busy_[i];

@@ -60,7 +60,16 @@ void TransportSet::attach_gloo(int rank, std::chrono::milliseconds linger, size_
   add(std::move(gloo), remote);
 }
 
-std::vector<int> TransportSet::gloo_wanted() { return gloo_ ? gloo_->wanted() : std::vector<int>{}; }
+GlooWants TransportSet::gloo_wanted(int64_t timeout_ms) {
+  if (gloo_) return gloo_->wanted(timeout_ms);
+  GlooWants none;
+  none.stopping = true;
+  return none;
+}
+
+void TransportSet::gloo_look_for_asks() {
+  if (gloo_) gloo_->look_for_asks();
+}
 
 void TransportSet::gloo_connect(int peer) {
   if (gloo_) gloo_->connect(peer);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/doorbell.h"
+#include "transport/gloo/wants.h"
 #include "transport/transport.h"
 
 namespace fastcomm {
@@ -43,7 +44,8 @@ class TransportSet {
   void attach_gloo(int rank, std::chrono::milliseconds linger, size_t bulk_bytes);
   // The connector's calls into it (GlooTransport::wanted, attach, attach_failed); no-ops
   // before attach_gloo(). Any thread, no engine lock.
-  std::vector<int> gloo_wanted();
+  GlooWants gloo_wanted(int64_t timeout_ms);
+  void gloo_look_for_asks();
   void gloo_connect(int peer);
   bool gloo_attach(int peer, c10::intrusive_ptr<c10d::Backend> pg, int peer_rank);
   void gloo_attach_failed(int peer, const std::string& why);

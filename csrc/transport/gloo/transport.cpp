@@ -167,14 +167,32 @@ void GlooTransport::connect(int peer) {
   want_cv_.notify_all();
 }
 
-std::vector<int> GlooTransport::wanted() {
+GlooWants GlooTransport::wanted(int64_t timeout_ms) {
   std::unique_lock<std::mutex> lk(want_mu_);
   // Served until stop() is past its closing handshake: a peer leaving with data for this rank
   // (an abort notice) may ask for the connection while this rank leaves too.
-  want_cv_.wait(lk, [&] { return stop_.load() || !want_.empty(); });
-  std::vector<int> out;
-  if (!stop_) out.swap(want_);
+  auto ready = [&] { return stop_.load() || !want_.empty() || look_; };
+  if (timeout_ms < 0)
+    want_cv_.wait(lk, ready);
+  else
+    want_cv_.wait_for(lk, std::chrono::milliseconds(timeout_ms), ready);
+  GlooWants out;
+  out.stopping = stop_.load();
+  if (!out.stopping) {
+    out.peers.swap(want_);
+    out.look = look_;
+  }
+  look_ = false;
   return out;
+}
+
+void GlooTransport::look_for_asks() {
+  {
+    std::lock_guard<std::mutex> lk(want_mu_);
+    if (look_ || stop_) return;
+    look_ = true;
+  }
+  want_cv_.notify_all();
 }
 
 bool GlooTransport::attach(int peer, c10::intrusive_ptr<c10d::Backend> pg, int peer_rank) {

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "common/doorbell.h"
+#include "transport/gloo/wants.h"
 #include "transport/transport.h"
 
 namespace fastcomm {
@@ -66,8 +67,12 @@ class GlooTransport final : public Transport {
   void connect(int peer) override;
   bool linked(int peer) override { return peers_[peer]->link.load(std::memory_order_acquire) == 2; }
   // The connector's side (any thread, no engine lock). wanted(): blocks until some peers are
-  // asked for (returns them) or the transport stops (returns an empty list).
-  std::vector<int> wanted();
+  // asked for, the engine asks the connector to read its list of requests (look_for_asks),
+  // the transport stops, or `timeout_ms` passes (< 0: no bound).
+  GlooWants wanted(int64_t timeout_ms);
+  // An op has waited long enough that a peer may be asking for a connection this rank does
+  // not want itself (a mismatched op's message, an any-source receive): see the requests.
+  void look_for_asks();
   // The process group with `peer` is up (`peer_rank`: the peer's rank in it): sends what was
   // held, starts its receiver. False if the transport stopped meanwhile (pg is not used).
   bool attach(int peer, c10::intrusive_ptr<c10d::Backend> pg, int peer_rank);
@@ -215,6 +220,7 @@ class GlooTransport final : public Transport {
   std::mutex want_mu_;
   std::condition_variable want_cv_;
   std::vector<int> want_;
+  bool look_ = false;
   std::atomic<size_t> connected_{0};
   std::mutex link_start_mu_;  // attach() against stop(): no receiver starts once stop() joins
   std::vector<uint64_t> bulk_next_;  // next slot number per peer (engine lock)
