@@ -8,6 +8,7 @@ timeout, while ops with other peers go on."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from datetime import timedelta
 
@@ -18,16 +19,9 @@ import fastcomm as fc
 from _helpers import expect
 from test_cross_host import run
 
-
-def _sockets():
-    """Sockets this process holds (every kind: Gloo's, the store's, pipes' are not sockets)."""
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:
-            pass
-    return n
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import scale_out  # noqa: E402
+from scale_out import _sockets  # noqa: E402  (every socket this process holds)
 
 
 def _ring_body(rank, world, rounds):
@@ -175,11 +169,6 @@ def test_scale_out_benchmark_runs_its_ring():
     # benchmarks/scale_out.py's measurement, one small job per library: every rank's ring
     # results are checked inside; a rank holds its two neighbours' connections and the listening
     # socket (fastcomm), or one per peer (torch's eager full mesh).
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    import scale_out
-
     m = scale_out.measure(4, 4, "fastcomm")
     assert m["sockets"] == [3, 3], m
     assert 0 <= m["init_last_s"][0] <= m["init_s"][1], m
