@@ -127,10 +127,10 @@ def _large_body(rank, world, replays):
     a graph); eager ops of the same groups before and after the graph stay on theirs."""
     setup(rank)
     groups = fc.new_groups(LARGE)
-    mine = [(ranks, g) for ranks, g in zip(LARGE, groups) if rank in ranks]
+    mine = [(gi, ranks, g) for gi, (ranks, g) in enumerate(zip(LARGE, groups)) if rank in ranks]
 
     def eager(seed):
-        for gi, (ranks, g) in enumerate(mine):
+        for gi, ranks, g in mine:
             t = gen(rank, seed + gi, "float32", 40).to(DEV)
             fc.all_reduce(t, group=g)
             dsync()
@@ -140,7 +140,7 @@ def _large_body(rank, world, replays):
     on_group_comms = fc._state._engine.device_debug("cpu", "group_comms", 0) if not ON_GPU else None
     cases = []  # (kind, ranks, tensors, seed)
     with fc.plan() as p:
-        for gi, (ranks, g) in enumerate(mine):
+        for gi, ranks, g in mine:
             n, seed = len(ranks), 100 * gi
             ar = torch.zeros(33, device=DEV)
             fc.all_reduce(ar, group=g)
