@@ -5,8 +5,10 @@ backend (dist.recv/dist.irecv without src), over pair channels that are NCCL com
 IPC links. A recv from any source takes some member's next message; which one depends on timing,
 so the checks are what holds whatever the timing: every message is received exactly once, its
 data is its sender's (against a local reference), the reported source rank is its sender's, and
-each member's messages are taken in the order the receives were posted (MPI's rule). A sender
-that dies while a recv from any source waits fails it with DistBackendError naming that rank."""
+each member's messages are taken in the order the receives were posted (MPI's rule), a plan's or
+a batch's named recv posted while a recv from any source waits included (the host path's order
+is the reference). A sender that dies while a recv from any source waits fails it with
+DistBackendError naming that rank."""
 from __future__ import annotations
 
 import os

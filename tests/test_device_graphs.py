@@ -4,7 +4,8 @@ what CUDA refuses under capture (tests/cpp/test_fake_graphs.cpp tests the model 
 
 - A plan of device ops over groups of 2 to 5, overlapping, sizes 0, 1 and odd, captured once with
   ``p.capture()`` and replayed many times with inputs refilled in place: every replay's results
-  against a local reference.
+  against a local reference; and a plan of large ops of groups of 3+ (a group communicator's
+  eagerly), captured over pair channels.
 - The members agree on the plan at capture: a plan that differs between two members raises on
   both, naming the peer.
 - Faults during replay: a dead peer, and a member that never replays (a timeout), raise
