@@ -262,11 +262,13 @@ def _queue_behind_body(rank, world, dev, on_device):
     return out
 
 
-@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("path", ["host", "nccl", "ipc"])
 def test_a_later_named_recv_of_a_plan_or_batch_queues_behind_an_unbound_one(path):
-    # The host path (CPU tensors, csrc/engine's receive ports) is the reference for the order.
-    on_device = path == "device"
-    res = harness.run(_queue_behind_body, 3, DEV if on_device else "cpu", on_device, timeout=90,
-                      env=ENV if on_device else {}, init_timeout=30)
+    # The host path (CPU tensors, csrc/engine's receive ports) is the reference for the order;
+    # the device path's pair channels are NCCL communicators or IPC links.
+    on_device = path != "host"
+    env = {**ENV, "FASTCOMM_DEVICE_IPC": "1" if path == "ipc" else "0"} if on_device else {}
+    res = harness.run(_queue_behind_body, 3, DEV if on_device else "cpu", on_device, timeout=90, env=env,
+                      init_timeout=30)
     # (source_rank of the recv from any source, it got message 0, the later recv got message 1)
     assert res[0] == {case: (1, True, True) for case in ("plan", "plan again", "batch")}, res[0]
