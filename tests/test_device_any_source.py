@@ -5,8 +5,10 @@ backend (dist.recv/dist.irecv without src), over pair channels that are NCCL com
 IPC links. A recv from any source takes some member's next message; which one depends on timing,
 so the checks are what holds whatever the timing: every message is received exactly once, its
 data is its sender's (against a local reference), the reported source rank is its sender's, and
-each member's messages are taken in the order the receives were posted (MPI's rule). A sender
-that dies while a recv from any source waits fails it with DistBackendError naming that rank."""
+each member's messages are taken in the order the receives were posted (MPI's rule), a plan's or
+a batch's named recv posted while a recv from any source waits included (the host path's order
+is the reference). A sender that dies while a recv from any source waits fails it with
+DistBackendError naming that rank."""
 from __future__ import annotations
 
 import os
@@ -223,3 +225,50 @@ def _timeout_body(rank, world):
 def test_an_unbound_recv_times_out_taking_no_message():
     res = harness.run(_timeout_body, 3, timeout=90, env=ENV, init_timeout=30)
     assert res[0]["next"] == 2, res[0]
+
+
+def _queue_behind_body(rank, world, dev, on_device):
+    """Rank 0 posts a recv from any source on (g, tag), then, while it is unbound, a plan's (or a
+    batch's) recv from rank 1 on the same (g, tag); only then does rank 1 send its two messages.
+    Posting order decides: the recv from any source takes rank 1's first message, the later
+    named recv its second."""
+    setup(rank)
+    g = fc.new_group([0, 1, 2])
+    out = {}
+    if rank == 0:
+        a, b = torch.empty(6, device=dev), torch.empty(6, device=dev)
+        with fc.plan() as p:
+            fc.irecv(b, src=1, group=g, tag=7)
+    for case, tag in (("plan", 7), ("plan again", 7), ("batch", 8)):
+        if rank == 0:
+            w = fc.irecv(a, group=g, tag=tag)
+            if case == "batch":
+                with fc.batch() as later:
+                    fc.irecv(b, src=1, group=g, tag=tag)
+            else:
+                later = p.start(async_op=True)
+        fc.barrier()  # rank 1 sends only once both receives are posted
+        if rank == 1:
+            for k in range(2):
+                fc.send(payload(1, k, tag, 6, "float32").to(dev), dst=0, group=g, tag=tag)
+        if rank == 0:
+            w.wait()
+            later.wait()
+            if on_device:
+                dsync()
+            out[case] = (w.source_rank(), torch.equal(a.cpu(), payload(1, 0, tag, 6, "float32")),
+                         torch.equal(b.cpu(), payload(1, 1, tag, 6, "float32")))
+        fc.barrier()
+    return out
+
+
+@pytest.mark.parametrize("path", ["host", "nccl", "ipc"])
+def test_a_later_named_recv_of_a_plan_or_batch_queues_behind_an_unbound_one(path):
+    # The host path (CPU tensors, csrc/engine's receive ports) is the reference for the order;
+    # the device path's pair channels are NCCL communicators or IPC links.
+    on_device = path != "host"
+    env = {**ENV, "FASTCOMM_DEVICE_IPC": "1" if path == "ipc" else "0"} if on_device else {}
+    res = harness.run(_queue_behind_body, 3, DEV if on_device else "cpu", on_device, timeout=90, env=env,
+                      init_timeout=30)
+    # (source_rank of the recv from any source, it got message 0, the later recv got message 1)
+    assert res[0] == {case: (1, True, True) for case in ("plan", "plan again", "batch")}, res[0]

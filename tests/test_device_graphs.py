@@ -4,7 +4,8 @@ what CUDA refuses under capture (tests/cpp/test_fake_graphs.cpp tests the model 
 
 - A plan of device ops over groups of 2 to 5, overlapping, sizes 0, 1 and odd, captured once with
   ``p.capture()`` and replayed many times with inputs refilled in place: every replay's results
-  against a local reference.
+  against a local reference; and a plan of large ops of groups of 3+ (a group communicator's
+  eagerly), captured over pair channels.
 - The members agree on the plan at capture: a plan that differs between two members raises on
   both, naming the peer.
 - Faults during replay: a dead peer, and a member that never replays (a timeout), raise
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import harness
-from _device import DEV, ENV, dsync, fake_only, setup
+from _device import DEV, ENV, ON_GPU, dsync, fake_only, setup
 from _helpers import _DTYPES, expect, fold, gen
 
 import fastcomm as fc
@@ -116,6 +117,83 @@ def _pairs_body(rank, world, n_ops, replays):
 
 def test_many_pair_all_reduces_replay_back_to_back():
     assert harness.run(_pairs_body, 2, 64, 20, timeout=120, env=ENV, init_timeout=30) == [20, 20]
+
+
+LARGE = [[0, 1, 2], [1, 2, 3], [0, 1, 2, 3]]
+
+
+def _large_body(rank, world, replays):
+    """Ops of groups of 3+ at or above FASTCOMM_RSAG_THRESHOLD, which eager run on the group's
+    own communicator: captured, they run over the plan's pair channels (no group communicator in
+    a graph); eager ops of the same groups before and after the graph stay on theirs."""
+    setup(rank)
+    groups = fc.new_groups(LARGE)
+    mine = [(gi, ranks, g) for gi, (ranks, g) in enumerate(zip(LARGE, groups)) if rank in ranks]
+
+    def eager(seed):
+        for gi, ranks, g in mine:
+            t = gen(rank, seed + gi, "float32", 40).to(DEV)
+            fc.all_reduce(t, group=g)
+            dsync()
+            same(t, fold([gen(q, seed + gi, "float32", 40) for q in ranks], "SUM"), f"eager {ranks}")
+
+    eager(1)
+    on_group_comms = fc._state._engine.device_debug("cpu", "group_comms", 0) if not ON_GPU else None
+    cases = []  # (kind, ranks, tensors, seed)
+    with fc.plan() as p:
+        for gi, ranks, g in mine:
+            n, seed = len(ranks), 100 * gi
+            ar = torch.zeros(33, device=DEV)
+            fc.all_reduce(ar, group=g)
+            cases.append(("all_reduce", ranks, (ar,), seed))
+            ari = torch.zeros(21, dtype=torch.int64, device=DEV)
+            fc.all_reduce(ari, op=dist.ReduceOp.MAX, group=g)  # MAX: the fold, not the group's NCCL
+            cases.append(("all_reduce max", ranks, (ari,), seed + 1))
+            b = torch.zeros(20, device=DEV)
+            fc.broadcast(b, src=ranks[-1], group=g)
+            cases.append(("broadcast", ranks, (b,), seed + 2))
+            ag, src = torch.zeros(17 * n, device=DEV), torch.zeros(17, device=DEV)
+            fc.all_gather_into_tensor(ag, src, group=g)
+            cases.append(("all_gather", ranks, (ag, src), seed + 3))
+            rs, rin = torch.zeros(19, device=DEV), torch.zeros(19 * n, device=DEV)
+            fc.reduce_scatter_tensor(rs, rin, group=g)
+            cases.append(("reduce_scatter", ranks, (rs, rin), seed + 4))
+    graph = p.capture()
+    for r in range(replays):
+        for kind, ranks, ts, seed in cases:  # the inputs, refilled in place
+            if kind == "all_reduce max":
+                ts[0].copy_(gen(rank, seed + r, "int64", 21, "MAX"))
+            elif kind in ("all_gather", "reduce_scatter"):
+                ts[1].copy_(gen(rank, seed + r, "float32", ts[1].numel()))
+            else:
+                ts[0].copy_(gen(rank, seed + r, "float32", ts[0].numel()))
+        graph.replay()
+        graph.wait()
+        dsync()
+        for kind, ranks, ts, seed in cases:
+            what, me = f"replay {r} {kind} {ranks}", ranks.index(rank)
+            if kind == "all_reduce":
+                same(ts[0], fold([gen(q, seed + r, "float32", 33) for q in ranks], "SUM"), what)
+            elif kind == "all_reduce max":
+                same(ts[0], fold([gen(q, seed + r, "int64", 21, "MAX") for q in ranks], "MAX"), what)
+            elif kind == "broadcast":
+                same(ts[0], gen(ranks[-1], seed + r, "float32", 20), what)
+            elif kind == "all_gather":
+                same(ts[0], torch.cat([gen(q, seed + r, "float32", 17) for q in ranks]), what)
+            else:
+                full = fold([gen(q, seed + r, "float32", 19 * len(ranks)) for q in ranks], "SUM")
+                same(ts[0], full[19 * me:19 * (me + 1)], what)
+    eager(7)
+    return on_group_comms, graph.replays
+
+
+def test_a_captured_plan_of_large_ops_of_groups_of_three_or_more_replays_over_pair_channels():
+    # 64 bytes per member and up run on a group communicator when issued eagerly.
+    res = harness.run(_large_body, 4, 3, timeout=180, env={**ENV, "FASTCOMM_RSAG_THRESHOLD": "64"},
+                      init_timeout=30)
+    for on_group_comms, replays in res:
+        assert replays == 3
+        assert on_group_comms is None or on_group_comms >= 1, on_group_comms  # the eager ops used them
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,17 +38,13 @@ bool ChannelEngine::bind_receives() {
   std::vector<DevOp*> late;
   const auto now = Clock::now();
   {
-    std::lock_guard<std::mutex> lk(mu_);  // next_seq_ and port_unbound_ are the posters' too
+    std::lock_guard<std::mutex> lk(mu_);  // numbers_ is the posters' too
     for (DevOp* op : unbound_)
-      if (now > op->deadline && ports_.remove(chans, next_seq_, op)) late.push_back(op);
-    ports_.step(chans, next_seq_, bound, failed);
-    auto taken = [&](DevOp* op) {
-      auto it = port_unbound_.find(op->port);
-      if (--it->second == 0) port_unbound_.erase(it);
-    };
-    for (DevOp* op : late) taken(op);
-    for (auto& b : bound) taken(static_cast<DevOp*>(b.token));
-    for (auto& f : failed) taken(static_cast<DevOp*>(f.token));
+      if (now > op->deadline && ports_.remove(chans, numbers_.next_seq(), op)) late.push_back(op);
+    ports_.step(chans, numbers_.next_seq(), bound, failed);
+    for (DevOp* op : late) numbers_.settled(op->port);
+    for (auto& b : bound) numbers_.settled(static_cast<DevOp*>(b.token)->port);
+    for (auto& f : failed) numbers_.settled(static_cast<DevOp*>(f.token)->port);
   }
   if (bound.empty() && failed.empty() && late.empty()) return false;
   auto gone = [&](DevOp* op) { unbound_.erase(std::find(unbound_.begin(), unbound_.end(), op)); };

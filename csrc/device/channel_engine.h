@@ -246,9 +246,7 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   std::condition_variable cv_;       // wakes the engine thread
   std::condition_variable done_cv_;  // wakes waiters
   std::vector<std::unique_ptr<DevOp>> incoming_;
-  std::unordered_map<uint64_t, uint64_t> next_seq_;
-  // Per (group, tag): recvs posted and not bound yet; while any is, that port's recvs queue.
-  std::map<RecvPorts::PortKey, int> port_unbound_;
+  RecvNumbers numbers_;  // receive numbers taken at post, and the ports whose recvs queue
   // A blocking call returns once its op is enqueued; an error found after that is raised by the
   // group's next op.
   std::unordered_map<uint64_t, std::string> deferred_;

@@ -92,16 +92,9 @@ c10::intrusive_ptr<Work> ChannelEngine::post(std::vector<DeviceOp> dops, bool as
     if (broken_) std::rethrow_exception(broken_);
     for (size_t i = 0; i < ops.size(); ++i) {
       DevOp& op = *ops[i];
-      if (op.recv_port) {
-        // A recv from any source, and any recv of its (group, tag) posted while one waits, take
-        // their receive numbers when bound, in posting order (device/recv_ports.h).
-        auto it = port_unbound_.find(op.port);
-        if (op.any_source || it != port_unbound_.end()) {
-          op.unbound = true;
-          ++port_unbound_[op.port];
-        }
-      }
-      if (!op.unbound) op.key = Key{dops[i].id, next_seq_[dops[i].id]++};
+      // A recv from any source, and any recv of its (group, tag) posted while one waits, take
+      // their receive numbers when bound, in posting order (device/recv_ports.h).
+      op.unbound = !numbers_.take(dops[i].id, op.recv_port ? &op.port : nullptr, op.any_source, op.key);
       op.input = input;
       op.deadline = now + op.timeout;
       incoming_.push_back(std::move(ops[i]));

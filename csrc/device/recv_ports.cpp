@@ -17,6 +17,20 @@ void unwatch_all(RecvPorts::Channels& ch, const std::unordered_map<uint64_t, uin
 
 }  // namespace
 
+bool RecvNumbers::take(uint64_t id, const PortKey* port, bool any, Key& key) {
+  if (port != nullptr && (any || unbound_.count(*port))) {
+    ++unbound_[*port];
+    return false;
+  }
+  key = Key{id, next_seq_[id]++};
+  return true;
+}
+
+void RecvNumbers::settled(const PortKey& port) {
+  auto it = unbound_.find(port);
+  if (it != unbound_.end() && --it->second == 0) unbound_.erase(it);
+}
+
 void RecvPorts::step(Channels& ch, std::unordered_map<uint64_t, uint64_t>& next_seq, std::vector<Bound>& bound,
                      std::vector<Failed>& failed) {
   for (auto pit = ports_.begin(); pit != ports_.end();) {

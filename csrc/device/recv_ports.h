@@ -10,7 +10,7 @@
 // - it fails, naming the member, once a candidate's channel failed for good while none offered:
 //   that member may have been the sender, and a later message of another member, taken
 //   instead, would belong to a later receive.
-// No runtime, no clock: tests/cpp/test_agreement.cpp drives it with pair agreements.
+// No runtime, no clock: tests/cpp/test_any_source.cpp drives it with pair agreements.
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -23,9 +23,29 @@
 namespace fastcomm {
 namespace device {
 
+using PortKey = std::pair<uint64_t, int64_t>;  // (group id, tag)
+
+// The posting side (under the engine's lock): the receive number each channel gives next, and
+// the ports with unbound recvs. A recv from any source, and a recv of its (group, tag) posted
+// while one waits unbound there (whatever posts it: a single op, a batch, a plan's start), take
+// no number at post: they go to RecvPorts and take theirs when bound, in posting order.
+class RecvNumbers {
+ public:
+  // An op of channel `id` posted; `port`: it is a recv on that port (`any`: from any source).
+  // True with its key, or false: post it unbound (RecvPorts::post).
+  bool take(uint64_t id, const PortKey* port, bool any, Key& key);
+  // An unbound recv of `port` was bound, failed or taken out.
+  void settled(const PortKey& port);
+  std::unordered_map<uint64_t, uint64_t>& next_seq() { return next_seq_; }
+
+ private:
+  std::unordered_map<uint64_t, uint64_t> next_seq_;
+  std::map<PortKey, int> unbound_;  // per port: recvs posted unbound, not yet settled
+};
+
 class RecvPorts {
  public:
-  using PortKey = std::pair<uint64_t, int64_t>;  // (group id, tag)
+  using PortKey = device::PortKey;
   struct Recv {
     void* token = nullptr;
     bool any = false;

@@ -192,6 +192,24 @@ Engine::Prepared Engine::prepare(OpRequest req, const GroupHandle& g) {
   return p;
 }
 
+namespace {
+
+// A request for a device engine; a recv (`from`: its sender, or the candidates) on the receive
+// port of (port_group, tag).
+DeviceOp device_op(const GroupState& g, OpRequest req, const std::vector<DeviceOp::Sender>& from,
+                   uint64_t port_group, int tag) {
+  DeviceOp d{std::move(req), g.ranks, g.rank, g.id, g.timeout, ranks_label(g.ranks)};
+  if (!from.empty()) {
+    d.recv_port = true;
+    d.port_group = port_group;
+    d.port_tag = tag;
+    d.from = from;
+  }
+  return d;
+}
+
+}  // namespace
+
 c10::intrusive_ptr<Work> Engine::post(PreparedOps& ops, bool async_op, bool hidden) {
   if (!ops.empty() && ops[0].on_device) {
     const c10::Device dev = ops[0].device;
@@ -200,14 +218,7 @@ c10::intrusive_ptr<Work> Engine::post(PreparedOps& ops, bool async_op, bool hidd
     for (auto& p : ops) {
       TORCH_CHECK_VALUE(p.device == dev && p.on_device, "fastcomm.batch: rank ", opts_.rank,
                         ": a batch runs on one device; it holds ops on ", dev, " and on ", p.device);
-      const GroupState& g = *p.group;
-      dops.push_back(DeviceOp{std::move(p.req), g.ranks, g.rank, g.id, g.timeout, ranks_label(g.ranks)});
-      if (!p.from.empty()) {
-        dops.back().recv_port = true;
-        dops.back().port_group = p.recv_group;
-        dops.back().port_tag = p.tag;
-        dops.back().from = std::move(p.from);
-      }
+      dops.push_back(device_op(*p.group, std::move(p.req), p.from, p.recv_group, p.tag));
     }
     const int source = ops.size() == 1 ? ops[0].source : -1;
     // A blocking op the caller gets no Work of (`hidden`: the native API) raises its own error.
@@ -337,6 +348,9 @@ std::shared_ptr<Plan> Engine::make_plan(PreparedOps ops) {
       e.on_device = true;
       e.device = p.device;
       e.req = p.req;
+      e.from = p.from;
+      e.recv_group = p.recv_group;
+      e.tag = p.tag;
       plan->ops_.push_back(std::move(e));
       continue;
     }
@@ -420,8 +434,8 @@ c10::intrusive_ptr<Work> Engine::start_on_device(Plan& pl, bool async_op) {
     for (const auto& e : pl.ops_) {
       TORCH_CHECK(groups_.owns(*e.group), "fastcomm.plan: rank ", opts_.rank, ", group ", ranks_label(e.group->ranks),
                   ": the plan was recorded before fastcomm.shutdown(); record it again after init()");
-      const GroupState& g = *e.group;
-      dops.push_back(DeviceOp{e.req, g.ranks, g.rank, g.id, g.timeout, ranks_label(g.ranks)});
+      // A recv queues behind an unbound recv of its (group, tag), as a single op's does.
+      dops.push_back(device_op(*e.group, e.req, e.from, e.recv_group, e.tag));
     }
   }
   return device_engine(pl.ops_[0].device)->post(std::move(dops), async_op, /*rethrow=*/true);

@@ -53,6 +53,7 @@ class Plan {
     bool recv = false;  // a recv from a known source, matched after any-source receives
     uint64_t recv_group = 0;  // posted before it (Engine::Prepared)
     int tag = 0;
+    std::vector<DeviceOp::Sender> from;  // a device recv: its sender, for its port (as `recv`)
     // Every tensor the op touches, with where its data was at recording: the algorithm holds
     // raw pointers into it, so a tensor given other storage since must not run.
     c10::SmallVector<std::pair<at::Tensor, const void*>, 2> tensors;

@@ -99,14 +99,16 @@ struct Net {
   }
 };
 
-// The receiver: its ports over the net's agreements; a bound recv is made ready at once (its
-// channel's previous op is taken to be enqueued).
+// The receiver: its ports over the net's agreements, its recvs numbered at post as the engine
+// numbers them (RecvNumbers); a bound recv is made ready at once (its channel's previous op is
+// taken to be enqueued).
 struct Receiver final : RecvPorts::Channels {
   Receiver(Net& n, int r) : net(n), me(r) {}
   Net& net;
   int me;
   RecvPorts ports;
-  std::unordered_map<uint64_t, uint64_t> next_seq;
+  RecvNumbers numbers;
+  std::unordered_map<uint64_t, uint64_t>& next_seq = numbers.next_seq();
   std::set<int> dead;
   std::map<intptr_t, Key> bound;       // recv token -> the key it took
   std::map<intptr_t, int> bound_from;  // ... and its sender's group rank
@@ -118,22 +120,37 @@ struct Receiver final : RecvPorts::Channels {
   bool offered(int rank, const Key& k) override { return net.side(me, rank).m.offered(k); }
   bool failed(int rank) override { return dead.count(rank) > 0; }
 
-  void post(intptr_t token, const std::vector<DeviceOp::Sender>& from, bool any, uint64_t b = 8) {
+  // A recv on port (group 1, `tag`): numbered now, or queued on the port (ChannelEngine::post).
+  void post(intptr_t token, const std::vector<DeviceOp::Sender>& from, bool any, uint64_t b = 8, int64_t tag = 0) {
     bytes[token] = b;
-    ports.post({1, 0}, RecvPorts::Recv{(void*)token, any, from});
+    const PortKey port{1, tag};
+    Key k;
+    if (numbers.take(from[0].id, &port, any, k)) {
+      bind(token, from[0], k);
+      return;
+    }
+    ports.post(port, RecvPorts::Recv{(void*)token, any, from});
+    tags[token] = tag;
   }
   void step() {
     std::vector<RecvPorts::Bound> b;
     std::vector<RecvPorts::Failed> f;
     ports.step(*this, next_seq, b, f);
     for (auto& x : b) {
-      const intptr_t t = (intptr_t)x.token;
-      bound[t] = x.key;
-      bound_from[t] = x.from.group_rank;
-      net.ready(me, x.from.rank, x.key, sig(OpKind::kRecv, bytes[t]));
+      numbers.settled({1, tags[(intptr_t)x.token]});
+      bind((intptr_t)x.token, x.from, x.key);
     }
-    for (auto& x : f) failures[(intptr_t)x.token] = x.rank;
+    for (auto& x : f) {
+      numbers.settled({1, tags[(intptr_t)x.token]});
+      failures[(intptr_t)x.token] = x.rank;
+    }
   }
+  void bind(intptr_t t, const DeviceOp::Sender& from, const Key& k) {
+    bound[t] = k;
+    bound_from[t] = from.group_rank;
+    net.ready(me, from.rank, k, sig(OpKind::kRecv, bytes[t]));
+  }
+  std::map<intptr_t, int64_t> tags;  // unbound recvs' ports
 };
 
 // Group {0, 1, 2}; rank 1 receives. Rank 0 leads its pair with 1 (its proposals reach 1), rank
@@ -403,4 +420,43 @@ TEST(any_source_probe_survives_resets_and_cancelled_messages_fail_it) {
   net.settle();
   CHECK(net.side(1, 0).launched == std::vector<intptr_t>{name({10, 1})});
   CHECK(net.side(0, 1).launched == net.side(1, 0).launched);
+}
+
+// A plan's start (or a batch) posts named recvs while a recv from any source waits unbound on
+// the same (group, tag): they queue behind it, as a single named recv does; on another tag, or
+// once the port is empty again, a named recv takes its number at post.
+TEST(any_source_later_plan_recvs_queue_behind_an_unbound_one) {
+  const DeviceOp::Sender from0tag1{0, 0, 11};  // channel (group, 0 -> 1, tag 1)
+  Net net;
+  Receiver r(net, 1);
+  r.post(1, {kFrom0}, false);  // nothing waits: 10:0 at post
+  CHECK(r.bound[1] == (Key{10, 0}));
+  r.post(2, kAny, true);
+  r.post(3, {kFrom0}, false);     // the plan's recvs, started now
+  r.post(4, {kFrom2}, false);
+  r.post(5, {from0tag1}, false, 8, 1);  // another tag: its own port, numbered at once
+  CHECK(r.bound[5] == (Key{11, 0}));
+  r.step();
+  CHECK(!r.bound.count(2) && !r.bound.count(3) && !r.bound.count(4));
+  // Only rank 0 sends (three messages): the recv from any source takes its second, posted
+  // before the plan's, which takes the third; rank 2's first stays for recv 4.
+  for (uint64_t n = 0; n < 3; ++n) net.send(0, 1, 10, n);
+  net.settle();
+  r.step();
+  CHECK(r.bound[2] == (Key{10, 1}));
+  CHECK_EQ(r.bound_from[2], 0);
+  CHECK(r.bound[3] == (Key{10, 2}));
+  CHECK(r.bound[4] == (Key{20, 0}));
+  CHECK(r.ports.empty());
+  r.post(6, {kFrom2}, false);  // the port is empty again: numbered at post
+  CHECK(r.bound[6] == (Key{20, 1}));
+  net.send(2, 1, 20, 0);
+  net.send(2, 1, 20, 1);
+  net.send(0, 1, 11, 0);
+  net.settle();
+  CHECK(net.side(1, 0).launched ==
+        (std::vector<intptr_t>{name({10, 0}), name({10, 1}), name({10, 2}), name({11, 0})}));
+  CHECK(net.side(0, 1).launched == net.side(1, 0).launched);
+  CHECK(net.side(1, 2).launched == (std::vector<intptr_t>{name({20, 0}), name({20, 1})}));
+  CHECK(net.side(2, 1).launched == net.side(1, 2).launched);
 }
