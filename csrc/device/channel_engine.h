@@ -119,10 +119,7 @@ struct GroupComm final : SlotUser {
   std::vector<std::pair<Entry, uint32_t>> held;
   int awaiting = 0;
   std::deque<DevOp*> to_go;
-  bool busy() const {
-    return !queued.empty() || launching != nullptr || !in_flight.empty() || !held.empty() || awaiting > 0 ||
-           !to_go.empty();
-  }
+  bool busy() const { return !queued.empty() || launching != nullptr || !in_flight.empty(); }
   bool wants_slot() const override { return !failed && (!held.empty() || !to_go.empty()); }
 };
 
@@ -235,6 +232,9 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   // ---- group communicators (group_comm.cpp)
   // Whether group communicators' kernels take slots (the kernel bound is on).
   bool group_slots() const { return max_kernels_ > 0 && !single_; }
+  // Rank 0 under the bound: the members take their slots one after another, highest rank
+  // first; the next lower one is proposed to once the one above has answered (part_done).
+  bool propose_in_turn(DevOp* op);
   void agreed(DevOp* op);
   // Rank 0: go (or refuse) for an agreed op; the op joins the group's queue.
   void decide(DevOp* op);

@@ -325,14 +325,7 @@ void ChannelEngine::make_ready(DevOp* op) {
     else to_end_.push_back(op);
     return;
   }
-  if (op->leads && op->gc != nullptr && group_slots() && op->parts.size() > 1) {
-    // The kernel bound: the members take their slots one after another, highest rank first;
-    // the next lower one is proposed to once the one above has answered (part_done).
-    for (auto& p : op->parts) p->held_back = true;
-    op->chain = (int)op->parts.size() - 1;
-    ready_part(op->parts.back().get());
-    return;
-  }
+  if (propose_in_turn(op)) return;
   for (auto& up : op->parts) ready_part(up.get());
 }
 

@@ -55,6 +55,14 @@ void ChannelEngine::release_idle_groups(Clock::time_point now) {
   }
 }
 
+bool ChannelEngine::propose_in_turn(DevOp* op) {
+  if (!op->leads || op->gc == nullptr || !group_slots() || op->parts.size() < 2) return false;
+  for (auto& p : op->parts) p->held_back = true;
+  op->chain = (int)op->parts.size() - 1;
+  ready_part(op->parts.back().get());  // the highest member first
+  return true;
+}
+
 // Every agreement part of a group-communicator op has its answer.
 void ChannelEngine::agreed(DevOp* op) {
   GroupComm& g = *op->gc;
