@@ -248,3 +248,26 @@ def test_groups_of_three_and_pairs_in_any_order_under_a_small_bound():
         for ranks, it, t in got:
             assert t == [float(sum(ranks) + len(ranks) * it)] * len(t), (ranks, it, t)
     assert res[3][1] >= 1  # the bound held a launch back
+
+
+def _group_refused_body(rank, world):
+    """Rank 2 of four issues a larger all_reduce than the others on the group's communicator,
+    one slot per device: rank 0 proposes to rank 3, then to the mismatched rank 2, then to
+    rank 1, and refuses the op; the members that committed holding a slot give it back, and the
+    group's next op runs."""
+    g = fc.new_group(list(range(world)), timeout=timedelta(seconds=30))
+    bad = torch.full((64 if rank == 2 else 32,), float(rank + 1))
+    want = "mismatched op" if rank in (0, 2) else "refused by the group's rank 0"
+    msg = expect(dist.DistBackendError, lambda: fc.all_reduce(bad, group=g), want)
+    good = torch.full((32,), float(rank + 1))
+    # Its future completes once the engine saw it run (so gave its slot back).
+    fc.all_reduce(good, group=g, async_op=True).get_future().wait()
+    return msg, good.tolist(), dbg("kernels"), dbg("group_comms")
+
+
+def test_a_refused_group_op_gives_every_slot_back():
+    env = dict(GROUP_ENV, FASTCOMM_DEVICE_MAX_KERNELS="1")
+    for msg, good, kernels, comms in harness.run(_group_refused_body, 4, timeout=90, env=env, init_timeout=30):
+        assert good == [10.0] * 32, (msg, good)  # 1 + 2 + 3 + 4
+        assert kernels == 0, msg
+        assert comms == 1  # the second op ran on the group's communicator
