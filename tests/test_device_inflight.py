@@ -12,6 +12,11 @@ the residency, the follower of a pair commits only once it holds a slot and the 
 only after that commit, so every launched kernel meets a peer kernel that runs (docs/design.md,
 "Kernels in flight"), and the ring completes.
 
+Group communicators (large ops of groups of 3+) take slots too: a group's large op beside a
+pair's, each waiting behind the other's kernel on the next rank, hangs without the bound and
+completes with it; so does a mix of every pair and group of three of four ranks; a refused
+group op gives its members' slots back.
+
 Host cost: a pair channel's NCCL communicator is in NCCL's blocking mode
 (FASTCOMM_DEVICE_PAIR_BLOCKING, default 1), so a launch starts no thread; the fake starts one
 per launch on a non-blocking communicator, as ncclGroupEnd does (debug "launch_threads").
