@@ -12,6 +12,11 @@ the residency, the follower of a pair commits only once it holds a slot and the 
 only after that commit, so every launched kernel meets a peer kernel that runs (docs/design.md,
 "Kernels in flight"), and the ring completes.
 
+Group communicators (large ops of groups of 3+) take slots too: a group's large op beside a
+pair's, each waiting behind the other's kernel on the next rank, hangs without the bound and
+completes with it; so does a mix of every pair and group of three of four ranks; a refused
+group op gives its members' slots back.
+
 Host cost: a pair channel's NCCL communicator is in NCCL's blocking mode
 (FASTCOMM_DEVICE_PAIR_BLOCKING, default 1), so a launch starts no thread; the fake starts one
 per launch on a non-blocking communicator, as ncclGroupEnd does (debug "launch_threads").
@@ -151,3 +156,123 @@ def test_a_non_blocking_pair_communicator_starts_a_thread_per_launch():
     for launched, v in res:
         assert launched >= 1
         assert v == 2.0 ** 41
+
+
+# Large ops of a group of 3+ run on the group's own NCCL communicator: its kernels take slots
+# under the same bound (docs/design.md, "Kernels in flight": the members take theirs one after
+# another, highest rank first, the group's rank 0 last, before its go).
+GROUP_ENV = dict(FAKE, FASTCOMM_RSAG_THRESHOLD="64")  # 32 floats per member go on the group's communicator
+
+
+def _group_mix_body(rank, world, bounded):
+    """A group of three's large all_reduce beside an all_reduce of the pair [1, 2], one kernel
+    resident per device. Rank 1 issues the pair's op before a held kernel on its caller's stream
+    and the group's after it, rank 2 the other way round: without a slot for the group's kernels,
+    rank 1's pair kernel and rank 2's group kernel are resident first, each spinning for a peer
+    kernel that waits behind the other, and both ops hang until the deadline."""
+    pair, trio = fc.new_groups([[1, 2], [0, 1, 2]], timeout=timedelta(seconds=30 if bounded else 4))
+    dbg("resident_limit", 1)
+    g = torch.full((32,), float(rank + 1))
+    p = torch.full((6,), float(10 * (rank + 1)))
+    works = []
+    if rank == 1:
+        works.append(fc.all_reduce(p, group=pair, async_op=True))  # its input is ready
+    if rank != 1:
+        works.append(fc.all_reduce(g, group=trio, async_op=True))
+    dbg("hold")  # what is issued below waits behind this kernel on the caller's stream
+    if rank == 1:
+        works.append(fc.all_reduce(g, group=trio, async_op=True))
+    if rank == 2:
+        works.append(fc.all_reduce(p, group=pair, async_op=True))
+    # Rank 2 wants a slot for both (bounded: one queues, deterministically, since neither can end
+    # before the release); unbounded, each rank's first kernel is resident at once. Bounded, a
+    # rank may hold its slot for a kernel still held back.
+    end = time.monotonic() + (10.0 if rank == 2 else 2.0)
+    while time.monotonic() < end:
+        if (dbg("kernel_waits") >= 1) if (rank == 2 and bounded) else (dbg("resident") >= 1):
+            break
+        time.sleep(0.005)
+    fc.barrier(group=trio)  # a host op: no rank releases before every rank's kernels are in
+    dbg("release")
+    if not bounded:
+        return expect(dist.DistBackendError, lambda: [w.get_future().wait() for w in works], "timeout")
+    for w in works:
+        w.get_future().wait()
+    return g.tolist(), p.tolist(), dbg("kernels"), dbg("kernel_waits")
+
+
+def test_group_communicator_kernels_take_slots_beside_pair_kernels():
+    env = dict(GROUP_ENV, FASTCOMM_DEVICE_MAX_KERNELS="1")
+    res = harness.run(_group_mix_body, 3, True, timeout=120, env=env, init_timeout=30)
+    for rank, (g, p, kernels, waits) in enumerate(res):
+        assert g == [6.0] * 32, (rank, g)  # 1 + 2 + 3
+        assert p == ([50.0] * 6 if rank else [10.0] * 6), (rank, p)  # 20 + 30; rank 0 not in the pair
+        assert kernels == 0, (rank, kernels)  # every slot, the group's too, given back
+    assert res[2][3] >= 1  # rank 2's group kernel and pair kernel could not both hold a slot
+
+
+def test_the_group_and_pair_mix_deadlocks_on_the_fake_without_the_bound():
+    env = dict(GROUP_ENV, FASTCOMM_DEVICE_MAX_KERNELS="0")
+    for msg in harness.run(_group_mix_body, 3, False, timeout=90, env=env, init_timeout=30):
+        assert "timeout" in msg, msg
+
+
+def _groups_and_pairs_body(rank, world):
+    """Every pair and every group of three of four ranks, 3 rounds, each rank issuing a round's
+    groups in an order of its own, the groups' ops large (their communicators), the pairs'
+    small, under a bound of 2 kernels and a residency of 2; inputs wait behind a held kernel."""
+    lists = [[i, j] for i in range(world) for j in range(i + 1, world)]
+    lists += [[i for i in range(world) if i != x] for x in range(world)]
+    groups = fc.new_groups(lists, timeout=timedelta(seconds=60))
+    dbg("resident_limit", 2)
+    mine = [(r, g) for r, g in zip(lists, groups) if rank in r]
+    ts, works = [], []
+    dbg("hold")
+    for it in range(3):
+        random.Random(rank * 10 + it).shuffle(mine)
+        for ranks, g in mine:
+            t = torch.full((32 if len(ranks) == 3 else 3,), float(rank + it))
+            ts.append((ranks, it, t))
+            works.append(fc.all_reduce(t, group=g, async_op=True))
+    end = time.monotonic() + 10.0
+    while dbg("kernel_waits") < 1 and time.monotonic() < end:
+        time.sleep(0.005)
+    waits = dbg("kernel_waits")
+    dbg("release")
+    for w in works:
+        w.get_future().wait()
+    return [(ranks, it, t.tolist()) for ranks, it, t in ts], waits, dbg("kernels"), dbg("group_comms")
+
+
+def test_groups_of_three_and_pairs_in_any_order_under_a_small_bound():
+    env = dict(GROUP_ENV, FASTCOMM_DEVICE_MAX_KERNELS="2")
+    res = harness.run(_groups_and_pairs_body, 4, timeout=150, env=env, init_timeout=30)
+    for got, waits, kernels, comms in res:
+        assert kernels == 0
+        assert comms == 3  # each rank is in 3 groups of three: their large ops ran on communicators
+        for ranks, it, t in got:
+            assert t == [float(sum(ranks) + len(ranks) * it)] * len(t), (ranks, it, t)
+    assert res[3][1] >= 1  # the bound held a launch back
+
+
+def _group_refused_body(rank, world):
+    """Rank 2 of four issues a larger all_reduce than the others on the group's communicator,
+    one slot per device: rank 0 proposes to rank 3, then to the mismatched rank 2, then to
+    rank 1, and refuses the op; the members that committed holding a slot give it back, and the
+    group's next op runs."""
+    g = fc.new_group(list(range(world)), timeout=timedelta(seconds=30))
+    bad = torch.full((64 if rank == 2 else 32,), float(rank + 1))
+    want = "mismatched op" if rank in (0, 2) else "refused by the group's rank 0"
+    msg = expect(dist.DistBackendError, lambda: fc.all_reduce(bad, group=g), want)
+    good = torch.full((32,), float(rank + 1))
+    # Its future completes once the engine saw it run (so gave its slot back).
+    fc.all_reduce(good, group=g, async_op=True).get_future().wait()
+    return msg, good.tolist(), dbg("kernels"), dbg("group_comms")
+
+
+def test_a_refused_group_op_gives_every_slot_back():
+    env = dict(GROUP_ENV, FASTCOMM_DEVICE_MAX_KERNELS="1")
+    for msg, good, kernels, comms in harness.run(_group_refused_body, 4, timeout=90, env=env, init_timeout=30):
+        assert good == [10.0] * 32, (msg, good)  # 1 + 2 + 3 + 4
+        assert kernels == 0, msg
+        assert comms == 1  # the second op ran on the group's communicator

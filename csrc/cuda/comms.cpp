@@ -42,7 +42,7 @@ Comm CudaRuntime::comm_init(const UniqueId& id, int nranks, int rank) {
   if (nranks == 2 && blocking_pairs_) return open_pair(uid, rank);
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // init and every later call return at once; see the header
-  if (nranks == 2) config.maxCTAs = kPairMaxCTAs;
+  config.maxCTAs = kCommMaxCTAs;  // a group's kernels hold a slot of the bound too
   ncclComm_t comm = nullptr;
   ncclResult_t r;
   {
@@ -103,7 +103,7 @@ Comm CudaRuntime::open_pair(const ncclUniqueId& uid, int rank) {
       c10::cuda::CUDAGuard g(d);
       ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
       config.blocking = 1;
-      config.maxCTAs = kPairMaxCTAs;
+      config.maxCTAs = kCommMaxCTAs;
       FASTCOMM_GPU_CHECK(ncclCommInitRankConfig(&comm, 2, uid, rank, &config));
       // First contact: one byte each way (into the shared scratch byte: its value is unused).
       auto* b = static_cast<uint8_t*>(warm.data_ptr());

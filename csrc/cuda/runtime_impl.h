@@ -35,9 +35,10 @@ ncclRedOp_t nccl_op(RedOp op, c10::ScalarType t);
 cuda::DType fold_dtype(c10::ScalarType t);
 cuda::RedOp fold_op(RedOp op, c10::ScalarType t);
 
-// A pair communicator's kernels take at most this many CTAs (SMs), so that the device engine's
-// bound on kernels in flight (FASTCOMM_DEVICE_MAX_KERNELS, default 8) fits an H100's 132 SMs.
-constexpr int kPairMaxCTAs = 16;
+// A communicator's kernels (a pair's, or a group's of 3+) take at most this many CTAs (SMs), so
+// that the device engine's bound on kernels in flight (FASTCOMM_DEVICE_MAX_KERNELS, default 8)
+// fits an H100's 132 SMs.
+constexpr int kCommMaxCTAs = 16;
 
 struct Pending;
 

@@ -84,8 +84,12 @@ void PairAgreement::match(Out& out) {
     Item item = f->second;
     open_.erase(f);
     if (compatible(it->sig, item.sig)) {
-      if (item.agree_only) awaiting_[item.key] = item;
-      else out.launch.push_back(item.token);
+      if (item.agree_only) {
+        awaiting_[item.key] = item;
+        out.awaiting.push_back(item.token);
+      } else {
+        out.launch.push_back(item.token);
+      }
       commits.entries.push_back(*it);
     } else {
       out.failed.push_back({item.token, Why::kMismatch, it->sig});

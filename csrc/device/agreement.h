@@ -72,6 +72,7 @@ class PairAgreement {
     std::vector<void*> launch;      // agreed data items, in the channel's order
     std::vector<void*> answered;    // leader: agreement items the peer committed
     std::vector<Decision> decided;  // follower: agreement items the group's leader decided on
+    std::vector<void*> awaiting;    // follower: agreement items committed now (they await a decision)
     std::vector<Failure> failed;
     bool new_epoch = false;  // the peer reset the channel: what the engine launched fails, and the
                              // communicator is replaced at the next proposal
@@ -82,6 +83,7 @@ class PairAgreement {
       launch.clear();
       answered.clear();
       decided.clear();
+      awaiting.clear();
       failed.clear();
       new_epoch = false;
       released = false;

@@ -313,6 +313,13 @@ void ChannelEngine::apply(Channel& c, PairAgreement::Out& out, const UniqueId* g
     p->state = Part::kDone;
     part_done(p);
   }
+  if (group_slots()) {
+    for (void* t : out.awaiting) {
+      DevOp* op = static_cast<Part*>(t)->op;
+      op->awaits_go = true;  // its commit holds the group's slot until the decision (agreed())
+      ++op->gc->awaiting;
+    }
+  }
   for (auto& dc : out.decided) {
     Part* p = static_cast<Part*>(dc.token);
     GroupComm& g = *p->op->gc;
@@ -330,6 +337,7 @@ void ChannelEngine::apply(Channel& c, PairAgreement::Out& out, const UniqueId* g
     part_done(p);
   }
   for (Frame& f : out.frames) {
+    if (f.type == kCommit && !c.leader && !out.awaiting.empty() && group_slots() && hold_group_commits(f)) continue;
     if (f.type == kCommit && !c.leader && !out.launch.empty() && counts_kernels(c) &&
         (!c.slot || !c.held.empty())) {
       // The kernel bound: this commit goes out once the channel holds a slot (launch()).
@@ -388,33 +396,33 @@ bool ChannelEngine::counts_kernels(const Channel& c) {
   return max_kernels_ > 0 && !single_ && c.comm != nullptr && ipc_->find(c.comm) == nullptr;
 }
 
-bool ChannelEngine::take_slot(Channel& c) {
-  if (c.slot) return true;
-  const bool fresh = !c.slot_queued;
+bool ChannelEngine::take_slot(SlotUser& u) {
+  if (u.slot) return true;
+  const bool fresh = !u.slot_queued;
   if (fresh) {
-    c.slot_queued = true;
-    slot_queue_.push_back(&c);
+    u.slot_queued = true;
+    slot_queue_.push_back(&u);
   }
   grant_slots();
-  if (!c.slot && fresh) ++slot_waits_;
-  return c.slot;
+  if (!u.slot && fresh) ++slot_waits_;
+  return u.slot;
 }
 
-void ChannelEngine::drop_slot(Channel& c) {
-  if (!c.slot) return;
-  c.slot = false;
+void ChannelEngine::drop_slot(SlotUser& u) {
+  if (!u.slot) return;
+  u.slot = false;
   --kernels_;
   grant_slots();
 }
 
-// Free slots go to the queued channels in request order; one whose parts are gone meanwhile (a
-// reset, a fault) is skipped, so no stale entry holds the line.
+// Free slots go to the queued channels and groups in request order; one that no longer wants
+// one (a reset, a fault took its parts) is skipped, so no stale entry holds the line.
 void ChannelEngine::grant_slots() {
   while (kernels_ < max_kernels_ && !slot_queue_.empty()) {
-    Channel* n = slot_queue_.front();
+    SlotUser* n = slot_queue_.front();
     slot_queue_.pop_front();
     n->slot_queued = false;
-    if (n->failed || n->slot || n->committed.empty()) continue;
+    if (n->slot || !n->wants_slot()) continue;
     n->slot = true;
     ++kernels_;
   }

@@ -33,12 +33,23 @@ namespace device {
 
 class PlanGraph;
 
+// What holds one of the device's kernel slots (FASTCOMM_DEVICE_MAX_KERNELS) while its kernels
+// may be on its stream: a pair's NCCL channel or a group's communicator (docs/design.md,
+// "Kernels in flight").
+struct SlotUser {
+  virtual ~SlotUser() = default;
+  // Whether a slot granted now would be used (a queue entry that no longer would is skipped).
+  virtual bool wants_slot() const = 0;
+  bool slot = false;
+  bool slot_queued = false;
+};
+
 // This rank's side of the pair with `peer`: a two-rank communicator on a stream of its own,
 // made at the pair's first op. The lower rank leads: it proposes each op once it is ready; the
 // other commits the proposals it has a matching ready op for, in whatever order they become
 // ready, and both launch in commit order. So the channel's order is one both sides agreed on,
 // and no op waits behind one its peer has not issued.
-struct Channel {
+struct Channel final : SlotUser {
   explicit Channel(int p, bool lead) : peer(p), leader(lead), agree(lead) {}
   int peer = -1;
   bool leader = false;
@@ -68,9 +79,8 @@ struct Channel {
   // its stream holds one of the device's slots. The follower sends its commits only once it
   // holds one (`held`: commit frames waiting for it), so a leader's launch always meets a peer
   // kernel that is, or will be, launched without waiting for anything else.
-  bool slot = false;
-  bool slot_queued = false;
   std::vector<Frame> held;
+  bool wants_slot() const override { return !failed && !committed.empty(); }
   bool busy() const {
     return agree.holding() || agree.has_proposals_to_send() || !committed.empty() || !launching.empty() ||
            !in_flight.empty();
@@ -83,7 +93,10 @@ struct Channel {
 // channels; once all have committed it tells each to go (or, after a mismatch, refuses), so no
 // member launches a collective another will not join. Ops reach the communicator in the
 // group's issue order (an op is ready once the previous one is enqueued).
-struct GroupComm {
+// Under the kernel bound its kernels hold a slot: the members take theirs one after another,
+// highest rank first (rank 0 proposes to the next lower member once the one above committed,
+// and a member commits once its group holds a slot), then rank 0 takes its own before its go.
+struct GroupComm final : SlotUser {
   std::vector<int> ranks;
   int me = 0;
   Comm comm = nullptr;
@@ -100,7 +113,14 @@ struct GroupComm {
   bool has_next = false;
   bool release_pending = false;  // member: the leader released the group's communicator
   Clock::time_point last_used = Clock::now();
+  // The kernel bound. Member: commits (and their epoch on the channel to rank 0) held until
+  // the group holds a slot, and ops committed that await rank 0's decision. Rank 0: agreed ops
+  // whose go waits for the slot.
+  std::vector<std::pair<Entry, uint32_t>> held;
+  int awaiting = 0;
+  std::deque<DevOp*> to_go;
   bool busy() const { return !queued.empty() || launching != nullptr || !in_flight.empty(); }
+  bool wants_slot() const override { return !failed && (!held.empty() || !to_go.empty()); }
 };
 
 class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::enable_shared_from_this<ChannelEngine> {
@@ -144,6 +164,7 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   void admit(std::unique_ptr<DevOp> op);
   void chain(DevOp* op);
   void make_ready(DevOp* op);
+  void ready_part(Part* p);
   void part_launched(Part* p);
   // A channel's launch, NCCL or IPC: its stream first waits for each committed part's inputs
   // and its group's previous op; once enqueued, c.launching is in flight behind one event.
@@ -176,8 +197,8 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   // take a slot (or queue for one, FIFO), give one back once nothing is committed or on the
   // stream (the next queued channel that still wants one gets it).
   bool counts_kernels(const Channel& c);
-  bool take_slot(Channel& c);
-  void drop_slot(Channel& c);
+  bool take_slot(SlotUser& u);
+  void drop_slot(SlotUser& u);
   void grant_slots();
   void send_held(Channel& c);
   // An op on the channel timed out: what it holds fails, the peer is told, and the next op
@@ -209,7 +230,20 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   bool launch_ipc(Channel& c, IpcLink& l);
 
   // ---- group communicators (group_comm.cpp)
+  // Whether group communicators' kernels take slots (the kernel bound is on).
+  bool group_slots() const { return max_kernels_ > 0 && !single_; }
+  // Rank 0 under the bound: the members take their slots one after another, highest rank
+  // first; the next lower one is proposed to once the one above has answered (part_done).
+  bool propose_in_turn(DevOp* op);
   void agreed(DevOp* op);
+  // Rank 0: go (or refuse) for an agreed op; the op joins the group's queue.
+  void decide(DevOp* op);
+  // Member: takes the group commits out of a commit frame to rank 0; they go once the group
+  // holds a slot. Returns whether the frame has nothing left.
+  bool hold_group_commits(Frame& f);
+  void send_group_held(GroupComm& g);
+  // Sends what waited for the group's slot, and gives the slot back once nothing needs it.
+  bool group_slot(GroupComm& g);
   bool pump_group(GroupComm& g);
   void fault_group(GroupComm& g, const std::string& why);
   // Group communicators made and ended here, counted (debug "group_comms").
@@ -269,7 +303,7 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   const size_t max_comms_;
   const int64_t max_kernels_;     // FASTCOMM_DEVICE_MAX_KERNELS (0: unbounded)
   int64_t kernels_ = 0;           // slots held
-  std::deque<Channel*> slot_queue_;  // channels waiting for a slot, in request order
+  std::deque<SlotUser*> slot_queue_;  // channels and groups waiting for a slot, in request order
   std::atomic<int64_t> slot_waits_{0};  // requests that had to queue (debug "kernel_waits")
   std::atomic<int64_t> slots_held_{0};  // kernels_, readable from any thread (debug "kernels")
   std::atomic<int64_t> live_comms_{0};

@@ -318,25 +318,29 @@ void ChannelEngine::make_ready(DevOp* op) {
     else to_end_.push_back(op);
     return;
   }
-  for (auto& up : op->parts) {
-    Part* p = up.get();
-    Channel& c = channel(p->peer);
-    if (c.failed) {
-      fail_part(p, c.failed);
-      continue;
-    }
-    if (single_) {
-      c.wants_comm = true;
-      single_queue_.push_back(p);
-      continue;
-    }
-    PairAgreement::Out out;
-    c.agree.ready(Item{op->key, p->sig, p->agree_only, p}, out);
-    try {
-      apply(c, out);  // a follower's commit goes out at once
-    } catch (const std::exception& e) {
-      doom(c, e.what());  // the control path failed: the peer's channel only
-    }
+  if (propose_in_turn(op)) return;
+  for (auto& up : op->parts) ready_part(up.get());
+}
+
+// The part is handed to its channel's agreement.
+void ChannelEngine::ready_part(Part* p) {
+  p->held_back = false;
+  Channel& c = channel(p->peer);
+  if (c.failed) {
+    fail_part(p, c.failed);
+    return;
+  }
+  if (single_) {
+    c.wants_comm = true;
+    single_queue_.push_back(p);
+    return;
+  }
+  PairAgreement::Out out;
+  c.agree.ready(Item{p->op->key, p->sig, p->agree_only, p}, out);
+  try {
+    apply(c, out);  // a follower's commit goes out at once
+  } catch (const std::exception& e) {
+    doom(c, e.what());  // the control path failed: the peer's channel only
   }
 }
 
@@ -398,7 +402,10 @@ void ChannelEngine::part_launched(Part* p) {
 
 void ChannelEngine::part_done(Part* p) {
   DevOp* op = p->op;
-  if (--op->parts_left > 0) return;
+  if (--op->parts_left > 0) {
+    if (op->chain > 0 && !op->launched) ready_part(op->parts[(size_t)--op->chain].get());
+    return;
+  }
   if (op->gc != nullptr) agreed(op);
   else if (op->launched) op_finished(op);
 }

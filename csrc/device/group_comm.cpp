@@ -1,4 +1,6 @@
 // Large ops of groups of 3+ on the group's own communicator (device/channel_engine.h, GroupComm).
+#include <algorithm>
+
 #include "common/errors.h"
 #include "device/channel_engine.h"
 
@@ -53,8 +55,36 @@ void ChannelEngine::release_idle_groups(Clock::time_point now) {
   }
 }
 
+bool ChannelEngine::propose_in_turn(DevOp* op) {
+  if (!op->leads || op->gc == nullptr || !group_slots() || op->parts.size() < 2) return false;
+  for (auto& p : op->parts) p->held_back = true;
+  op->chain = (int)op->parts.size() - 1;
+  ready_part(op->parts.back().get());  // the highest member first
+  return true;
+}
+
 // Every agreement part of a group-communicator op has its answer.
 void ChannelEngine::agreed(DevOp* op) {
+  GroupComm& g = *op->gc;
+  if (op->awaits_go) {
+    op->awaits_go = false;
+    --g.awaiting;
+    // A commit still held (its op failed meanwhile) never goes out.
+    g.held.erase(std::remove_if(g.held.begin(), g.held.end(), [&](const auto& h) { return h.first.key == op->key; }),
+                 g.held.end());
+  }
+  if (op->leads && !op->error && !g.failed && group_slots()) {
+    // The kernel bound: every member holds a slot for the op now (each committed holding one);
+    // the go goes out once rank 0 holds one too, so a launched collective meets every other
+    // member's launched, or about to be (group_slot()).
+    g.to_go.push_back(op);
+    if (take_slot(g)) group_slot(g);
+    return;
+  }
+  decide(op);
+}
+
+void ChannelEngine::decide(DevOp* op) {
   GroupComm& g = *op->gc;
   if (op->leads) {
     // The leader's word to every member that committed; the first op carries the id.
@@ -95,6 +125,71 @@ void ChannelEngine::agreed(DevOp* op) {
   g.queued.push_back(op);
 }
 
+bool ChannelEngine::hold_group_commits(Frame& f) {
+  std::vector<GroupComm*> touched;
+  auto rest = f.entries.begin();
+  for (Entry& e : f.entries) {
+    auto it = (e.sig.flags & kOnGroupComm) ? groups_.find(e.key.id) : groups_.end();
+    if (it == groups_.end()) {
+      *rest++ = e;
+      continue;
+    }
+    GroupComm& g = *it->second;
+    g.held.emplace_back(e, f.epoch);
+    if (std::find(touched.begin(), touched.end(), &g) == touched.end()) touched.push_back(&g);
+  }
+  f.entries.erase(rest, f.entries.end());
+  for (GroupComm* g : touched) {
+    // A failed group launches nothing: its commits go at once (rank 0 is then refused, or
+    // times out, as without the bound).
+    if (g->failed || take_slot(*g)) send_group_held(*g);
+  }
+  return f.entries.empty();
+}
+
+// Held commits go to rank 0, those of the channel's current epoch (an older one's item failed
+// in the reset that ended it, on both sides).
+void ChannelEngine::send_group_held(GroupComm& g) {
+  if (g.held.empty()) return;
+  Channel& c = channel(g.ranks[0]);
+  std::vector<Entry> now;
+  for (auto& [e, epoch] : g.held)
+    if (epoch == c.agree.epoch()) now.push_back(e);
+  g.held.clear();
+  if (now.empty() || c.failed) return;
+  const UniqueId* id = nullptr;
+  if (!c.id_sent && ipc_->find(c.comm) != nullptr) {
+    id = &c.id;  // the follower's ring rides on its first answer (apply())
+    c.id_sent = true;
+  }
+  try {
+    send_frame(c, kCommit, now, id);
+  } catch (const std::exception& e) {
+    doom(c, e.what());
+  }
+}
+
+bool ChannelEngine::group_slot(GroupComm& g) {
+  if (!g.slot) return false;
+  bool moved = false;
+  if (!g.held.empty()) {
+    send_group_held(g);
+    moved = true;
+  }
+  while (!g.to_go.empty()) {
+    DevOp* op = g.to_go.front();
+    g.to_go.pop_front();
+    decide(op);
+    moved = true;
+  }
+  if (g.held.empty() && g.awaiting == 0 && g.to_go.empty() && g.queued.empty() && g.launching == nullptr &&
+      g.in_flight.empty()) {
+    drop_slot(g);
+    moved = true;
+  }
+  return moved;
+}
+
 // Launches the group's agreed ops in order, each waiting for its inputs and the group's previous
 // op (enqueued before it), and harvests those that ran.
 bool ChannelEngine::pump_group(GroupComm& g) {
@@ -106,6 +201,7 @@ bool ChannelEngine::pump_group(GroupComm& g) {
     g.last_used = Clock::now();
     moved = true;
   }
+  moved |= group_slot(g);
   if (!g.doomed_why.empty()) {
     if (g.in_flight.empty() || Clock::now() > g.doomed_at) {
       fault_group(g, g.doomed_why);
@@ -205,6 +301,16 @@ void ChannelEngine::fault_group(GroupComm& g, const std::string& why) {
     fail_op(op, g.failed);
     abandon(op);
   }
+  // What waited for the slot: rank 0 refuses its agreed op; a member's commits go (rank 0 then
+  // hears of the failure only by its own timeout, as without the bound).
+  send_group_held(g);
+  while (!g.to_go.empty()) {
+    DevOp* op = g.to_go.front();
+    g.to_go.pop_front();
+    fail_op(op, g.failed);
+    decide(op);
+  }
+  drop_slot(g);
 }
 
 }  // namespace device

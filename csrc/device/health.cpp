@@ -19,7 +19,7 @@ bool ChannelEngine::check_health() {
       continue;
     }
     for (auto& p : op->parts) {
-      if (p->state == Part::kDone) continue;
+      if (p->state == Part::kDone || p->held_back) continue;
       Channel& c = channel(p->peer);
       reset(c, "fastcomm: rank " + std::to_string(rank_) + ", group " + op->label + ": " + op_kind_name(op->kind) +
                    " did not finish within the group's timeout (" + std::to_string(op->timeout.count()) +

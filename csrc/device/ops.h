@@ -109,6 +109,7 @@ struct Part {
   Stream stream = nullptr;  // its channel's stream, once launched
   bool agree_only = false;  // a group-communicator op's agreement with one member: no data
   bool agreed = false;      // group leader: that member committed
+  bool held_back = false;   // group leader, kernel bound: not proposed yet (members go highest first)
 };
 
 struct GroupComm;
@@ -155,6 +156,8 @@ struct DevOp {
   int me = 0;
   Collective coll;
   bool leads = false;  // this rank is the group's rank 0 (it decides go or refuse)
+  int chain = 0;       // rank 0, kernel bound: parts[chain - 1] is the next part to propose
+  bool awaits_go = false;  // member, kernel bound: committed holding its group's slot
   DevOp* next = nullptr;  // the group's next op
   // A recv on its (group, tag)'s port (device/recv_ports.h). An unbound one (from any source,
   // or posted while one waits ahead of it) has no key until it is bound.

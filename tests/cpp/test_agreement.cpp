@@ -19,7 +19,7 @@ struct Side {
   explicit Side(bool leader) : m(leader) {}
   PairAgreement m;
   std::deque<Frame> out;  // frames sent, not yet delivered
-  std::vector<intptr_t> launched, answered;
+  std::vector<intptr_t> launched, answered, awaiting;
   std::vector<std::pair<intptr_t, Why>> failed;
   std::vector<std::pair<intptr_t, bool>> decided;
   bool new_epoch = false;
@@ -27,6 +27,7 @@ struct Side {
   void take(PairAgreement::Out& o) {
     for (void* t : o.launch) launched.push_back((intptr_t)t);
     for (void* t : o.answered) answered.push_back((intptr_t)t);
+    for (void* t : o.awaiting) awaiting.push_back((intptr_t)t);
     for (auto& f : o.failed) failed.push_back({(intptr_t)f.token, f.why});
     for (auto& d : o.decided) decided.push_back({(intptr_t)d.token, d.go});
     new_epoch = new_epoch || o.new_epoch;
@@ -218,6 +219,7 @@ TEST(agreement_items_of_group_communicators) {
   p.F.ready(10, 0, 100, 8, true);
   p.settle();
   CHECK(p.L.answered == std::vector<intptr_t>{100});
+  CHECK(p.F.awaiting == std::vector<intptr_t>{100});  // the follower's commit: it awaits the decision
   CHECK(p.F.launched.empty());
   CHECK(p.F.m.waiting());
   PairAgreement::Out o;
