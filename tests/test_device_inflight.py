@@ -57,10 +57,12 @@ def _ring_body(rank, world, bounded):
     wa = fc.all_reduce(a, group=right, async_op=True)  # its input is ready
     dbg("hold")  # b's transfers wait behind this kernel on the caller's stream
     wb = fc.all_reduce(b, group=left, async_op=True)
-    # Unbounded, the first op's kernel is resident at once on every rank; bounded, a rank may
-    # hold its slot for the second op's kernel instead (not resident while held back).
-    end = time.monotonic() + 2.0
-    while dbg("resident") < 1 and time.monotonic() < end:
+    # Unbounded, the first op's kernel becomes resident on every rank (before the release: a
+    # rank whose second kernel got in first would let the ring complete), or the op times out;
+    # bounded, a rank may hold its slot for the second op's kernel instead (not resident while
+    # held back), so the wait is short.
+    end = time.monotonic() + (2.0 if bounded else 60.0)
+    while dbg("resident") < 1 and not wa.is_completed() and time.monotonic() < end:
         time.sleep(0.005)
     fc.barrier(group=cpu)  # a host op: no rank releases before every rank's kernels are in
     dbg("release")
