@@ -206,39 +206,44 @@ class Connector:
         elif not self._stopped.is_set():
             self._engine.gloo_connect(peer)  # a no-op if it asked already
 
-    def _meetings(self) -> bool:
-        """Whether a meeting is under way; gives up on peers that did not answer within the
-        timeout (their ops have failed by then, naming them)."""
+    def _meetings(self) -> float:
+        """The longest pause between reads of the list while meetings are under way (0: none
+        is): reads stay frequent for a peer asked within init's timeout, and slow to the pace
+        of the engine's looks for one asked before (gone, or much later than this rank: a group
+        may have a longer timeout than init)."""
         now = time.monotonic()
         with self._lock:
-            late = [p for p, t in self._posted.items() if now - t > self._timeout.total_seconds()]
-            for p in late:
-                del self._posted[p]
-            return bool(self._posted)
+            if not self._posted:
+                return 0.0
+            young = any(now - t <= self._timeout.total_seconds() for t in self._posted.values())
+        return _LAST_READ if young else _LAST_LOOK
 
     def _main(self) -> None:
-        pause = _FIRST_READ
-        look_pause, last_look, last_asked = _FIRST_LOOK, 0.0, 0.0
+        pause, next_read = _FIRST_READ, 0.0  # reads for meetings under way
+        look_pause, last_look, last_asked = _FIRST_LOOK, 0.0, 0.0  # reads the engine asks for
         try:
             while True:
-                meeting = self._meetings()
-                peers, look, stopping = self._engine.gloo_wanted(int(pause * 1000) if meeting else -1)
+                longest = self._meetings()
+                wait_ms = int(max(0.0, next_read - time.monotonic()) * 1000) if longest else -1
+                peers, look, stopping = self._engine.gloo_wanted(wait_ms)
                 if stopping or self._stopped.is_set():
                     return
                 for peer in peers:
                     self._ask(peer)
                 now = time.monotonic()
+                due = longest > 0 and now >= next_read
                 if look:
                     if now - last_asked > 1.0:  # a new wait: look soon again
                         look_pause = _FIRST_LOOK
                     last_asked = now
                     look = now - last_look >= look_pause
-                if peers or meeting or look:
+                if peers or due or look:
                     found = self._read_list()
                     if look:
                         last_look = now
                         look_pause = _FIRST_LOOK if found else min(look_pause * 2, _LAST_LOOK)
-                    pause = _FIRST_READ if found or peers else min(pause * 2, _LAST_READ)
+                    pause = _FIRST_READ if found or peers else min(pause * 2, longest or _LAST_READ)
+                    next_read = now + pause
         except Exception:  # the store is gone: the job is ending
             return
 
