@@ -54,6 +54,7 @@ def _ring_body(rank, world, bounded):
     dbg("resident_limit", 1)
     a = torch.full((6,), float(rank + 1))
     b = torch.full((6,), float(10 * (rank + 1)))
+    issued = time.monotonic()  # (one clock for the job's processes: CLOCK_MONOTONIC)
     wa = fc.all_reduce(a, group=right, async_op=True)  # its input is ready
     dbg("hold")  # b's transfers wait behind this kernel on the caller's stream
     wb = fc.all_reduce(b, group=left, async_op=True)
@@ -67,7 +68,15 @@ def _ring_body(rank, world, bounded):
     fc.barrier(group=cpu)  # a host op: no rank releases before every rank's kernels are in
     dbg("release")
     if not bounded:
-        return expect(dist.DistBackendError, lambda: (wa.get_future().wait(), wb.get_future().wait()), "timeout")
+        # The first rank past its deadline aborts its channels, which frees its residency: a
+        # rank whose kernels then all get in completes (after that deadline, never before).
+        try:
+            wa.get_future().wait()
+            wb.get_future().wait()
+            outcome = "completed"
+        except dist.DistBackendError as e:
+            outcome = str(e)
+        return outcome, issued, time.monotonic()
     wa.get_future().wait()
     wb.get_future().wait()
     return a.tolist(), b.tolist(), dbg("kernels"), dbg("resident_waits")
@@ -85,10 +94,20 @@ def test_a_ring_of_kernels_past_the_residency_completes_under_the_bound():
 
 
 def test_the_same_ring_deadlocks_on_the_fake_without_the_bound():
-    """The fake's residency is faithful: unbounded, the ring hangs until the deadline."""
+    """The fake's residency is faithful: unbounded, the ring hangs until the deadline. Nothing
+    ends before the first rank's deadline (4 s after its issue), and some rank times out."""
     env = dict(FAKE, FASTCOMM_DEVICE_MAX_KERNELS="0")
-    for msg in harness.run(_ring_body, 3, False, timeout=90, env=env, init_timeout=30):
-        assert "timeout" in msg, msg
+    res = harness.run(_ring_body, 3, False, timeout=90, env=env, init_timeout=30)
+    _hung_until_the_first_deadline(res)
+
+
+def _hung_until_the_first_deadline(res, timeout_s=4.0):
+    """Every rank's (outcome, issued, ended): some rank timed out, and nothing ended before the
+    first rank's deadline (its issue plus the group's timeout)."""
+    assert any("timeout" in outcome for outcome, _, _ in res), res
+    first_deadline = min(issued for _, issued, _ in res) + timeout_s
+    for rank, (outcome, issued, ended) in enumerate(res):
+        assert ended >= first_deadline, (rank, outcome, ended - first_deadline)
 
 
 def _many_body(rank, world):
@@ -177,6 +196,7 @@ def _group_mix_body(rank, world, bounded):
     g = torch.full((32,), float(rank + 1))
     p = torch.full((6,), float(10 * (rank + 1)))
     works = []
+    issued = time.monotonic()
     if rank == 1:
         works.append(fc.all_reduce(p, group=pair, async_op=True))  # its input is ready
     if rank != 1:
@@ -187,17 +207,26 @@ def _group_mix_body(rank, world, bounded):
     if rank == 2:
         works.append(fc.all_reduce(p, group=pair, async_op=True))
     # Rank 2 wants a slot for both (bounded: one queues, deterministically, since neither can end
-    # before the release); unbounded, each rank's first kernel is resident at once. Bounded, a
-    # rank may hold its slot for a kernel still held back.
-    end = time.monotonic() + (10.0 if rank == 2 else 2.0)
-    while time.monotonic() < end:
+    # before the release); unbounded, each rank's first kernel becomes resident (before the
+    # release, or the mix could complete) unless its op ends first. Bounded, a rank may hold its
+    # slot for a kernel still held back.
+    end = time.monotonic() + (10.0 if rank == 2 or not bounded else 2.0)
+    while time.monotonic() < end and not works[0].is_completed():
         if (dbg("kernel_waits") >= 1) if (rank == 2 and bounded) else (dbg("resident") >= 1):
             break
         time.sleep(0.005)
     fc.barrier(group=trio)  # a host op: no rank releases before every rank's kernels are in
     dbg("release")
     if not bounded:
-        return expect(dist.DistBackendError, lambda: [w.get_future().wait() for w in works], "timeout")
+        # As in the ring: the first rank past its deadline frees its residency, after which
+        # another rank's ops may complete (never before).
+        try:
+            for w in works:
+                w.get_future().wait()
+            outcome = "completed"
+        except dist.DistBackendError as e:
+            outcome = str(e)
+        return outcome, issued, time.monotonic()
     for w in works:
         w.get_future().wait()
     return g.tolist(), p.tolist(), dbg("kernels"), dbg("kernel_waits")
@@ -215,8 +244,8 @@ def test_group_communicator_kernels_take_slots_beside_pair_kernels():
 
 def test_the_group_and_pair_mix_deadlocks_on_the_fake_without_the_bound():
     env = dict(GROUP_ENV, FASTCOMM_DEVICE_MAX_KERNELS="0")
-    for msg in harness.run(_group_mix_body, 3, False, timeout=90, env=env, init_timeout=30):
-        assert "timeout" in msg, msg
+    res = harness.run(_group_mix_body, 3, False, timeout=90, env=env, init_timeout=30)
+    _hung_until_the_first_deadline(res)
 
 
 def _groups_and_pairs_body(rank, world):
