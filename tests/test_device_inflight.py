@@ -118,17 +118,25 @@ def _many_body(rank, world):
     of its 3 channels, must queue one."""
     lists = [[i, j] for i in range(world) for j in range(i + 1, world)]
     groups = fc.new_groups(lists)
+    return _rounds_in_own_orders(rank, lists, groups, rounds=4, numel=lambda ranks: 3, wait_s=2.0)
+
+
+def _rounds_in_own_orders(rank, lists, groups, rounds, numel, wait_s):
+    """The rounds of _many_body and _groups_and_pairs_body: under a residency of 2, each rank
+    issues a round's all_reduces over its groups in an order of its own, their inputs behind a
+    held kernel; the release comes once a launch waited for a slot (or after wait_s). Returns
+    (ranks, round, result) per op, the kernel waits and the slots still held."""
     dbg("resident_limit", 2)
     mine = [(r, g) for r, g in zip(lists, groups) if rank in r]
     ts, works = [], []
     dbg("hold")
-    for it in range(4):
+    for it in range(rounds):
         random.Random(rank * 10 + it).shuffle(mine)  # each rank its own order of groups
         for ranks, g in mine:
-            t = torch.full((3,), float(rank + it))
+            t = torch.full((numel(ranks),), float(rank + it))
             ts.append((ranks, it, t))
             works.append(fc.all_reduce(t, group=g, async_op=True))
-    end = time.monotonic() + 2.0
+    end = time.monotonic() + wait_s
     while dbg("kernel_waits") < 1 and time.monotonic() < end:
         time.sleep(0.005)
     waits = dbg("kernel_waits")
@@ -255,24 +263,9 @@ def _groups_and_pairs_body(rank, world):
     lists = [[i, j] for i in range(world) for j in range(i + 1, world)]
     lists += [[i for i in range(world) if i != x] for x in range(world)]
     groups = fc.new_groups(lists, timeout=timedelta(seconds=60))
-    dbg("resident_limit", 2)
-    mine = [(r, g) for r, g in zip(lists, groups) if rank in r]
-    ts, works = [], []
-    dbg("hold")
-    for it in range(3):
-        random.Random(rank * 10 + it).shuffle(mine)
-        for ranks, g in mine:
-            t = torch.full((32 if len(ranks) == 3 else 3,), float(rank + it))
-            ts.append((ranks, it, t))
-            works.append(fc.all_reduce(t, group=g, async_op=True))
-    end = time.monotonic() + 10.0
-    while dbg("kernel_waits") < 1 and time.monotonic() < end:
-        time.sleep(0.005)
-    waits = dbg("kernel_waits")
-    dbg("release")
-    for w in works:
-        w.get_future().wait()
-    return [(ranks, it, t.tolist()) for ranks, it, t in ts], waits, dbg("kernels"), dbg("group_comms")
+    res = _rounds_in_own_orders(rank, lists, groups, rounds=3, numel=lambda ranks: 32 if len(ranks) == 3 else 3,
+                                wait_s=10.0)
+    return res + (dbg("group_comms"),)
 
 
 def test_groups_of_three_and_pairs_in_any_order_under_a_small_bound():
