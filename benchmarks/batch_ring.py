@@ -18,8 +18,9 @@ overlapping neighbour groups, fastcomm vs torch Gloo.
 (c) The README's spellings side by side, world 2, k all_reduces of a 10x10 float32 over k
     groups on [0, 1] per step (k = 8 and 64), in one launch: k blocking calls, a fresh ``with
     fc.batch() as b:`` of the k then ``b.wait()``, ``p.start(async_op=False)`` and
-    ``p.start().wait()`` of a plan of the k. Each is the mean over all its timed loops (3, each
-    after a barrier), not the best; --repeat launches (the order rotating) give the medians,
+    ``p.start().wait()`` of a plan of the k. Each is the mean over all its timed loops (12, each
+    after a barrier), not the best; the spellings' loops take turns (each round starting with
+    the next spelling); --repeat launches give the medians,
     and the ratios the README promises (batch / blocking at most 1, start().wait() /
     start(async_op=False) at most 1.1) are taken launch by launch, in the same run.
 
@@ -58,6 +59,8 @@ JOB_TIMEOUT_S = 120.0  # hard limit for one launch (all its ranks)
 # message lands on lines no core has touched yet, and the variant timed first would pay for it.
 LAP_MESSAGES = 4096
 SHAPE = (10, 10)
+# (c): timed loops per spelling, taken in turns with the other spellings' loops.
+SPELLING_ROUNDS = 12
 KS = (1, 2, 8, 64)
 SPELLING_KS = (8, 64)
 SPELLINGS = ("blocking calls", "fc.batch() + b.wait()", "p.start(async_op=False)", "p.start().wait()")
@@ -225,19 +228,24 @@ def _spellings_body(store, rank, world, k, steps, warmup, first=0):
 
         for _ in range(-(-LAP_MESSAGES // k)):
             start_blocking()
-        variants = list(zip(SPELLINGS, (blocking, batched, start_blocking, start_wait)))
-        out = {}
-        for name, step in variants[first:] + variants[:first]:
+        steps_of = dict(zip(SPELLINGS, (blocking, batched, start_blocking, start_wait)))
+        for step in steps_of.values():
             for _ in range(warmup):
                 step()
-            total = 0.0
-            for _ in range(3):
+        # The spellings take turns loop by loop, each round starting with the next one, so a
+        # slow spell of a shared machine lands on all of them rather than on whichever ran then.
+        total = dict.fromkeys(SPELLINGS, 0.0)
+        for r in range(SPELLING_ROUNDS):
+            for i in range(len(SPELLINGS)):
+                name = SPELLINGS[(first + r + i) % len(SPELLINGS)]
+                step = steps_of[name]
                 fc.barrier()
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     step()
-                total += time.perf_counter() - t0
-            out[name] = total / (3 * steps)
+                total[name] += time.perf_counter() - t0
+        out = {name: total[name] / (SPELLING_ROUNDS * steps) for name in SPELLINGS}
+        for name, step in steps_of.items():
             for j, t in enumerate(ts):
                 t.copy_(value(rank, j))
             step()
@@ -398,7 +406,7 @@ def main():
         for rep in range(repeat):
             for k in SPELLING_KS:
                 steps = max(20, ops_a // k)
-                progress.launch(f"(c): k={k}, {steps} steps x 3 loops, launch {rep + 1}/{repeat}")
+                progress.launch(f"(c): k={k}, {steps} steps x {SPELLING_ROUNDS} loops, launch {rep + 1}/{repeat}")
                 spell[k].append(measure(_spellings_body, 2, k, steps, warmup, rep % len(SPELLINGS)))
         results["spellings"] = {str(k): v for k, v in spell.items()}
 
