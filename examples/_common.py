@@ -53,6 +53,8 @@ class Library:
     def __init__(self, name, rank, world, device="cpu"):
         self.name, self.label, self.rank, self.world = name, LABELS[name], rank, world
         self.device = device
+        # The module whose collectives the example calls (same names and arguments).
+        self.comm = dist if name == "torch" else _FakeDeviceFastcomm() if _on_fake_device() else fc
 
     def all_gather(self, t):
         """Every rank's ``t`` (a 1-D float tensor of the same length everywhere), as rows, on
@@ -60,8 +62,53 @@ class Library:
         if self.name == "torch" and self.device == "cuda":
             t = t.to(self.device)
         out = [torch.empty_like(t) for _ in range(self.world)]
-        (fc if self.name == "fastcomm" else dist).all_gather(out, t.contiguous())
+        self.comm.all_gather(out, t.contiguous())
         return torch.stack(out).cpu()
+
+
+def _on_fake_device():
+    """Whether fastcomm runs its CUDA path on CPU tensors, over its fake GPU runtime (the
+    test suite's FASTCOMM_FAKE_DEVICE=1)."""
+    return os.environ.get("FASTCOMM_FAKE_DEVICE") == "1"
+
+
+class _FakeDeviceFastcomm:
+    """fastcomm as the examples call it, for runs on the fake GPU runtime: there a collective
+    returns once queued on the fake's streams, as on a GPU, but the host then reads the CPU
+    tensors at once, with nothing like torch's ordering of a CUDA tensor's copy to the host
+    after the streams' work. So each blocking call, and each Work's wait, also waits for the
+    device work queued so far."""
+
+    def __getattr__(self, name):
+        f = getattr(fc, name)
+        if not callable(f) or name in ("new_group", "new_groups"):
+            return f
+
+        def call(*args, **kwargs):
+            out = f(*args, **kwargs)
+            if not isinstance(out, fc.Work):  # a blocking call (recv returns the sender)
+                _fake_device_sync()
+                return out
+            return _FakeDeviceWork(out)
+
+        return call
+
+
+class _FakeDeviceWork:
+    def __init__(self, w):
+        self._w = w
+
+    def wait(self, *args):
+        self._w.wait(*args)
+        _fake_device_sync()
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self._w, name)
+
+
+def _fake_device_sync():
+    fc._state._engine.device_synchronize("cpu")
 
 
 def under_launcher():

@@ -130,7 +130,7 @@ def train_step(comm, group, timer, task, model, x, y):
 
 
 def body(lib, rank, world, args):
-    comm = fc if lib.name == "fastcomm" else dist  # same names and arguments
+    comm = lib.comm
     lists = [list(range(i, i + GROUP)) for i in range(0, world, GROUP)]
     if lib.name == "fastcomm":
         group = fc.new_groups(lists)[rank // GROUP]  # same list on every rank

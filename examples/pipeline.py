@@ -122,7 +122,7 @@ def train_step(comm, stage, stages, model, xs, ys, width, blocking, timed):
 
 
 def body(lib, rank, world, args):
-    comm = fc if lib.name == "fastcomm" else dist  # same names and arguments
+    comm = lib.comm
     blocks = make_blocks(args, world)
     k = args.layers_per_stage
     model = nn.Sequential(*blocks[rank * k:(rank + 1) * k]).to(args.device)

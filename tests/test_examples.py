@@ -17,13 +17,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_TIMEOUT_S = 120  # hard limit per example run; the example's own --timeout fires first
 
 
-def run_example(name, *args):
-    """Runs examples/<name> with ``args --compare --check --json``; returns its JSON summary."""
+def run_example(name, *args, env=None):
+    """Runs examples/<name> with ``args --compare --check --json`` (``env``: variables added to
+    the run's environment); returns its JSON summary."""
     cmd = [sys.executable, os.path.join(ROOT, "examples", name), *args,
            "--compare", "--check", "--json", "--timeout", str(RUN_TIMEOUT_S - 30)]
     # A short resolver timeout: a TCPStore connect reverse-resolves its peer, and an unanswered
     # DNS query would otherwise stall the run by glibc's default 5 s.
-    env = dict(os.environ, RES_OPTIONS="timeout:1 attempts:1")
+    env = dict(os.environ, RES_OPTIONS="timeout:1 attempts:1", **(env or {}))
     # Its own session, so that a hung run's ranks can be killed together with it.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=ROOT, start_new_session=True)
@@ -68,10 +69,16 @@ def test_gossip_sgd():
     assert summary["speedup_step"] > 0
 
 
+# fastcomm's CUDA path on CPU tensors, over the fake GPU runtime: what `--device cuda` runs on a
+# GPU (the examples then wait for the fake's streams before the host reads a result).
+PATHS = pytest.mark.parametrize("path", [{}, {"FASTCOMM_FAKE_DEVICE": "1"}], ids=["host", "device"])
+
+
+@PATHS
 @pytest.mark.parametrize("mode", [[], ["--blocking"]], ids=["isend-irecv", "send-recv"])
-def test_pipeline(mode):
+def test_pipeline(mode, path):
     summary = run_example("pipeline.py", "--nproc", "2", "--steps", "12", "--micro-batches", "3",
-                          *mode)
+                          *mode, env=path)
     torch_run, fc_run = summary["backends"]["torch"], summary["backends"]["fastcomm"]
     for r in (torch_run, fc_run):
         assert r["stages"] == 2 and len(r["loss_curve"]) == 12
@@ -79,8 +86,9 @@ def test_pipeline(mode):
     assert fc_run["loss_curve"] == pytest.approx(torch_run["loss_curve"], rel=1e-6)
 
 
-def test_moe():
-    summary = run_example("moe.py", "--nproc", "4", "--steps", "30")
+@PATHS
+def test_moe(path):
+    summary = run_example("moe.py", "--nproc", "4", "--steps", "30", env=path)
     torch_run, fc_run = summary["backends"]["torch"], summary["backends"]["fastcomm"]
     for r in (torch_run, fc_run):
         assert r["ranks"] == 4 and r["groups"] == 1 and len(r["loss_curve"]) == 30
