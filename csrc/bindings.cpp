@@ -749,7 +749,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "wait", [](DeviceGraph& g, int64_t timeout_ms) { g.wait(std::chrono::milliseconds(timeout_ms)); },
           py::arg("timeout_ms") = 0, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("replays", &DeviceGraph::replays);
+      .def_property_readonly("replays", &DeviceGraph::replays)
+      .def_property_readonly("recorded", &DeviceGraph::recorded)
+      .def_property_readonly("user_runs", &DeviceGraph::user_runs);
 
   auto add_functions = [&m](auto& defs) {
     for (PyMethodDef& d : defs)

@@ -348,7 +348,14 @@ class plan:
         replay (a peer gone, a run not done within the groups' timeout) is raised as
         ``DistBackendError`` naming the peer by the next ``g.replay()`` or ``g.wait()``, which
         host-blocks until the replays so far have run; the graph is then dead (capture the plan
-        again). docs/design.md, "CUDA graphs", has the design."""
+        again).
+
+        ``g.replay()`` inside ``torch.cuda.graph(...)`` records the plan's work into that graph
+        instead, so each replay of it runs the ops; every member must do the same, runs of the
+        plan must follow each other (one stream), and ``g`` must outlive that graph. A fault of
+        such a run aborts it (the graph drains) and is raised by the next ``g.wait()`` (which
+        then also waits for the current stream) or ``g.replay()``. docs/design.md, "CUDA
+        graphs", has the design."""
         if self._plan is None:
             raise RuntimeError("fastcomm.plan: capture() before the plan was recorded (leave the with-block first)")
         return self._plan.capture()

@@ -212,8 +212,8 @@ if [ "$BUILT" = 1 ]; then
     "$RUN; '$PY' '$ROOT/benchmarks/device_ipc.py' --pairs 1,8 --ops 1000 --json '$REPORT_DIR/device_ipc.json'"
   step bench "benchmarks/device_graphs.py: a plan of 64 pair all_reduces captured (p.capture()) and replayed 1,000 times vs the same plan started without a graph vs torch NCCL's captured ops" 60 \
     "$RUN; '$PY' '$ROOT/benchmarks/device_graphs.py' --world 2 --ops 64 --replays 1000 --plain-iters 100 --job-timeout 55 --json '$REPORT_DIR/device_graphs.json'"
-  step test "tests/test_device_collectives.py, test_device_any_source.py and test_device_graphs.py on CUDA tensors (reduce, gather, scatter, all_to_all(_single), flat and coalesced forms, batch, plan, backend, recv from any source, plan graphs)" 120 \
-    "$RUN; FASTCOMM_DEVICE_TEST=cuda '$PY' -m pytest -q -s -rA -p no:cacheprovider --rootdir='$ROOT' '$ROOT/tests/test_device_collectives.py' '$ROOT/tests/test_device_any_source.py' '$ROOT/tests/test_device_graphs.py'"
+  step test "tests/test_device_collectives.py, test_device_any_source.py, test_device_graphs.py and test_device_user_graphs.py on CUDA tensors (reduce, gather, scatter, all_to_all(_single), flat and coalesced forms, batch, plan, backend, recv from any source, plan graphs, plan graphs inside torch.cuda.graph)" 120 \
+    "$RUN; FASTCOMM_DEVICE_TEST=cuda '$PY' -m pytest -q -s -rA -p no:cacheprovider --rootdir='$ROOT' '$ROOT/tests/test_device_collectives.py' '$ROOT/tests/test_device_any_source.py' '$ROOT/tests/test_device_graphs.py' '$ROOT/tests/test_device_user_graphs.py'"
   step test "tests/test_nccl.py (the rest; cyclic order first)" 150 "$RUN; $PYTEST -k cyclic; $PYTEST -k 'not cyclic and not all_reduce_pairs_triples'"
   step test "examples/moe.py and examples/pipeline.py --device cuda --compare --check (ranks share the GPU)" 90 \
     "$RUN; '$PY' '$ROOT/examples/moe.py' --device cuda --compare --check --steps 20 --timeout 80; '$PY' '$ROOT/examples/pipeline.py' --device cuda --compare --check --steps 20 --timeout 80"

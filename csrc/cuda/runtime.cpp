@@ -178,6 +178,12 @@ void CudaRuntime::graph_destroy(void* graph) {
   FASTCOMM_GPU_CHECK(cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(graph)));
 }
 
+void CudaRuntime::host_call(Stream s, void (*fn)(void*), void* arg) {
+  settle_stream(cs(s), "host_call");
+  c10::cuda::CUDAGuard g(dev());
+  FASTCOMM_GPU_CHECK(cudaLaunchHostFunc(cs(s), fn, arg));
+}
+
 Event CudaRuntime::new_event() {
   c10::cuda::CUDAGuard g(dev());
   cudaEvent_t e = nullptr;

@@ -111,6 +111,7 @@ class CudaRuntime final : public Runtime {
   void* end_capture(Stream s) override;
   void graph_launch(void* graph, Stream s) override;
   void graph_destroy(void* graph) override;
+  void host_call(Stream s, void (*fn)(void*), void* arg) override;
   Event new_event() override;
   void destroy_event(Event e) override;
   void record(Event e, Stream s) override;

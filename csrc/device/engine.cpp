@@ -127,14 +127,14 @@ void ChannelEngine::throw_capture_refusal(const std::vector<DeviceOp>& dops) con
               "transfers from its engine thread once the members have agreed on it, so an op issued under capture "
               "cannot be recorded into the graph; nothing was issued. Capture through a plan instead: record the ops "
               "once with `with fastcomm.plan() as p: ...`, then, outside any capture, `g = p.capture()` (the members "
-              "agree on the order and matching once, there) and `g.replay()` as often as needed "
-              "(docs/design.md, \"CUDA graphs\")"));
+              "agree on the order and matching once, there), and call `g.replay()` inside the capture (it records the "
+              "plan's work into the graph) or outside it (docs/design.md, \"CUDA graphs\")"));
 }
 
 std::shared_ptr<DeviceGraph> ChannelEngine::capture(std::vector<DeviceOp> dops, bool naive) {
   TORCH_CHECK(!rt_->capturing(rt_->current_stream()), "fastcomm.plan.capture: rank ", rank_,
               ": called while the caller's stream is being captured; capture the plan outside any capture (it "
-              "makes its own graph), then replay it");
+              "makes its own graph), then call `g.replay()` inside the capture (it records the plan's work into it)");
   TORCH_CHECK_VALUE(!single_, "fastcomm.plan.capture: rank ", rank_, ": not with FASTCOMM_DEVICE_SCHEME=single-stream");
   {
     std::lock_guard<std::mutex> lk(mu_);

@@ -169,6 +169,19 @@ inline std::shared_ptr<FakeGraph> finish_capture(const std::shared_ptr<StreamCor
   return g;
 }
 
+// graph_launch on `st`: refused where `st` is captured (a graph is launched, not captured, so a
+// plan's graph goes into a larger capture only as its work recorded anew, device/graph.h).
+inline void refuse_launch_under_capture(const void* st) {
+  Capture& c = capture();
+  if (c.active.load() == 0) return;
+  std::lock_guard<std::mutex> lk(c.mu);
+  if (c.lane_of(st) < 0) return;
+  c.build->invalidated = true;
+  c.build->why = "a graph launched into the capture";
+  call_error("graph_launch", "operation not permitted when stream is capturing: a graph cannot be launched into "
+                             "a stream capture (cudaErrorStreamCaptureUnsupported); the capture is invalidated");
+}
+
 inline void refuse_captured(EventImpl& ev, const char* call) {
   std::lock_guard<std::mutex> lk(ev.mu);
   if (ev.cap)

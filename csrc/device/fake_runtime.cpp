@@ -44,7 +44,9 @@
 //   captured stream's wait on an event recorded outside the capture; an allocation (scratch)
 //   for a captured stream or by the capturing thread; and, in the global mode from a thread not
 //   in the relaxed mode (in the thread-local mode from the capturing thread), any event query,
-//   synchronize or allocation, which also invalidates the capture.
+//   synchronize or allocation, which also invalidates the capture; and a graph launched into a
+//   capture (so only work recorded anew goes into a larger graph). A host_call is a task of its
+//   stream (a host node under capture).
 // - Abort races a transfer that already has its data: a receive whose message has arrived still
 //   writes it after comm_abort. Scratch memory is poisoned when freed, and a stream that writes
 //   into freed scratch is counted (debug("late_writes")): memory must outlive every stream that
@@ -194,6 +196,7 @@ class FakeRuntime final : public Runtime {
     if (abort_hold_) abort_hold_->set();
     caller_->stop();
     graphs_.clear();  // after the streams that may still replay them
+    user_graphs_.clear();
   }
 
   const char* name() const override { return "fake"; }
@@ -244,7 +247,13 @@ class FakeRuntime final : public Runtime {
       if (it == graphs_.end()) call_error("graph_launch", "unknown graph");
       g = it->second;
     }
-    run_on(*stream_of(s, "graph_launch"), [g] { g->run(); });
+    auto st = stream_of(s, "graph_launch");
+    refuse_launch_under_capture(st.get());
+    run_on(*st, [g] { g->run(); });
+  }
+
+  void host_call(Stream s, void (*fn)(void*), void* arg) override {
+    run_on(*stream_of(s, "host_call"), [fn, arg] { fn(arg); });
   }
 
   void graph_destroy(void* graph) override {
@@ -260,7 +269,9 @@ class FakeRuntime final : public Runtime {
   // Test hooks: "spin" queues `arg` ms of busy work on the caller's stream (a long kernel),
   // "hold" one that runs until "release"; "abort_hold" makes comm_abort block until "abort_release";
   // "begin_capture" captures the caller's stream (arg 0: the global mode, 1: thread-local) and
-  // "end_capture" ends it (1: the graph is valid, 0: it was invalidated); "late_writes" counts
+  // "end_capture" ends it (1: the graph is valid, 0: it was invalidated; with arg 1 the graph is
+  // kept and its id returned, for "graph_launch" on the caller's stream and "graph_destroy", as
+  // torch.cuda.graph's CUDAGraph would be); "late_writes" counts
   // writes into freed scratch; "enqueue_us" sets how long a launch keeps its communicators busy.
   int64_t debug(const std::string& what, int64_t arg) override {
     if (what == "spin") {
@@ -289,14 +300,33 @@ class FakeRuntime final : public Runtime {
       start_capture(caller_, arg == 0);
       return 0;
     }
-    if (what == "end_capture") {  // the graph is dropped; 0 where the capture was refused
+    if (what == "end_capture") {  // 0 where the capture was refused; arg 1 keeps the graph: its id
+      std::shared_ptr<FakeGraph> g;
       try {
-        finish_capture(caller_);
+        g = finish_capture(caller_);
       } catch (const std::exception& e) {
         std::fprintf(stderr, "fastcomm fake runtime: %s\n", e.what());
         return 0;
       }
-      return 1;
+      if (arg != 1) return 1;
+      std::lock_guard<std::mutex> lk(mu_);
+      user_graphs_.push_back(std::move(g));
+      return (int64_t)user_graphs_.size();
+    }
+    if (what == "graph_launch" || what == "graph_destroy") {  // a graph kept by end_capture, by id
+      std::shared_ptr<FakeGraph> g;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (arg < 1 || arg > (int64_t)user_graphs_.size() || !user_graphs_[(size_t)arg - 1])
+          call_error(what.c_str(), "no graph " + std::to_string(arg));
+        g = user_graphs_[(size_t)arg - 1];
+        if (what == "graph_destroy") user_graphs_[(size_t)arg - 1] = nullptr;  // a queued launch keeps it
+      }
+      if (what == "graph_launch") {
+        refuse_launch_under_capture(caller_.get());
+        run_on(*caller_, [g] { g->run(); });
+      }
+      return 0;
     }
     if (what == "late_writes") return quarantine().late_writes.load();
     if (what == "ipc_blocks") return fake::ipc_blocks();
@@ -780,6 +810,7 @@ class FakeRuntime final : public Runtime {
   std::unordered_map<void*, std::shared_ptr<CommImpl>> comms_;
   std::unordered_map<std::thread::id, Group> groups_;  // open groups, per calling thread
   std::unordered_map<void*, std::shared_ptr<FakeGraph>> graphs_;
+  std::vector<std::shared_ptr<FakeGraph>> user_graphs_;  // kept by debug("end_capture", 1)
 };
 
 }  // namespace

@@ -23,6 +23,9 @@ void Runtime::graph_launch(void*, Stream) {
   TORCH_CHECK(false, "fastcomm: the ", name(), " device runtime cannot launch CUDA graphs");
 }
 void Runtime::graph_destroy(void*) {}
+void Runtime::host_call(Stream, void (*)(void*), void*) {
+  TORCH_CHECK(false, "fastcomm: the ", name(), " device runtime cannot enqueue host calls");
+}
 
 namespace {
 
@@ -199,10 +202,20 @@ void PlanGraph::connect() {
 }
 
 void PlanGraph::record_graph() {
-  std::vector<Event> evs;  // events used only to order the capture's streams
+  if (std::any_of(ops_.begin(), ops_.end(), [](const auto& o) { return o->parts.size() != 1; }))
+    join_ = rt_.new_stream();
+  if (!open_capture_) rt_.begin_capture(origin_);
+  open_capture_ = true;
+  emit(origin_);
+  open_capture_ = false;
+  graph_ = rt_.end_capture(origin_);
+}
+
+void PlanGraph::emit(Stream origin) {
+  size_t used = 0;  // events used only to order the capture's streams, in the same order each time
   auto ev = [&] {
-    evs.push_back(rt_.new_event());
-    return evs.back();
+    if (used == emit_events_.size()) emit_events_.push_back(rt_.new_event());
+    return emit_events_[used++];
   };
   // A non-blocking communicator takes no call while it still enqueues its last launch.
   auto settle = [&](Pair& q) {
@@ -216,74 +229,61 @@ void PlanGraph::record_graph() {
       std::this_thread::yield();
     }
   };
-  const bool needs_join = std::any_of(ops_.begin(), ops_.end(), [](const auto& o) { return o->parts.size() != 1; });
-  if (needs_join) join_ = rt_.new_stream();
-  try {
-    if (!open_capture_) rt_.begin_capture(origin_);
-    open_capture_ = true;
-    const Event fork = ev();
-    rt_.record(fork, origin_);
-    for (auto& q : pairs_) rt_.wait(q.stream, fork);
-    if (join_) rt_.wait(join_, fork);
-    std::unordered_map<uint64_t, std::pair<Stream, Event>> last;  // each group's last end
-    for (auto& up : ops_) {
-      DevOp& op = *up;
-      auto pred = last.find(op.key.id);
-      for (auto& p : op.parts) {
-        Pair& q = pair(p->peer);
-        if (pred != last.end() && pred->second.first != q.stream) rt_.wait(q.stream, pred->second.second);
-        const int peer_rank = q.leader ? 1 : 0;
-        rt_.group_start();
-        try {
-          for (auto& [buf, n] : p->sends) rt_.send(buf, n, peer_rank, q.comm, q.stream);
-          for (auto& [buf, n] : p->recvs) rt_.recv(buf, n, peer_rank, q.comm, q.stream);
-        } catch (...) {
-          rt_.group_end();
-          throw;
-        }
+  const Event fork = ev();
+  rt_.record(fork, origin);
+  for (auto& q : pairs_) rt_.wait(q.stream, fork);
+  if (join_) rt_.wait(join_, fork);
+  std::unordered_map<uint64_t, std::pair<Stream, Event>> last;  // each group's last end
+  for (auto& up : ops_) {
+    DevOp& op = *up;
+    auto pred = last.find(op.key.id);
+    for (auto& p : op.parts) {
+      Pair& q = pair(p->peer);
+      if (pred != last.end() && pred->second.first != q.stream) rt_.wait(q.stream, pred->second.second);
+      const int peer_rank = q.leader ? 1 : 0;
+      rt_.group_start();
+      try {
+        for (auto& [buf, n] : p->sends) rt_.send(buf, n, peer_rank, q.comm, q.stream);
+        for (auto& [buf, n] : p->recvs) rt_.recv(buf, n, peer_rank, q.comm, q.stream);
+      } catch (...) {
         rt_.group_end();
-        settle(q);
+        throw;
       }
-      Stream end = op.parts.size() == 1 ? pair(op.parts[0]->peer).stream : join_;
-      if (end == join_) {
-        for (auto& p : op.parts) {
-          const Event e = ev();
-          rt_.record(e, pair(p->peer).stream);
-          rt_.wait(join_, e);
-        }
-        if (op.parts.empty() && pred != last.end() && pred->second.first != join_) rt_.wait(join_, pred->second.second);
+      rt_.group_end();
+      settle(q);
+    }
+    Stream end = op.parts.size() == 1 ? pair(op.parts[0]->peer).stream : join_;
+    if (end == join_) {
+      for (auto& p : op.parts) {
+        const Event e = ev();
+        rt_.record(e, pair(p->peer).stream);
+        rt_.wait(join_, e);
       }
-      for (auto& [dst, src, n] : op.copies) rt_.copy(dst, src, n, end);
-      if (!op.folds.empty()) rt_.fold(op.folds.data(), (int)op.folds.size(), end);
-      const Event done = ev();
-      rt_.record(done, end);
-      last[op.key.id] = {end, done};
+      if (op.parts.empty() && pred != last.end() && pred->second.first != join_) rt_.wait(join_, pred->second.second);
     }
-    for (auto& q : pairs_) {
-      const Event e = ev();
-      rt_.record(e, q.stream);
-      rt_.wait(origin_, e);
-    }
-    if (join_) {
-      const Event e = ev();
-      rt_.record(e, join_);
-      rt_.wait(origin_, e);
-    }
-    open_capture_ = false;
-    graph_ = rt_.end_capture(origin_);
-  } catch (...) {
-    for (Event e : evs) rt_.destroy_event(e);
-    throw;
+    for (auto& [dst, src, n] : op.copies) rt_.copy(dst, src, n, end);
+    if (!op.folds.empty()) rt_.fold(op.folds.data(), (int)op.folds.size(), end);
+    const Event done = ev();
+    rt_.record(done, end);
+    last[op.key.id] = {end, done};
   }
-  for (Event e : evs) rt_.destroy_event(e);
+  for (auto& q : pairs_) {
+    const Event e = ev();
+    rt_.record(e, q.stream);
+    rt_.wait(origin, e);
+  }
+  if (join_) {
+    const Event e = ev();
+    rt_.record(e, join_);
+    rt_.wait(origin, e);
+  }
 }
 
 void PlanGraph::replay() {
-  std::lock_guard<std::mutex> lk(mu_);
-  check_locked(false, timeout_);
   const Stream caller = rt_.current_stream();
-  TORCH_CHECK(!rt_.capturing(caller), "fastcomm.plan graph: rank ", rank_, ", groups ", label_,
-              ": replay() while the caller's stream is being captured is not supported; replay outside the capture");
+  if (rt_.capturing(caller)) return record_into(caller);
+  std::lock_guard<std::mutex> lk(mu_);
+  check_locked(Check::kLaunch, timeout_);
   rt_.graph_launch(graph_, caller);
   Event e;
   if (!spare_.empty()) {
@@ -297,9 +297,100 @@ void PlanGraph::replay() {
   ++replays_;
 }
 
-void PlanGraph::wait(std::chrono::milliseconds timeout) {
+// A graph cannot be launched into a capture, so the plan's work is recorded anew into the
+// caller's: the same calls as the plan's own capture, on the plan's communicators, streams and
+// memory, forked from the caller's stream. No event query, sync or allocation here (they would
+// invalidate a capture in the global mode): a fault of an earlier run raises, nothing else is
+// looked at. Host calls around it count each run for the watcher.
+void PlanGraph::record_into(Stream caller) {
   std::lock_guard<std::mutex> lk(mu_);
-  check_locked(true, timeout.count() > 0 ? timeout : timeout_);
+  if (broken_) std::rethrow_exception(broken_);
+  if (!watch_) {
+    watch_ = std::make_shared<Watch>();
+    watcher_ = std::thread([this] { watch_loop(); });
+  }
+  rt_.host_call(caller, &Watch::on_start, watch_.get());
+  emit(caller);
+  rt_.host_call(caller, &Watch::on_end, watch_.get());
+  ++recorded_;
+}
+
+void PlanGraph::Watch::on_start(void* p) {
+  auto* w = static_cast<Watch*>(p);
+  {
+    std::lock_guard<std::mutex> lk(w->mu);
+    ++w->started;
+    w->begun.push_back(Clock::now());
+  }
+  w->cv.notify_all();
+}
+
+void PlanGraph::Watch::on_end(void* p) {
+  auto* w = static_cast<Watch*>(p);
+  {
+    std::lock_guard<std::mutex> lk(w->mu);
+    ++w->ended;
+    if (!w->begun.empty()) w->begun.pop_front();
+  }
+  w->cv.notify_all();
+}
+
+int64_t PlanGraph::Watch::in_flight() {
+  std::lock_guard<std::mutex> lk(mu);
+  return started - ended;
+}
+
+// While a run of a user graph is in flight, looks at it every 2 ms as wait() would (a fault or
+// the timeout aborts the plan's communicators, so the user's graph drains); sleeps otherwise.
+void PlanGraph::watch_loop() {
+  rt_.relax_capture_mode();  // its queries must not break a capture in the global mode
+  Watch& w = *watch_;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> wl(w.mu);
+      w.cv.wait(wl, [&] { return w.stop || (!w.idle && w.started > w.ended); });
+      if (w.stop) return;
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      try {
+        check_locked(Check::kWatch, timeout_);
+      } catch (...) {
+      }
+      if (broken_) {
+        std::lock_guard<std::mutex> wl(w.mu);
+        w.idle = true;
+      }
+    }
+    std::unique_lock<std::mutex> wl(w.mu);
+    w.cv.wait_for(wl, std::chrono::milliseconds(2), [&] { return w.stop; });
+  }
+}
+
+void PlanGraph::wait(std::chrono::milliseconds timeout) {
+  const Stream caller = rt_.current_stream();
+  TORCH_CHECK(!rt_.capturing(caller), "fastcomm.plan graph: rank ", rank_, ", groups ", label_,
+              ": wait() while the caller's stream is being captured (it blocks the host); wait after the capture");
+  std::lock_guard<std::mutex> lk(mu_);
+  if (broken_) std::rethrow_exception(broken_);
+  // Runs inside user graphs launched on the caller's stream and not started yet count too.
+  Event until = nullptr;
+  if (recorded_ > 0) {
+    if (!spare_.empty()) {
+      until = spare_.back();
+      spare_.pop_back();
+    } else {
+      until = rt_.new_event();
+    }
+    rt_.record(until, caller);
+  }
+  try {
+    check_locked(Check::kWait, timeout.count() > 0 ? timeout : timeout_, until);
+  } catch (...) {
+    if (until) spare_.push_back(until);
+    throw;
+  }
+  if (until) spare_.push_back(until);
 }
 
 int64_t PlanGraph::replays() const {
@@ -307,7 +398,33 @@ int64_t PlanGraph::replays() const {
   return replays_;
 }
 
-void PlanGraph::check_locked(bool block, std::chrono::milliseconds timeout) {
+int64_t PlanGraph::recorded() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return recorded_;
+}
+
+int64_t PlanGraph::user_runs() const {
+  std::shared_ptr<Watch> w;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    w = watch_;
+  }
+  if (!w) return 0;
+  std::lock_guard<std::mutex> wl(w->mu);
+  return w->started;
+}
+
+std::string PlanGraph::fault_locked() {
+  for (auto& q : pairs_) {
+    std::string why;
+    if (rt_.comm_state(q.comm, &why) == State::kFailed)
+      return "the plan's channel to rank " + std::to_string(q.peer) + " failed: " + why;
+    if (!host_.peer_alive(q.peer)) return "rank " + std::to_string(q.peer) + " is gone";
+  }
+  return "";
+}
+
+void PlanGraph::check_locked(Check how, std::chrono::milliseconds timeout, Event until) {
   if (broken_) std::rethrow_exception(broken_);
   const auto start = Clock::now();
   auto harvest = [&] {
@@ -316,44 +433,49 @@ void PlanGraph::check_locked(bool block, std::chrono::milliseconds timeout) {
       runs_.pop_front();
     }
   };
-  for (int spins = 0;; ++spins) {
+  auto user_in_flight = [&] { return watch_ ? watch_->in_flight() : 0; };
+  auto in_flight = [&] { return !runs_.empty() || user_in_flight() > 0; };
+  auto settled = [&] {
     harvest();
-    if (runs_.empty() && block) return;
+    return !in_flight() && (how != Check::kWait || !until || rt_.query(until) == State::kReady);
+  };
+  // The start of the oldest run in flight.
+  auto oldest = [&] {
+    auto t = runs_.empty() ? Clock::time_point::max() : runs_.front().launched;
+    if (watch_) {
+      std::lock_guard<std::mutex> wl(watch_->mu);
+      if (!watch_->begun.empty()) t = std::min(t, watch_->begun.front());
+    }
+    return t;
+  };
+  for (int spins = 0;; ++spins) {
+    const bool done = settled();
+    if (done && how != Check::kLaunch) return;
     // A fault matters while runs are in flight or one is about to be launched (a replay
     // against a dead peer would never finish).
-    std::string fault;
-    for (auto& q : pairs_) {
-      std::string why;
-      if (rt_.comm_state(q.comm, &why) == State::kFailed) {
-        fault = "the plan's channel to rank " + std::to_string(q.peer) + " failed: " + why;
-        break;
-      }
-      if (!host_.peer_alive(q.peer)) {
-        fault = "rank " + std::to_string(q.peer) + " is gone";
-        break;
-      }
-    }
+    const std::string fault = fault_locked();
     if (!fault.empty()) {
+      if (how == Check::kLaunch) fail_locked(fault);
       // A peer that finished its runs and left: this side's last run may still be folding.
       // Harvest what already ran for a while before failing.
       const auto grace = Clock::now() + std::chrono::seconds(1);
-      while (block && !runs_.empty() && Clock::now() < grace) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        harvest();
-      }
-      if (!block || !runs_.empty()) fail_locked(fault);
+      while (!settled() && Clock::now() < grace) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (!settled()) fail_locked(fault);
       return;
     }
-    if (runs_.empty()) return;
     const auto now = Clock::now();
-    const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - runs_.front().launched);
-    if (age > timeout_ || (block && now - start > timeout)) {
+    const auto first = oldest();
+    const auto age = first == Clock::time_point::max()
+                         ? std::chrono::milliseconds(0)
+                         : std::chrono::duration_cast<std::chrono::milliseconds>(now - first);
+    if (age > timeout_ || (how == Check::kWait && now - start > timeout)) {
       std::string peers;
       for (auto& q : pairs_) peers += (peers.empty() ? "" : ", ") + std::to_string(q.peer);
-      fail_locked("a replay of the graph not done after " + std::to_string(age.count()) +
+      fail_locked("a replay of the graph not done after " +
+                  std::to_string(std::max(age, std::chrono::duration_cast<std::chrono::milliseconds>(now - start)).count()) +
                   " ms (timeout); the plan's peers: ranks [" + peers + "]");
     }
-    if (!block) return;
+    if (how != Check::kWait) return;
     if (spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(200));
     else std::this_thread::yield();
   }
@@ -381,12 +503,21 @@ void PlanGraph::abort(const std::string& why) {
 }
 
 void PlanGraph::release() {
+  if (watcher_.joinable()) {
+    {
+      std::lock_guard<std::mutex> wl(watch_->mu);
+      watch_->stop = true;
+    }
+    watch_->cv.notify_all();
+    watcher_.join();
+  }
   std::lock_guard<std::mutex> lk(mu_);
-  // Runs in flight finish (or fail, aborting the communicators so that they drain) before the
-  // memory and communicators go: a replay may still write the scratch.
-  if (!runs_.empty() && !broken_) {
+  // Runs in flight (user graphs' started ones too) finish, or fail, aborting the communicators
+  // so that they drain, before the memory and communicators go: a replay may still write the
+  // scratch. A user graph must not be replayed once the plan's graph is gone.
+  if (!broken_ && (!runs_.empty() || (watch_ && watch_->in_flight() > 0))) {
     try {
-      check_locked(true, timeout_);
+      check_locked(Check::kWait, timeout_);
     } catch (...) {
     }
   }
@@ -419,6 +550,8 @@ void PlanGraph::release() {
   join_ = origin_ = nullptr;
   for (Event e : spare_) quietly([&] { rt_.destroy_event(e); });
   spare_.clear();
+  for (Event e : emit_events_) quietly([&] { rt_.destroy_event(e); });
+  emit_events_.clear();
   ops_.clear();
 }
 

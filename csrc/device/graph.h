@@ -15,11 +15,18 @@
 // peer the host knows is gone, or a run not done within the timeout aborts the plan's
 // communicators (their kernels return, later runs drain without moving data) and raises
 // DistBackendError naming the peer; the graph is dead from then on.
+//
+// A replay while the caller's stream is captured (torch.cuda.graph) records the same device work
+// into that capture instead, forked from and joined back into the caller's stream, between two
+// host calls that count the run's start and end at each replay of the user's graph; a watcher
+// thread fails the graph as above while such a run is in flight, so the user's graph drains.
 #include <chrono>
+#include <condition_variable>
 #include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "device/ops.h"
@@ -39,6 +46,8 @@ class PlanGraph final : public DeviceGraph {
   void replay() override;
   void wait(std::chrono::milliseconds timeout) override;
   int64_t replays() const override;
+  int64_t recorded() const override;
+  int64_t user_runs() const override;
   // fastcomm is shutting down: the plan's communicators are aborted, later replays raise.
   void abort(const std::string& why);
 
@@ -56,12 +65,33 @@ class PlanGraph final : public DeviceGraph {
     Clock::time_point launched;
   };
 
+  // Runs inside user graphs: counted by host calls at their start and end (any thread).
+  struct Watch {
+    std::mutex mu;
+    std::condition_variable cv;
+    int64_t started = 0, ended = 0;
+    std::deque<Clock::time_point> begun;  // the start of each run in flight
+    bool stop = false;  // the graph goes
+    bool idle = false;  // the graph is dead: nothing left to watch
+    static void on_start(void* w);
+    static void on_end(void* w);
+    int64_t in_flight();
+  };
+  // kLaunch: before a replay (a fault fails it); kWait: until settled; kWatch: the watcher's poll.
+  enum class Check { kLaunch, kWait, kWatch };
+
   void agree();         // the host exchange with every peer: order, matching, ids
   void connect();       // the plan's communicators, up
   void record_graph();  // the capture itself
+  // The plan's device work, forked from `origin` and joined back into it (captured).
+  void emit(Stream origin);
+  void record_into(Stream caller);  // replay() under the caller's capture
+  void watch_loop();
   Pair& pair(int peer);
-  // Runs seen done are dropped; a fault fails the graph (broken_) and raises.
-  void check_locked(bool block_until_done, std::chrono::milliseconds timeout);
+  // Runs seen done are dropped; a fault fails the graph (broken_) and raises. kWait returns once
+  // every run so far has run (and `until`, where given).
+  void check_locked(Check how, std::chrono::milliseconds timeout, Event until = nullptr);
+  std::string fault_locked();  // a plan channel failed or a peer gone: why ("" if none)
   [[noreturn]] void fail_locked(const std::string& why);
   void release();  // comms, streams, events, the graph
 
@@ -78,11 +108,15 @@ class PlanGraph final : public DeviceGraph {
   Stream join_ = nullptr;  // end work of ops of 3+ (or of none)
   void* graph_ = nullptr;
   bool open_capture_ = false;  // begun on origin_, not ended yet
+  std::vector<Event> emit_events_;  // made at the first emit, reused by the next (none made under a user's capture)
+  std::shared_ptr<Watch> watch_;    // made at the first record_into
+  std::thread watcher_;
 
   mutable std::mutex mu_;
   std::deque<Run> runs_;       // launched, not seen done
   std::vector<Event> spare_;   // events of runs seen done
   int64_t replays_ = 0;
+  int64_t recorded_ = 0;  // times recorded into a user's capture
   std::exception_ptr broken_;
 };
 

@@ -157,9 +157,14 @@ class Runtime {
   virtual void* end_capture(Stream s);
   // Enqueues one run of the graph on `s`, ordered after the work before it and before the work
   // after it; launches of one graph run in launch order. Communicators match anew at each run.
+  // Not on a stream under capture (CUDA refuses a graph launch there and invalidates the capture).
   virtual void graph_launch(void* graph, Stream s);
   // Frees the graph (a launch still enqueued completes first).
   virtual void graph_destroy(void* graph);
+  // Enqueues `fn(arg)` on `s` (cudaLaunchHostFunc): it runs on a host thread once the work
+  // before it has, and the work after it waits for it; under capture it becomes a host node that
+  // runs at every replay. `fn` must make no runtime call and return soon.
+  virtual void host_call(Stream s, void (*fn)(void*), void* arg);
 
   // Test hooks (the fake's; see fake_runtime.cpp): raises for a hook this runtime lacks.
   virtual int64_t debug(const std::string& what, int64_t arg);

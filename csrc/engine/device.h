@@ -43,13 +43,20 @@ class DeviceGraph {
  public:
   virtual ~DeviceGraph() = default;
   // Enqueues one run on the caller's current stream (ordered after the work before it, the work
-  // after it ordered after the run); no host agreement. Raises DistBackendError, naming the
-  // peer, where an earlier run met a fault (the graph is then dead: capture the plan again).
+  // after it ordered after the run); no host agreement. Under a capture of the caller's stream,
+  // records the plan's work into that capture instead (every replay of the caller's graph runs
+  // it). Raises DistBackendError, naming the peer, where an earlier run met a fault (the graph is
+  // then dead: capture the plan again).
   virtual void replay() = 0;
-  // Host-blocks until every run enqueued so far has run on the device; raises as replay() does,
-  // and where a run is not done within the plan's timeout (0: the groups' own).
+  // Host-blocks until every run enqueued so far has run on the device (once recorded into a
+  // caller's graph: also the work enqueued so far on the caller's current stream); raises as
+  // replay() does, and where a run is not done within the plan's timeout (0: the groups' own).
   virtual void wait(std::chrono::milliseconds timeout) = 0;
   virtual int64_t replays() const = 0;
+  // Times replay() recorded the plan into a capture of the caller's (torch.cuda.graph), and the
+  // runs of those user graphs that have started on the device.
+  virtual int64_t recorded() const { return 0; }
+  virtual int64_t user_runs() const { return 0; }
 };
 
 class DeviceEngine {

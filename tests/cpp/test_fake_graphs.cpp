@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -180,4 +181,52 @@ TEST(fake_graph_refuses_what_cuda_refuses_under_capture) {
   CHECK_EQ(y, 0);  // the refused graph never ran
   rt->destroy_event(e);
   rt->destroy_event(outside);
+}
+
+// A graph is launched, not captured: a launch into a capture is refused and invalidates it (so
+// a plan's graph reaches a larger graph only as its work recorded anew). A host call under
+// capture is a node: it runs at each replay, in its stream's order, not at the call.
+TEST(fake_graph_refuses_a_launch_into_a_capture_and_keeps_host_calls_as_nodes) {
+  auto rt = fake();
+  Stream origin = rt->new_stream(), inner_origin = rt->new_stream(), launch = rt->new_stream();
+  int a = 5, b = 0;
+  rt->begin_capture(inner_origin);
+  rt->copy(&b, &a, sizeof a, inner_origin);
+  void* inner = rt->end_capture(inner_origin);
+
+  rt->begin_capture(origin);
+  CHECK(throws_with([&] { rt->graph_launch(inner, origin); }, "cannot be launched into a stream capture"));
+  CHECK(throws_with([&] { rt->end_capture(origin); }, "invalidated"));
+  drain(*rt, origin);
+  CHECK_EQ(b, 0);  // the refused launch ran nothing
+
+  struct Count {
+    std::atomic<int> n{0};
+    int seen_b = -1;  // b when the call ran: the copy before it had run
+    int* b = nullptr;
+  } count;
+  count.b = &b;
+  auto tick = [](void* p) {
+    auto* c = static_cast<Count*>(p);
+    c->seen_b = *c->b;
+    ++c->n;
+  };
+  rt->begin_capture(origin);
+  rt->copy(&b, &a, sizeof a, origin);
+  rt->host_call(origin, tick, &count);
+  void* g = rt->end_capture(origin);
+  drain(*rt, origin);
+  CHECK_EQ(count.n.load(), 0);  // captured, not run
+  for (int i = 1; i <= 3; ++i) {
+    b = 0;
+    rt->graph_launch(g, launch);
+    drain(*rt, launch);
+    CHECK_EQ(count.n.load(), i);
+    CHECK_EQ(count.seen_b, 5);
+  }
+  rt->host_call(launch, tick, &count);  // outside a capture: runs in its stream's order
+  drain(*rt, launch);
+  CHECK_EQ(count.n.load(), 4);
+  rt->graph_destroy(g);
+  rt->graph_destroy(inner);
 }
