@@ -268,6 +268,76 @@ def test_a_peer_that_shuts_down_takes_its_link_with_it(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# Devices without peer access: rings in host memory
+
+
+def _placement_body(rank, world, peer_access):
+    dbg("fake_device", [0, 0, 1][rank])  # ranks 0 and 1 share a device, rank 2 has its own
+    dbg("peer_access", int(peer_access))
+    lists = [[0, 1], [0, 2], [1, 2], [0, 1, 2]]
+    groups = fc.new_groups(lists)
+    bad, counts = [], []
+    for epoch in range(2):
+        for ranks, g in zip(lists, groups):
+            if rank not in ranks:
+                continue
+            for numel in (1, 300, 5000):  # 5,000 floats: many turns of the 4 KiB ring
+                seed = hash((tuple(ranks), numel, epoch)) % 10_000
+                t = gen(rank, seed, "float32", numel)
+                fc.all_reduce(t, group=g)
+                tfd.dsync()
+                if not torch.equal(t, fold([gen(r, seed, "float32", numel) for r in ranks], "SUM")):
+                    bad.append((epoch, ranks, numel))
+        counts.append((dbg("ipc_links"), dbg("ipc_host_rings")))
+        # idle links are released; the next epoch's are made with the placement found above
+        _until(lambda: dbg("ipc_links") == 0, "idle links released")
+    return bad, counts
+
+
+@pytest.mark.parametrize("peer_access,host_rings", [(False, [1, 1, 2]), (True, [0, 0, 0])])
+def test_devices_without_peer_access_share_rings_in_host_memory(peer_access, host_rings):
+    """Rank 2's fake device cannot read the others' memory (the fake's ipc_open refuses a device
+    ring there, as cudaIpcOpenMemHandle would): its links put both rings in host memory, found at
+    first contact and kept for later links; ranks 0 and 1 share a device and keep device rings."""
+    env = dict(SMALL_RING, FASTCOMM_DEVICE_IDLE_MS="200", FASTCOMM_RSAG_THRESHOLD="1024")
+    res = harness.run(_placement_body, 3, peer_access, timeout=120, env=env, init_timeout=20)
+    for rank, (bad, counts) in enumerate(res):
+        assert bad == [], bad
+        assert counts == [(2, host_rings[rank]), (2, 2 * host_rings[rank])], (rank, counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# A pair all_reduce folds straight from the peer's ring
+
+
+def _ring_fold_body(rank, world, ring_bytes):
+    os.environ["FASTCOMM_DEVICE_IPC_RING_BYTES"] = str(ring_bytes[rank])
+    harness.init_child(rank, world, timeout=10)
+    try:
+        g = fc.new_group([0, 1])
+        bad = []
+        for numel, dt, op in [(100_003, "float32", "SUM"), (5000, "bfloat16", "AVG"), (777, "int64", "MAX"),
+                              (0, "float32", "SUM")]:
+            t = gen(rank, numel, dt, numel, op)
+            fc.all_reduce(t, op=getattr(dist.ReduceOp, op), group=g)
+            tfd.dsync()
+            if not torch.equal(t, fold([gen(r, numel, dt, numel, op) for r in (0, 1)], op)):
+                bad.append((numel, dt, op))
+        return bad, dbg("ipc_ring_fold_bytes")
+    finally:
+        fc.shutdown()
+
+
+@pytest.mark.parametrize("ring_bytes,folded", [
+    ((4096, 4096), 400_012 + 10_000 + 6_216),  # every received byte folded in place, none copied out
+    ((4096, 8192), 0),  # rings cut differently: copied out, then folded at the end as before
+])
+def test_a_pair_all_reduce_folds_straight_from_the_peers_ring(ring_bytes, folded):
+    res = harness.run(_ring_fold_body, 2, ring_bytes, timeout=60, env=IPC, init=False)
+    assert res == [([], folded)] * 2, res
+
+
+# ---------------------------------------------------------------------------------------------
 # The choice of transport
 
 

@@ -55,20 +55,30 @@ void check_cu(CUresult r, const char* what) {
 }
 
 struct Wire {
-  cudaIpcMemHandle_t mem;
-  char name[48];
+  cudaIpcMemHandle_t mem;  // a device block's memory (a host block: unused)
+  char name[30];           // the /dev/shm segment: the flags, then a host block's data
+  uint8_t host;
+  uint8_t pad;
+  char uuid[16];           // the owner's device
 };
 static_assert(sizeof(Wire) <= sizeof(IpcHandle::bytes), "CUDA IPC handle layout");
 
 struct Block {
   void* data = nullptr;
   bool creator = false;
+  bool host = false;
   void* flags = nullptr;
-  size_t flags_size = 0;
+  size_t flags_size = 0;  // the mapping (a host block's data included)
   std::string name;
 };
 
 size_t flags_size(int nflags) { return (((size_t)nflags * 4) + 4095) & ~size_t(4095); }
+
+void device_uuid(int device, char out[16]) {
+  cudaDeviceProp p;
+  FASTCOMM_GPU_CHECK(cudaGetDeviceProperties(&p, device));
+  std::memcpy(out, p.uuid.bytes, 16);
+}
 
 void* map_flags(const char* name, size_t size, bool create) {
   int fd = shm_open(name, create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR, 0600);
@@ -100,15 +110,35 @@ bool ipc_supported(int device) {
   return same_address == 1;
 }
 
-void* ipc_create(int device, size_t bytes, int nflags, IpcHandle* h, IpcBlock* b) {
+bool ipc_readable(int device, const IpcHandle& h) {
+  Wire w;
+  std::memcpy(&w, h.bytes.data(), sizeof(w));
+  if (w.host) return true;
+  int count = 0;
+  FASTCOMM_GPU_CHECK(cudaGetDeviceCount(&count));
+  for (int d = 0; d < count; ++d) {
+    char uuid[16];
+    device_uuid(d, uuid);
+    if (std::memcmp(uuid, w.uuid, 16) != 0) continue;
+    if (d == device) return true;
+    int ok = 0;
+    FASTCOMM_GPU_CHECK(cudaDeviceCanAccessPeer(&ok, device, d));
+    return ok != 0;
+  }
+  return false;  // not visible here: no peer access to rely on
+}
+
+void* ipc_create(int device, size_t bytes, int nflags, IpcHandle* h, IpcBlock* b, bool host) {
   c10::cuda::CUDAGuard g((c10::DeviceIndex)device);
   auto k = std::make_unique<Block>();
   k->creator = true;
+  k->host = host;
   std::random_device rd;
-  char name[48];
-  std::snprintf(name, sizeof(name), "/fastcomm-dipc-%d-%08x%08x", (int)getpid(), rd(), rd());
+  char name[sizeof(Wire::name)];
+  std::snprintf(name, sizeof(name), "/fcdipc-%d-%08x%08x", (int)getpid(), rd(), rd());
   k->name = name;
-  k->flags_size = flags_size(nflags);
+  const size_t fbytes = flags_size(nflags);
+  k->flags_size = host ? fbytes + ((bytes + 4095) & ~size_t(4095)) : fbytes;
   k->flags = map_flags(name, k->flags_size, true);
   try {
     FASTCOMM_GPU_CHECK(cudaHostRegister(k->flags, k->flags_size, cudaHostRegisterMapped | cudaHostRegisterPortable));
@@ -118,10 +148,19 @@ void* ipc_create(int device, size_t bytes, int nflags, IpcHandle* h, IpcBlock* b
     throw;
   }
   Wire w{};
+  w.host = host ? 1 : 0;
   try {
-    FASTCOMM_GPU_CHECK(cudaMalloc(&k->data, bytes));
-    FASTCOMM_GPU_CHECK(cudaIpcGetMemHandle(&w.mem, k->data));
+    device_uuid(device, w.uuid);
+    if (host) {
+      k->data = static_cast<uint8_t*>(k->flags) + fbytes;
+      const uint64_t at = fbytes;  // where the data starts in the segment
+      std::memcpy(&w.mem, &at, sizeof(at));
+    } else {
+      FASTCOMM_GPU_CHECK(cudaMalloc(&k->data, bytes));
+      FASTCOMM_GPU_CHECK(cudaIpcGetMemHandle(&w.mem, k->data));
+    }
   } catch (...) {
+    if (host) k->data = nullptr;
     if (k->data != nullptr) (void)cudaFree(k->data);
     (void)cudaHostUnregister(k->flags);
     munmap(k->flags, k->flags_size);
@@ -158,8 +197,15 @@ void* ipc_open(int device, const IpcHandle& h, IpcBlock* b) {
     munmap(k->flags, k->flags_size);
     throw;
   }
+  k->host = w.host != 0;
   try {
-    FASTCOMM_GPU_CHECK(cudaIpcOpenMemHandle(&k->data, w.mem, cudaIpcMemLazyEnablePeerAccess));
+    if (k->host) {
+      uint64_t at;
+      std::memcpy(&at, &w.mem, sizeof(at));
+      k->data = static_cast<uint8_t*>(k->flags) + at;
+    } else {
+      FASTCOMM_GPU_CHECK(cudaIpcOpenMemHandle(&k->data, w.mem, cudaIpcMemLazyEnablePeerAccess));
+    }
   } catch (...) {
     (void)cudaHostUnregister(k->flags);
     munmap(k->flags, k->flags_size);
@@ -174,8 +220,13 @@ void ipc_close(int device, void* token) {
   std::unique_ptr<Block> k(static_cast<Block*>(token));
   if (!k) return;
   c10::cuda::CUDAGuard g((c10::DeviceIndex)device);
-  if (k->creator) (void)cudaFree(k->data);
-  else (void)cudaIpcCloseMemHandle(k->data);
+  if (k->host) {
+    // The data is in the segment, unmapped below.
+  } else if (k->creator) {
+    (void)cudaFree(k->data);
+  } else {
+    (void)cudaIpcCloseMemHandle(k->data);
+  }
   (void)cudaHostUnregister(k->flags);
   munmap(k->flags, k->flags_size);
   if (k->creator) shm_unlink(k->name.c_str());  // never opened: the name is still there

@@ -22,7 +22,11 @@ using IpcBlock = device::Runtime::IpcBlock;
 // Stream memory operations are available and the device reads registered host memory at the
 // host's addresses.
 bool ipc_supported(int device);
-void* ipc_create(int device, size_t bytes, int nflags, IpcHandle* h, IpcBlock* b);
+// `host`: the data after the flags in the /dev/shm segment (pinned and registered in both
+// processes), for a peer whose device cannot read this device's memory.
+void* ipc_create(int device, size_t bytes, int nflags, IpcHandle* h, IpcBlock* b, bool host);
+// A host block, or a device block on `device` or on one `device` has peer access to.
+bool ipc_readable(int device, const IpcHandle& h);
 void* ipc_open(int device, const IpcHandle& h, IpcBlock* b);
 void ipc_close(int device, void* token);
 void flag_write(uint32_t* flag, uint32_t value, cudaStream_t s);

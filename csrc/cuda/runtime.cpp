@@ -288,9 +288,10 @@ void CudaRuntime::keep(const at::Tensor& t, Stream s) {
 // ---- same-host blocks (cuda/ipc.h)
 
 bool CudaRuntime::ipc_supported() { return cuda::ipc_supported(device_); }
-void* CudaRuntime::ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b) {
-  return cuda::ipc_create(device_, bytes, nflags, h, b);
+void* CudaRuntime::ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b, bool host) {
+  return cuda::ipc_create(device_, bytes, nflags, h, b, host);
 }
+bool CudaRuntime::ipc_readable(const IpcHandle& h) { return cuda::ipc_readable(device_, h); }
 void* CudaRuntime::ipc_open(const IpcHandle& h, IpcBlock* b) { return cuda::ipc_open(device_, h, b); }
 void CudaRuntime::ipc_close(void* token) { cuda::ipc_close(device_, token); }
 void CudaRuntime::flag_write(uint32_t* flag, uint32_t value, Stream s) {

@@ -123,7 +123,8 @@ class CudaRuntime final : public Runtime {
   at::Tensor scratch(int64_t numel, const at::Tensor& like, Stream s) override;
   void keep(const at::Tensor& t, Stream s) override;
   bool ipc_supported() override;
-  void* ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b) override;
+  void* ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b, bool host) override;
+  bool ipc_readable(const IpcHandle& h) override;
   void* ipc_open(const IpcHandle& h, IpcBlock* b) override;
   void ipc_close(void* token) override;
   void flag_write(uint32_t* flag, uint32_t value, Stream s) override;

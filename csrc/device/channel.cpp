@@ -251,7 +251,10 @@ void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
     drop_epoch(c, comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ": cancelled: rank " +
                                  std::to_string(c.peer) + " reset the channel between the two (an op there missed its group's timeout)"));
   }
-  if (h.has_id && f.type == kPropose && !c.leader && f.epoch >= c.agree.epoch()) {
+  const bool rehosted = h.has_id && IpcLink::is_ipc(id) && IpcLink::is_rehosted(id);
+  if (rehosted && !c.leader) {
+    follower_reopens(c, id, f.epoch);  // the leader's ring again, in host memory: no new link
+  } else if (h.has_id && f.type == kPropose && !c.leader && f.epoch >= c.agree.epoch()) {
     // The pair's communicator for this epoch, made at its first proposal. The leader sends an
     // id only with a new communicator: one still held here is done with (what runs on it ends).
     if (c.comm != nullptr) c.retired.push_back(c.comm);
@@ -262,7 +265,7 @@ void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
   if (h.has_id && c.leader && f.epoch == c.agree.epoch()) {
     // The follower's answer to an IPC link's first proposal carries its own ring.
     IpcLink* l = ipc_->find(c.comm);
-    if (l != nullptr && !l->ready() && l->epoch() == f.epoch) l->open_peer(id);
+    if (l != nullptr && !l->ready() && l->epoch() == f.epoch) leader_opens(c, *l, id);
   }
   if (single_) return;  // the single-stream scheme agrees on nothing
   PairAgreement::Out out;
@@ -285,6 +288,7 @@ void ChannelEngine::apply(Channel& c, PairAgreement::Out& out, const UniqueId* g
     std::string why;
     switch (fl.why) {
       case PairAgreement::Why::kMismatch:
+        p->mismatched = true;
         why = me + ", group " + p->op->label + ": mismatched op: this rank issued " + sig_str(p->sig) + " where rank " +
               std::to_string(c.peer) + " issued " + sig_str(fl.theirs);
         break;

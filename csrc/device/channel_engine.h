@@ -224,10 +224,17 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   // Whether the channel to `peer` is made over IPC (the leader decides, at each epoch's first
   // proposal; the follower follows the id it gets).
   bool use_ipc(int peer) const;
+  // Whether the op's group (3 to FASTCOMM_DEVICE_IPC_GROUP_MAX members) is linked over IPC
+  // member to member: its large ops stay on the pair channels (ops.h, Lowering::links).
+  bool links_only(const DeviceOp& d) const;
   // A new epoch's link: the leader's (`leader_id` null), or the follower's for the leader's id.
   // Sets c.id to this side's id, to go to the peer.
   Comm new_link(Channel& c, const UniqueId* leader_id);
   bool launch_ipc(Channel& c, IpcLink& l);
+  // The follower's id reached the leader: maps its ring, first moving this side's to host
+  // memory (and sending it again) where the follower asks; the follower maps the moved one.
+  void leader_opens(Channel& c, IpcLink& l, const UniqueId& id);
+  void follower_reopens(Channel& c, const UniqueId& id, uint32_t epoch);
 
   // ---- group communicators (group_comm.cpp)
   // Whether group communicators' kernels take slots (the kernel bound is on).
@@ -273,6 +280,8 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   std::unique_ptr<IpcLinks> ipc_;  // same-host channels' links, live and ending
   const bool ipc_on_;              // FASTCOMM_DEVICE_IPC, and the runtime can
   const size_t ipc_ring_bytes_;
+  const int64_t ipc_group_max_;    // FASTCOMM_DEVICE_IPC_GROUP_MAX
+  std::unordered_set<int> host_rings_;  // peers whose links' rings are in host memory (engine thread)
   const std::vector<int> host_of_;
   Stream alloc_ = nullptr;  // the stream scratch is allocated on (freed only once its ops settled)
 
@@ -310,6 +319,7 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   std::atomic<int64_t> ended_comms_{0};
   std::atomic<int64_t> group_comms_{0};
   std::atomic<int64_t> join_streams_{0};
+  std::atomic<int64_t> ring_fold_bytes_{0};  // folded straight from IPC rings (debug "ipc_ring_fold_bytes")
   std::vector<Channel*> pass_channels_;  // pass()'s snapshots, kept to reuse their memory
   std::vector<GroupComm*> pass_groups_;
   std::vector<DevOp*> to_end_;  // launched on every channel, end work not enqueued yet

@@ -36,6 +36,7 @@ ChannelEngine::ChannelEngine(const EngineOptions& opts, HostLink& host, std::uni
       ipc_on_(!single_ && rt_->ipc_supported() &&
               (opts.settings.device_ipc == 1 || (opts.settings.device_ipc < 0 && std::string(rt_->name()) != "fake"))),
       ipc_ring_bytes_(opts.settings.device_ipc_ring_bytes),
+      ipc_group_max_(opts.settings.device_ipc_group_max),
       host_of_(opts.host_of),
       idle_release_(opts.settings.device_idle_ms),
       max_comms_((size_t)opts.settings.device_max_comms),
@@ -71,10 +72,20 @@ c10::intrusive_ptr<Work> ChannelEngine::post(std::vector<DeviceOp> dops, bool as
   std::vector<std::unique_ptr<DevOp>> ops;
   std::vector<at::Tensor> outputs;
   c10d::OpType type = dops.size() == 1 ? op_kind_type(dops[0].req.kind) : c10d::OpType::COALESCED;
+  // Per request: how many ops it was lowered into, and how many keys of its group it takes.
+  std::vector<std::pair<size_t, size_t>> shape;
   for (auto& d : dops) {
     TORCH_CHECK_VALUE(!single_ || !d.recv_port || d.req.peer != kAnySource, "fastcomm.recv: rank ", rank_, ", group ",
                       d.label, ": a recv from any source needs the agreed channels (not FASTCOMM_DEVICE_SCHEME=single-stream)");
-    ops.push_back(lower(d, batch, Lowering{*rt_, alloc_, rank_, !single_, group_comm_bytes_}));
+    Lowering how{*rt_, alloc_, rank_, !single_, group_comm_bytes_};
+    how.links = links_only(d);
+    std::unique_ptr<DevOp> second;
+    ops.push_back(lower(d, batch, how, &second));
+    const size_t lowered = second ? 2 : 1;
+    if (second) ops.push_back(std::move(second));
+    // A group linked over IPC takes two keys per op, whether it was lowered into two or not, so
+    // members that chose differently (a mismatch, raised) still agree on the ops after it.
+    shape.emplace_back(lowered, how.links && !d.recv_port ? 2 : 1);
     const OpRequest& r = d.req;
     if (r.kind == OpKind::kAllGather) outputs.insert(outputs.end(), r.list.begin(), r.list.end());
     else outputs.push_back(r.output.defined() ? r.output : r.tensor);
@@ -84,20 +95,27 @@ c10::intrusive_ptr<Work> ChannelEngine::post(std::vector<DeviceOp> dops, bool as
   EventPtr input = events_->record(caller);
   batch->work = c10::make_intrusive<DeviceWork>(shared_from_this(), rank_, type, std::move(outputs), 1, async_op);
   batch->left = batch->unlaunched = (int)ops.size();
-  batch->one_op = ops.size() == 1;
+  batch->one_op = dops.size() == 1;
   const auto now = Clock::now();
   auto work = batch->work;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (broken_) std::rethrow_exception(broken_);
-    for (size_t i = 0; i < ops.size(); ++i) {
-      DevOp& op = *ops[i];
-      // A recv from any source, and any recv of its (group, tag) posted while one waits, take
-      // their receive numbers when bound, in posting order (device/recv_ports.h).
-      op.unbound = !numbers_.take(dops[i].id, op.recv_port ? &op.port : nullptr, op.any_source, op.key);
-      op.input = input;
-      op.deadline = now + op.timeout;
-      incoming_.push_back(std::move(ops[i]));
+    for (size_t i = 0, k = 0; i < dops.size(); k += shape[i].first, ++i) {
+      for (size_t j = 0; j < shape[i].second; ++j) {
+        DevOp* op = j < shape[i].first ? ops[k + j].get() : nullptr;
+        Key key;
+        // A recv from any source, and any recv of its (group, tag) posted while one waits, take
+        // their receive numbers when bound, in posting order (device/recv_ports.h).
+        const bool bound = numbers_.take(dops[i].id, op != nullptr && op->recv_port ? &op->port : nullptr,
+                                         op != nullptr && op->any_source, key);
+        if (op == nullptr) continue;
+        op->key = key;
+        op->unbound = !bound;
+        op->input = input;
+        op->deadline = now + op->timeout;
+      }
+      for (size_t j = 0; j < shape[i].first; ++j) incoming_.push_back(std::move(ops[k + j]));
     }
     if (ops.empty()) {
       work->set_launched({});
@@ -174,6 +192,8 @@ int64_t ChannelEngine::debug(const std::string& what, int64_t arg) {
   if (what == "kernel_waits") return slot_waits_.load();
   if (what == "ipc_links") return ipc_->blocks();
   if (what == "ipc_ring_bytes") return ipc_->ring_bytes();
+  if (what == "ipc_host_rings") return ipc_->host_rings();
+  if (what == "ipc_ring_fold_bytes") return ring_fold_bytes_.load();
   if (what == "ipc_skip_waits") {  // links made from now on
     ipc_->set_skip_rx_waits(arg != 0);
     return 0;
@@ -319,7 +339,25 @@ void ChannelEngine::make_ready(DevOp* op) {
     return;
   }
   if (propose_in_turn(op)) return;
-  for (auto& up : op->parts) ready_part(up.get());
+  std::vector<Part*> skip;
+  if (DevOp* rs = op->scattered) {
+    // The all-gather after a failed reduce-scatter fails too, on every member: with a peer
+    // that saw the mismatch (it may have no all-gather at all) it is not agreed; with the
+    // others it is agreed flagged, so that they fail theirs at once rather than time out.
+    op->scattered = nullptr;
+    if (rs->error) {
+      fail_op(op, rs->error);
+      for (size_t i = 0; i < op->parts.size(); ++i) {
+        Part* p = op->parts[i].get();
+        p->sig.flags |= kGroupBroken;
+        if (i < rs->parts.size() && rs->parts[i]->mismatched) skip.push_back(p);
+      }
+    }
+  }
+  for (auto& up : op->parts) {
+    if (std::find(skip.begin(), skip.end(), up.get()) == skip.end()) ready_part(up.get());
+  }
+  for (Part* p : skip) fail_part(p, op->error);
 }
 
 // The part is handed to its channel's agreement.

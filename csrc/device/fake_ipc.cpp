@@ -32,7 +32,9 @@ struct Wire {
   uint32_t magic;
   uint32_t nflags;
   uint64_t bytes;
-  char name[96];
+  int32_t device;  // the owner's fake device
+  uint32_t host;   // the data is in host memory
+  char name[88];
 };
 static_assert(sizeof(Wire) <= sizeof(Runtime::IpcHandle::bytes), "fake IPC handle layout");
 
@@ -44,6 +46,8 @@ struct Block {
 };
 
 std::atomic<int64_t> g_blocks{0};
+std::atomic<int> g_device{0};
+std::atomic<bool> g_peer_access{true};
 
 size_t flags_bytes(int nflags) { return ((size_t)nflags * 4 + 63) & ~size_t(63); }
 
@@ -59,7 +63,16 @@ void fill(const Block& k, int nflags, uint64_t bytes, Runtime::IpcBlock* b) {
 
 }  // namespace
 
-void* ipc_create(size_t bytes, int nflags, Runtime::IpcHandle* h, Runtime::IpcBlock* b) {
+void set_device(int device) { g_device = device; }
+void set_peer_access(bool on) { g_peer_access = on; }
+
+bool ipc_readable(const Runtime::IpcHandle& h) {
+  Wire w;
+  std::memcpy(&w, h.bytes.data(), sizeof(w));
+  return w.magic == kMagic && (w.host != 0 || w.device == g_device.load() || g_peer_access.load());
+}
+
+void* ipc_create(size_t bytes, int nflags, Runtime::IpcHandle* h, Runtime::IpcBlock* b, bool host) {
   std::random_device rd;
   char name[64];
   std::snprintf(name, sizeof(name), "/fastcomm-dipc-%d-%08x%08x", (int)getpid(), rd(), rd());
@@ -85,6 +98,8 @@ void* ipc_create(size_t bytes, int nflags, Runtime::IpcHandle* h, Runtime::IpcBl
   w.magic = kMagic;
   w.nflags = (uint32_t)nflags;
   w.bytes = bytes;
+  w.device = g_device.load();
+  w.host = host ? 1 : 0;
   std::memcpy(w.name, name, std::min(std::strlen(name), sizeof(w.name) - 1));
   std::memcpy(h->bytes.data(), &w, sizeof(w));
   ++g_blocks;
@@ -95,6 +110,9 @@ void* ipc_open(const Runtime::IpcHandle& h, Runtime::IpcBlock* b) {
   Wire w;
   std::memcpy(&w, h.bytes.data(), sizeof(w));
   if (w.magic != kMagic) throw_comm_error("fastcomm fake runtime: ipc_open: not a fake IPC handle");
+  if (!ipc_readable(h))
+    throw_comm_error("fastcomm fake runtime: ipc_open: fake device " + std::to_string(g_device.load()) +
+                     " has no peer access to fake device " + std::to_string(w.device) + "'s memory");
   w.name[sizeof(w.name) - 1] = 0;
   const size_t size = kHead + flags_bytes((int)w.nflags) + w.bytes;
   int fd = shm_open(w.name, O_RDWR, 0600);

@@ -13,8 +13,16 @@ namespace fastcomm {
 namespace device {
 namespace fake {
 
-void* ipc_create(size_t bytes, int nflags, Runtime::IpcHandle* h, Runtime::IpcBlock* b);
+// `host`: a ring in (simulated) host memory, which every fake device reads.
+void* ipc_create(size_t bytes, int nflags, Runtime::IpcHandle* h, Runtime::IpcBlock* b, bool host);
+// A device block of another fake device is readable only with peer access (set_peer_access);
+// ipc_open refuses what is not, as cudaIpcOpenMemHandle does.
+bool ipc_readable(const Runtime::IpcHandle& h);
 void* ipc_open(const Runtime::IpcHandle& h, Runtime::IpcBlock* b);
+// Test hooks (debug "fake_device", "peer_access"): the fake device this process drives (all
+// are device 0 unless set), and whether distinct fake devices have peer access (default yes).
+void set_device(int device);
+void set_peer_access(bool on);
 void ipc_close(void* token);
 // A store (release) that wakes the flag's waiters in any process.
 void flag_store(uint32_t* flag, uint32_t value);

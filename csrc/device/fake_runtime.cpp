@@ -330,6 +330,11 @@ class FakeRuntime final : public Runtime {
     }
     if (what == "late_writes") return quarantine().late_writes.load();
     if (what == "ipc_blocks") return fake::ipc_blocks();
+    if (what == "fake_device" || what == "peer_access") {  // links made from now on (fake_ipc.h)
+      if (what == "fake_device") fake::set_device((int)arg);
+      else fake::set_peer_access(arg != 0);
+      return 0;
+    }
     if (what == "abort_hold") {  // comm_abort blocks until "abort_release"
       std::lock_guard<std::mutex> lk(mu_);
       abort_hold_ = std::make_shared<Marker>();
@@ -476,9 +481,10 @@ class FakeRuntime final : public Runtime {
 
   // Same-host blocks (fake_ipc.h): /dev/shm segments; a flag wait holds its stream's thread.
   bool ipc_supported() override { return true; }
-  void* ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b) override {
-    return fake::ipc_create(bytes, nflags, h, b);
+  void* ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b, bool host) override {
+    return fake::ipc_create(bytes, nflags, h, b, host);
   }
+  bool ipc_readable(const IpcHandle& h) override { return fake::ipc_readable(h); }
   void* ipc_open(const IpcHandle& h, IpcBlock* b) override { return fake::ipc_open(h, b); }
   void ipc_close(void* token) override { fake::ipc_close(token); }
   void flag_write(uint32_t* flag, uint32_t value, Stream s) override {

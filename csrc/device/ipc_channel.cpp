@@ -15,9 +15,29 @@ bool ChannelEngine::use_ipc(int peer) const {
          host_of_[peer] == host_of_[rank_];
 }
 
+bool ChannelEngine::links_only(const DeviceOp& d) const {
+  const size_t n = d.ranks.size();
+  if (single_ || !ipc_on_ || n < 3 || (int64_t)n > ipc_group_max_ || d.req.kind == OpKind::kSend ||
+      d.req.kind == OpKind::kRecv)
+    return false;
+  for (int r : d.ranks)
+    if (r != rank_ && !use_ipc(r)) return false;
+  return true;
+}
+
 Comm ChannelEngine::new_link(Channel& c, const UniqueId* leader_id) {
-  auto l = std::make_unique<IpcLink>(*rt_, c.peer, c.agree.epoch(), ipc_ring_bytes_, kIpcSlots);
+  // The rings' placement with this peer (ipc_link.h): known after the first contact; the
+  // follower decides it there, from whether its device can read the leader's ring.
+  bool host = host_rings_.count(c.peer) > 0, ask = false;
   if (leader_id != nullptr) {
+    if (IpcLink::is_host(*leader_id)) host = true;
+    else if (host || !IpcLink::readable(*rt_, *leader_id)) host = ask = true;
+  }
+  if (host) host_rings_.insert(c.peer);
+  auto l = std::make_unique<IpcLink>(*rt_, c.peer, c.agree.epoch(), ipc_ring_bytes_, kIpcSlots, host);
+  if (ask) {
+    l->ask_host();  // the leader's ring comes again, in host memory (handle_frame)
+  } else if (leader_id != nullptr) {
     try {
       l->open_peer(*leader_id);
     } catch (const std::exception&) {
@@ -31,13 +51,40 @@ Comm ChannelEngine::new_link(Channel& c, const UniqueId* leader_id) {
   return ipc_->add(std::move(l));
 }
 
+void ChannelEngine::leader_opens(Channel& c, IpcLink& l, const UniqueId& id) {
+  if (IpcLink::asks_host(id) && !l.host()) {
+    // The follower cannot read this side's device ring, which nothing used yet (the link is
+    // not ready before this answer): it moves to host memory and goes to the follower again.
+    l.rehost();
+    ipc_->count_host_ring();
+    host_rings_.insert(c.peer);
+    l.open_peer(id);
+    send_frame(c, kPropose, {}, &l.id());
+    return;
+  }
+  l.open_peer(id);
+}
+
+void ChannelEngine::follower_reopens(Channel& c, const UniqueId& id, uint32_t epoch) {
+  IpcLink* l = ipc_->find(c.comm);
+  if (l == nullptr || l->ready() || l->epoch() != epoch) return;  // a stale epoch's
+  try {
+    l->open_peer(id);
+  } catch (const std::exception&) {
+    // Gone (the leader's epoch ended meanwhile): as in new_link, the reset cancels what was agreed.
+  }
+}
+
 // Agreed parts go onto the pair's stream in agreed order, each after its inputs and its group's
 // previous op (as on NCCL: launch in channel.cpp). Nothing here waits for the peer's host.
 bool ChannelEngine::launch_ipc(Channel& c, IpcLink& l) {
   if (c.committed.empty() || !l.ready()) return false;
   wait_inputs(c);
   for (Part* p : c.committed) {
-    l.enqueue(*p, c.stream);
+    if (const size_t folded = l.enqueue(*p, c.stream)) {
+      p->op->folds.clear();  // folded from the ring already (a pair op: its only fold)
+      ring_fold_bytes_ += (int64_t)folded;
+    }
     p->state = Part::kLaunched;
     c.launching.push_back(p);
   }

@@ -17,10 +17,21 @@ constexpr uint32_t kTag = 0x4C435049;  // "IPCL": the id is a link's, not an NCC
 // The channel id of a link: its ring's geometry and the runtime's handle.
 struct Wire {
   uint32_t tag;
-  uint32_t slots;
+  uint16_t slots;
+  uint16_t flags;  // WireFlags
   uint64_t slot_bytes;
   Runtime::IpcHandle handle;
 };
+enum WireFlags : uint16_t {
+  kHostRing = 1,  // the ring is in host memory
+  kAskHost = 2,   // follower: it cannot read the leader's ring; send it again in host memory
+  kRehosted = 4,  // leader: this epoch's ring again, in host memory (no new link)
+};
+Wire wire_of(const UniqueId& id) {
+  Wire w;
+  std::memcpy(&w, id.bytes.data(), sizeof(w));
+  return w;
+}
 static_assert(sizeof(Wire) == sizeof(UniqueId), "an IPC link's id fills a communicator id");
 
 // Flags of a ring: filled[K], consumed[K], then what the opener says (it closed, it opened,
@@ -40,9 +51,10 @@ void store(uint32_t* f, uint32_t v) { __atomic_store_n(f, v, __ATOMIC_RELEASE); 
 
 }  // namespace
 
-void* Runtime::ipc_create(size_t, int, IpcHandle*, IpcBlock*) {
+void* Runtime::ipc_create(size_t, int, IpcHandle*, IpcBlock*, bool) {
   TORCH_CHECK(false, "fastcomm: the ", name(), " device runtime has no same-host IPC");
 }
+bool Runtime::ipc_readable(const IpcHandle&) { return true; }
 void* Runtime::ipc_open(const IpcHandle&, IpcBlock*) {
   TORCH_CHECK(false, "fastcomm: the ", name(), " device runtime has no same-host IPC");
 }
@@ -57,17 +69,43 @@ void Runtime::flag_set(uint32_t*, uint32_t) {
   TORCH_CHECK(false, "fastcomm: the ", name(), " device runtime has no stream flags");
 }
 
-IpcLink::IpcLink(Runtime& rt, int peer, uint32_t epoch, size_t ring_bytes, uint32_t slots)
-    : rt_(rt), peer_(peer), epoch_(epoch), slots_(std::max<uint32_t>(slots, 1)) {
+IpcLink::IpcLink(Runtime& rt, int peer, uint32_t epoch, size_t ring_bytes, uint32_t slots, bool host)
+    : rt_(rt), peer_(peer), epoch_(epoch), slots_(std::min<uint32_t>(std::max<uint32_t>(slots, 1), 0xffff)) {
   // Slots of whole 256-byte lines, so every chunk of a tensor stays aligned for the copies.
   slot_bytes_ = std::max<size_t>(256, (ring_bytes / slots_) & ~size_t(255));
+  make_own(host, 0);
+  tx_wait_.assign(slots_, 0);
+}
+
+void IpcLink::make_own(bool host, uint16_t flags) {
   Wire w{};
   w.tag = kTag;
-  w.slots = slots_;
+  w.slots = (uint16_t)slots_;
+  w.flags = (uint16_t)(flags | (host ? kHostRing : 0));
   w.slot_bytes = slot_bytes_;
-  own_token_ = rt_.ipc_create(slots_ * slot_bytes_, (int)(2 * slots_ + kExtraFlags), &w.handle, &own_);
+  own_token_ = rt_.ipc_create(slots_ * slot_bytes_, (int)(2 * slots_ + kExtraFlags), &w.handle, &own_, host);
+  host_ = host;
   std::memcpy(id_.bytes.data(), &w, sizeof(w));
-  tx_wait_.assign(slots_, 0);
+}
+
+bool IpcLink::is_host(const UniqueId& id) { return (wire_of(id).flags & kHostRing) != 0; }
+bool IpcLink::asks_host(const UniqueId& id) { return (wire_of(id).flags & kAskHost) != 0; }
+bool IpcLink::is_rehosted(const UniqueId& id) { return (wire_of(id).flags & kRehosted) != 0; }
+bool IpcLink::readable(Runtime& rt, const UniqueId& id) { return rt.ipc_readable(wire_of(id).handle); }
+
+void IpcLink::ask_host() {
+  Wire w = wire_of(id_);
+  w.flags |= kAskHost;
+  std::memcpy(id_.bytes.data(), &w, sizeof(w));
+}
+
+void IpcLink::rehost() {
+  TORCH_INTERNAL_ASSERT(tx_seq_ == 0 && rx_seq_ == 0 && peer_token_ == nullptr, "IPC ring moved after use");
+  // Nobody opened the device ring (the peer could not): closing it unlinks its name.
+  rt_.ipc_close(own_token_);
+  own_token_ = nullptr;
+  own_ = Runtime::IpcBlock{};
+  make_own(/*host=*/true, kRehosted);
 }
 
 IpcLink::~IpcLink() {
@@ -84,8 +122,7 @@ bool IpcLink::is_ipc(const UniqueId& id) {
 
 void IpcLink::open_peer(const UniqueId& id) {
   TORCH_INTERNAL_ASSERT(peer_token_ == nullptr, "IPC link opened twice");
-  Wire w;
-  std::memcpy(&w, id.bytes.data(), sizeof(w));
+  const Wire w = wire_of(id);
   TORCH_INTERNAL_ASSERT(w.tag == kTag && w.slots > 0 && w.slot_bytes > 0, "not an IPC link id");
   Runtime::IpcBlock b;
   peer_token_ = rt_.ipc_open(w.handle, &b);
@@ -96,10 +133,15 @@ void IpcLink::open_peer(const UniqueId& id) {
   rt_.flag_set(peer_flag(opened_flag(peer_slots_)), 1);
 }
 
-void IpcLink::enqueue(const Part& p, Stream s) {
+size_t IpcLink::enqueue(const Part& p, Stream s) {
   TORCH_INTERNAL_ASSERT(ready(), "IPC link used before the peer's ring was mapped");
   TORCH_INTERNAL_ASSERT(stream_ == nullptr || stream_ == s, "an IPC link's parts go on one stream");
   stream_ = s;
+  // Folding chunk i in place is right only once chunk i of the tensor was sent, which the order
+  // below (send chunk i, then receive chunk i) gives where both rings are cut alike.
+  const bool in_ring = p.fold_in_ring && p.recvs.size() == 1 && p.sends.size() == 1 &&
+                       peer_slot_bytes_ == slot_bytes_ && p.sends[0].second == p.recvs[0].second;
+  size_t folded = 0;
   auto tx = [&](const uint8_t* src, size_t n) {
     const uint32_t k = (uint32_t)(tx_seq_ % slots_);
     const uint32_t use = (uint32_t)(tx_seq_ / slots_ + 1);
@@ -111,7 +153,7 @@ void IpcLink::enqueue(const Part& p, Stream s) {
     rt_.copy((uint8_t*)own_.data + (size_t)k * slot_bytes_, src, n, s);
     rt_.flag_write(own_flag(k), use, s);
   };
-  auto rx = [&](uint8_t* dst, size_t n) {
+  auto rx = [&](uint8_t* dst, size_t n, size_t off) {
     const uint32_t k = (uint32_t)(rx_seq_ % peer_slots_);
     const uint32_t use = (uint32_t)(rx_seq_ / peer_slots_ + 1);
     ++rx_seq_;
@@ -119,7 +161,18 @@ void IpcLink::enqueue(const Part& p, Stream s) {
       rt_.flag_wait(s, peer_flag(k), use);
       rx_wait_[k] = use;
     }
-    rt_.copy(dst, (const uint8_t*)theirs_.data + (size_t)k * peer_slot_bytes_, n, s);
+    const uint8_t* chunk = (const uint8_t*)theirs_.data + (size_t)k * peer_slot_bytes_;
+    if (in_ring) {
+      FoldJob j = p.ring_fold;
+      j.dst = (uint8_t*)j.dst + off;
+      j.own = (const uint8_t*)j.own + off;
+      j.scratch = chunk;
+      j.numel = (int64_t)(n / c10::elementSize(j.dtype));
+      rt_.fold(&j, 1, s);
+      folded += n;
+    } else {
+      rt_.copy(dst, chunk, n, s);
+    }
     rt_.flag_write(peer_flag(peer_slots_ + k), use, s);
   };
   // Chunk i of the part's sends, then chunk i of its receives (the order ipc_link.h argues from).
@@ -138,7 +191,7 @@ void IpcLink::enqueue(const Part& p, Stream s) {
     while (c.buf < v.size() && c.off >= v[c.buf].second) c.buf++, c.off = 0;
     if (c.buf == v.size()) return false;
     const size_t n = std::min(peer_slot_bytes_, v[c.buf].second - c.off);
-    rx((uint8_t*)v[c.buf].first + c.off, n);
+    rx((uint8_t*)v[c.buf].first + c.off, n, c.off);
     c.off += n;
     return true;
   };
@@ -148,6 +201,7 @@ void IpcLink::enqueue(const Part& p, Stream s) {
     if (!a && !b) break;
   }
   store(own_flag(tx_enqueued_flag(slots_)), (uint32_t)tx_seq_);
+  return folded;
 }
 
 void IpcLink::abort() {
@@ -211,6 +265,7 @@ Comm IpcLinks::add(std::unique_ptr<IpcLink> l) {
   l->skip_rx_waits = skip_rx_waits_.load();
   ++blocks_;
   bytes_ += (int64_t)l->ring_bytes();
+  if (l->host()) ++host_rings_;
   live_[c] = std::move(l);
   return c;
 }

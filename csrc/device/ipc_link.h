@@ -39,8 +39,9 @@ namespace device {
 
 class IpcLink {
  public:
-  // This side's ring: `ring_bytes` in `slots` slots.
-  IpcLink(Runtime& rt, int peer, uint32_t epoch, size_t ring_bytes, uint32_t slots);
+  // This side's ring: `ring_bytes` in `slots` slots, in device memory or (`host`) in host
+  // memory both processes map (Runtime::ipc_create).
+  IpcLink(Runtime& rt, int peer, uint32_t epoch, size_t ring_bytes, uint32_t slots, bool host);
   ~IpcLink();
   IpcLink(const IpcLink&) = delete;
   IpcLink& operator=(const IpcLink&) = delete;
@@ -48,6 +49,18 @@ class IpcLink {
   // What the peer opens this side's ring with, as a channel's communicator id.
   const UniqueId& id() const { return id_; }
   static bool is_ipc(const UniqueId& id);
+  // Ring placement, chosen per peer at first contact, the same on both sides: device rings
+  // where the follower's device can read the leader's (one device, or peer access), else both in
+  // host memory. A follower that cannot read the leader's ring makes its own in host memory and
+  // asks for the leader's again there (`ask_host`); the leader, whose ring nothing used yet (its
+  // link is not ready before the follower's id), remakes it (`rehost`) and sends it once more.
+  static bool is_host(const UniqueId& id);
+  static bool readable(Runtime& rt, const UniqueId& id);
+  static bool asks_host(const UniqueId& id);
+  static bool is_rehosted(const UniqueId& id);
+  void ask_host();
+  void rehost();
+  bool host() const { return host_; }
   // Maps the peer's ring; raises if the id is not one (or the ring is gone).
   void open_peer(const UniqueId& id);
   bool ready() const { return peer_token_ != nullptr; }
@@ -55,8 +68,10 @@ class IpcLink {
   uint32_t epoch() const { return epoch_; }
   size_t ring_bytes() const { return slots_ * slot_bytes_; }
 
-  // Enqueues the part's transfers on `s` (every part of the link on the same stream).
-  void enqueue(const Part& p, Stream s);
+  // Enqueues the part's transfers on `s` (every part of the link on the same stream). Returns
+  // the bytes it folded straight from the peer's ring (Part::fold_in_ring; both rings cut
+  // alike, so each folded chunk was sent from here before): the op's own fold is then done.
+  size_t enqueue(const Part& p, Stream s);
   Stream stream() const { return stream_; }
   // Tells the peer the link ended, then releases every wait this side enqueued; safe to repeat.
   void abort();
@@ -76,6 +91,7 @@ class IpcLink {
   bool skip_rx_waits = false;  // test hook: the receive copies wait for nothing
 
  private:
+  void make_own(bool host, uint16_t flags);
   uint32_t* own_flag(size_t i) const { return own_.flags + i; }
   uint32_t* peer_flag(size_t i) const { return theirs_.flags + i; }
 
@@ -84,6 +100,7 @@ class IpcLink {
   const uint32_t epoch_;
   uint32_t slots_ = 0;
   size_t slot_bytes_ = 0;
+  bool host_ = false;
   void* own_token_ = nullptr;
   Runtime::IpcBlock own_;
   void* peer_token_ = nullptr;
@@ -119,6 +136,9 @@ class IpcLinks {
   int64_t blocks() const { return blocks_.load(); }
   int64_t ring_bytes() const { return bytes_.load(); }
   void set_skip_rx_waits(bool on) { skip_rx_waits_ = on; }
+  // Rings made in host memory (debug "ipc_host_rings").
+  void count_host_ring() { ++host_rings_; }
+  int64_t host_rings() const { return host_rings_.load(); }
 
  private:
   struct Closing {
@@ -130,7 +150,7 @@ class IpcLinks {
   Runtime& rt_;
   std::unordered_map<Comm, std::unique_ptr<IpcLink>> live_;
   std::vector<Closing> closing_;
-  std::atomic<int64_t> blocks_{0}, bytes_{0};
+  std::atomic<int64_t> blocks_{0}, bytes_{0}, host_rings_{0};
   std::atomic<bool> skip_rx_waits_{false};
   void gone(const IpcLink& l) {
     --blocks_;

@@ -72,7 +72,10 @@ std::string sig_str(const Sig& s) {
     r += std::string(", op ") + redop_name(s.redop);
   if (s.root >= 0) r += ", root " + std::to_string(s.root);
   if (s.flags & kOnGroupComm) r += ", on the group's communicator";
-  if (s.flags & kGroupBroken) r += ", whose group communicator had failed";
+  if (s.flags & kGroupBroken)
+    r += (s.flags & kLinkAG) ? ", whose reduce-scatter had failed" : ", whose group communicator had failed";
+  if (s.flags & kLinkRS) r += ", its reduce-scatter over the pair links";
+  if (s.flags & kLinkAG) r += ", its all-gather over the pair links";
   return r + ")";
 }
 
@@ -86,7 +89,8 @@ bool compatible(const Sig& a, const Sig& b) {
   return a == b && !(a.flags & kGroupBroken);
 }
 
-std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, const Lowering& how) {
+std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, const Lowering& how,
+                             std::unique_ptr<DevOp>* second) {
   Runtime& rt = how.rt;
   const int rank_ = how.rank;
   OpRequest& r = d.req;
@@ -149,7 +153,7 @@ std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, c
                            nccl_reduces(typed.scalar_type()));
   const size_t per_member =
       !collective ? 0 : r.kind == OpKind::kReduceScatterTensor ? r.output.nbytes() : r.tensor.nbytes();
-  if (how.group_comms && n >= 3 && per_member > 0 && per_member >= how.group_comm_bytes) {
+  if (how.group_comms && !how.links && n >= 3 && per_member > 0 && per_member >= how.group_comm_bytes) {
     Collective& c = op->coll;
     c.kind = r.kind;
     c.dtype = typed.scalar_type();
@@ -176,6 +180,57 @@ std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, c
     op->parts_left = op->parts_unlaunched = (int)op->parts.size();
     return op;
   }
+  if (second != nullptr && how.links && n >= 3 && r.kind == OpKind::kAllReduce && r.tensor.nbytes() > 0 &&
+      r.tensor.nbytes() >= how.group_comm_bytes) {
+    // Reduce-scatter + all-gather over the pair links, as the host path runs large all_reduces
+    // of 3+ (algorithms/collectives.cpp): member j folds chunk j from every member's (n - 1
+    // received into scratch, in group-rank order), then sends it to every other member. Each
+    // member moves 2 (n - 1) / n of the tensor each way instead of (n - 1) times it. The
+    // all-gather is the group's next op: ready once the fold is enqueued, its transfers wait
+    // for the fold's end as any op waits for its group's previous one.
+    const size_t es = r.tensor.element_size(), numel = (size_t)r.tensor.numel();
+    auto* base = (uint8_t*)r.tensor.data_ptr();
+    auto off = [&](int j) { return numel * (size_t)j / (size_t)n; };
+    auto len = [&](int j) { return off(j + 1) - off(j); };  // elements of chunk j (the host's split)
+    sig.bytes = r.tensor.nbytes();
+    sig.flags = kLinkRS;
+    op->keep = {r.tensor};
+    const size_t mine = len(me) * es;
+    if (mine > 0) op->scratch = rt.scratch((int64_t)((n - 1) * len(me)), r.tensor, how.join);
+    auto* s = mine > 0 ? (uint8_t*)op->scratch.data_ptr() : nullptr;
+    for (int j = 0; j < n; ++j) {
+      if (j == me) continue;
+      Part& p = add_part(d.ranks[j]);
+      if (len(j) > 0) p.sends.emplace_back(base + off(j) * es, len(j) * es);
+      if (mine > 0) p.recvs.emplace_back(s + slot(j) * mine, mine);
+    }
+    if (mine > 0)
+      op->folds.push_back(FoldJob{base + off(me) * es, base + off(me) * es, s, (int64_t)len(me), n, me,
+                                  r.tensor.scalar_type(), r.redop});
+    op->parts_left = op->parts_unlaunched = (int)op->parts.size();
+    auto ag = std::make_unique<DevOp>();
+    ag->kind = r.kind;
+    ag->label = d.label;
+    ag->batch = batch;
+    ag->timeout = d.timeout;
+    ag->keep = {r.tensor};
+    ag->scattered = op.get();
+    Sig agsig = sig;
+    agsig.flags = kLinkAG;
+    for (int j = 0; j < n; ++j) {
+      if (j == me) continue;
+      ag->parts.push_back(std::make_unique<Part>());
+      Part& p = *ag->parts.back();
+      p.op = ag.get();
+      p.peer = d.ranks[j];
+      p.sig = agsig;
+      if (mine > 0) p.sends.emplace_back(base + off(me) * es, mine);
+      if (len(j) > 0) p.recvs.emplace_back(base + off(j) * es, len(j) * es);
+    }
+    ag->parts_left = ag->parts_unlaunched = (int)ag->parts.size();
+    *second = std::move(ag);
+    return op;
+  }
   switch (r.kind) {
     case OpKind::kAllReduce: {
       op->keep = {r.tensor};
@@ -196,6 +251,10 @@ std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, c
       }
       op->folds.push_back(FoldJob{r.tensor.data_ptr(), r.tensor.data_ptr(), s, r.tensor.numel(), n, me,
                                   r.tensor.scalar_type(), r.redop});
+      if (n == 2) {
+        op->parts[0]->fold_in_ring = true;
+        op->parts[0]->ring_fold = op->folds[0];
+      }
       break;
     }
     case OpKind::kBroadcast: {

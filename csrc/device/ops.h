@@ -42,6 +42,8 @@ struct Sig {
 enum SigFlags : uint8_t {
   kOnGroupComm = 1,   // the op runs on the group's communicator (members must agree on that)
   kGroupBroken = 2,   // this member's group communicator has failed: the op cannot run
+  kLinkRS = 4,        // a large all_reduce of 3+ over the pair links: its reduce-scatter ...
+  kLinkAG = 8,        // ... and its all-gather, the group's next op
 };
 
 // An op's place: its group's id (send/recv: the pair channel's) and its index there.
@@ -110,6 +112,11 @@ struct Part {
   bool agree_only = false;  // a group-communicator op's agreement with one member: no data
   bool agreed = false;      // group leader: that member committed
   bool held_back = false;   // group leader, kernel bound: not proposed yet (members go highest first)
+  bool mismatched = false;  // failed as a mismatch (the peer failed its side too)
+  // A pair all_reduce: the fold of its one receive (`recvs[0]` is its scratch), which an IPC
+  // link runs chunk by chunk straight from the peer's ring instead of copying the chunk out.
+  bool fold_in_ring = false;
+  FoldJob ring_fold{};
 };
 
 struct GroupComm;
@@ -159,6 +166,9 @@ struct DevOp {
   int chain = 0;       // rank 0, kernel bound: parts[chain - 1] is the next part to propose
   bool awaits_go = false;  // member, kernel bound: committed holding its group's slot
   DevOp* next = nullptr;  // the group's next op
+  // The all-gather of a large all_reduce over the links: its reduce-scatter, the group's op
+  // before it (alive until this one is ready; parts in the same peer order).
+  DevOp* scattered = nullptr;
   // A recv on its (group, tag)'s port (device/recv_ports.h). An unbound one (from any source,
   // or posted while one waits ahead of it) has no key until it is bound.
   bool recv_port = false;
@@ -192,10 +202,16 @@ struct Lowering {
   int rank;                 // this process's global rank (messages)
   bool group_comms;         // large ops of groups of 3+ may use the group's communicator
   size_t group_comm_bytes;  // ... from this many bytes per member
+  // The group's members are linked over IPC (one host, FASTCOMM_DEVICE_IPC_GROUP_MAX): its large
+  // ops stay on the pair channels, an all_reduce of 3+ as reduce-scatter + all-gather.
+  bool links = false;
 };
 // The checked request in the engine's form. Throws (naming rank, group and argument) for what
-// the device path does not run; nothing is issued before.
-std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, const Lowering& how);
+// the device path does not run; nothing is issued before. An op lowered into two (a large
+// all_reduce over the links) puts its second in `second` (which, if null, rules that out); the
+// caller gives it the group's next key.
+std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, const Lowering& how,
+                             std::unique_ptr<DevOp>* second = nullptr);
 
 }  // namespace device
 }  // namespace fastcomm

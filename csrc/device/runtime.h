@@ -134,9 +134,15 @@ class Runtime {
   // Whether this runtime can make and open blocks (false: channels stay on NCCL).
   virtual bool ipc_supported() { return false; }
   // A new block of `bytes` and `nflags` flags; `h` gets what a process of this host opens it
-  // with. Returns the block's owner token for ipc_close.
-  virtual void* ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b);
-  // Maps another process's block (its name goes at once: nothing is left behind after a crash).
+  // with. Returns the block's owner token for ipc_close. `host`: its data in host memory both
+  // processes map, pinned and registered with the device, for a peer whose device cannot read
+  // this one's memory (no peer access): both devices copy to and from it.
+  virtual void* ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b, bool host);
+  // Whether this process's device can read the block `h` names: a host block always; a device
+  // block where it is on this device or one this device has peer access to.
+  virtual bool ipc_readable(const IpcHandle& h);
+  // Maps another process's block (its name goes at once: nothing is left behind after a crash);
+  // raises where it is not readable here.
   virtual void* ipc_open(const IpcHandle& h, IpcBlock* b);
   // Unmaps an opened block, frees a created one. Nothing may run on it any more, and a created
   // block's openers must have closed theirs (or be gone).

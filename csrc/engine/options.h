@@ -43,6 +43,9 @@ struct Settings {
                                    // (1), over NCCL (0), or auto (-1: IPC on a GPU, NCCL on the fake)
   size_t device_ipc_ring_bytes = size_t(2) << 20;  // FASTCOMM_DEVICE_IPC_RING_BYTES: an IPC
                                                    // channel's staging ring, per direction
+  int64_t device_ipc_group_max = 8;  // FASTCOMM_DEVICE_IPC_GROUP_MAX: groups of 3 up to this many
+                                     // members, all on one host with IPC links between them, run
+                                     // their large ops over the links; larger ones stay on NCCL
 
   // Reads and validates every variable; a malformed value is a ValueError naming it.
   static Settings from_env();
