@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from datetime import timedelta
 
-from _launch import JobError, Progress, add_launcher_arg, run_job, use_launcher
+from _device_bench import add_device_args, parse_device_args, take_device
+from _launch import JobError, Progress, run_job
 
 MIB = 1 << 20
 
@@ -55,19 +55,8 @@ def _rank(store, rank, world, args):
     import torch.distributed as dist
 
     fake = args.fake
-    if fake:
-        os.environ["FASTCOMM_FAKE_DEVICE"] = "1"
-    else:
-        ndev = torch.cuda.device_count()
-        if ndev == 0:
-            raise RuntimeError("no CUDA device visible (--fake runs the fastcomm side on the CPU fake)")
-        dev = rank % ndev
-        if ndev < world:  # before any NCCL use: NCCL reads it once per process
-            os.environ["NCCL_HOSTID"] = f"bench-{os.getppid()}-{rank}"
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        os.environ.setdefault("NCCL_IB_DISABLE", "1")
-        torch.cuda.set_device(dev)
-    device = "cpu" if fake else "cuda"
+    device, sync = take_device(rank, world, fake, "bench")
+    dev = None if fake else torch.cuda.current_device()
     import fastcomm as fc
 
     pairs = [[i, i + 1] for i in range(0, world, 2)]
@@ -75,12 +64,6 @@ def _rank(store, rank, world, args):
     mine = rank // 2
     k = args.batch
     out = {"device": "the CPU fake of CUDA/NCCL" if fake else torch.cuda.get_device_name(dev), "rank": rank}
-
-    def sync():
-        if fake:
-            fc._state._engine.device_synchronize("cpu")
-        else:
-            torch.cuda.synchronize()
 
     def timed_loop(fn, iters):
         """Seconds per call: the mean over the loop, as a user's loop sees it."""
@@ -193,14 +176,10 @@ def main():
                          "groups added for the memory figure")
     ap.add_argument("--torch-groups", type=int, default=2,
                     help="torch groups added per pair for the memory figure (each costs a communicator)")
-    ap.add_argument("--fake", action="store_true")
-    ap.add_argument("--json", help="write the per-rank results here")
-    ap.add_argument("--job-timeout", type=float, default=240.0, help="seconds before a hung job is killed")
-    add_launcher_arg(ap, default="spawn")
-    args = ap.parse_args()
+    add_device_args(ap, job_timeout=240)
+    args = parse_device_args(ap)
     if min(args.pairs) < 1 or args.iters < 1 or args.batch < 1 or args.torch_groups < 1:
         ap.error("--pairs, --iters, --batch and --torch-groups must be positive")
-    use_launcher(args.launcher)
     import torch  # CPU-side only here: versions for the header
 
     print(f"# torch {torch.__version__}: all_reduce of {args.numel} float32 on pairwise groups, fastcomm vs "
