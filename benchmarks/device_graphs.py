@@ -23,14 +23,13 @@ Usage: python benchmarks/device_graphs.py [--world 2] [--ops 64] [--replays 1000
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import traceback
 from datetime import timedelta
 
 from _device_bench import add_device_args, parse_device_args, take_device
-from _launch import run_job
+from _launch import run_job, write_json
 
 
 def _rank(store, rank, world, args):
@@ -166,8 +165,7 @@ def main():
         print(f"{s:>12} {max(r[f'{s}_us_per_op'] for r in res):>19.2f} {min(r[f'{s}_runs'] for r in res):>6} "
               f"{str(ok):>11}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(args.json, res)
     sys.exit(1 if bad else 0)
 
 

@@ -23,13 +23,12 @@ Usage: python benchmarks/device_ipc.py [--pairs 1,8] [--ops 1000] [--numel 100] 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from datetime import timedelta
 
 from _device_bench import add_device_args, parse_device_args, take_device
-from _launch import run_job
+from _launch import run_job, write_json
 
 
 def _rank(store, rank, world, args):
@@ -133,8 +132,7 @@ def main():
               f"rings: {r0['ipc_ring_bytes']} B; the rest is scratch in torch's caching allocator), "
               f"{r0['mem_after_shutdown']:+d} B after fc.shutdown()")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -26,13 +26,12 @@ Usage: python benchmarks/device_streams.py [--world 2] [--ops 1000] [--numel 100
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from datetime import timedelta
 
 from _device_bench import add_device_args, parse_device_args, take_device
-from _launch import run_job
+from _launch import run_job, write_json
 
 
 def _rank(store, rank, world, args):
@@ -148,8 +147,7 @@ def main():
         unit = "live communicators" if args.fake else "bytes in use on the device"
         print(f"memory ({unit}) after steps of random pairings: {res[0]['mem_steps']}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(args.json, res)
 
 
 if __name__ == "__main__":

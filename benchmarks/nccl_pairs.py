@@ -30,13 +30,12 @@ Usage: python benchmarks/nccl_pairs.py [--pairs 1 2 4 8] [--iters 1000] [--numel
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from datetime import timedelta
 
 from _device_bench import add_device_args, parse_device_args, take_device
-from _launch import JobError, Progress, run_job
+from _launch import JobError, Progress, run_job, write_json
 
 MIB = 1 << 20
 
@@ -219,8 +218,7 @@ def main():
     if device:
         print(f"\ndevice: {device}" + ("" if args.fake else f"; ranks per GPU: up to {2 * max(args.pairs)}"))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(per_rank, f, indent=1)
+        write_json(args.json, per_rank)
     sys.exit(1 if failed else 0)
 
 
