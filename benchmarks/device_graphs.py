@@ -23,14 +23,13 @@ Usage: python benchmarks/device_graphs.py [--world 2] [--ops 64] [--replays 1000
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 import traceback
 from datetime import timedelta
 
-from _launch import add_launcher_arg, run_job, use_launcher
+from _device_bench import add_device_args, parse_device_args, take_device
+from _launch import run_job, write_json
 
 
 def _rank(store, rank, world, args):
@@ -38,27 +37,12 @@ def _rank(store, rank, world, args):
     import torch.distributed as dist
 
     fake = args.fake
-    if fake:
-        os.environ["FASTCOMM_FAKE_DEVICE"] = "1"
-    else:
-        ndev = torch.cuda.device_count()
-        if ndev < world:
-            os.environ["NCCL_HOSTID"] = f"graphs-{os.getppid()}-{rank}"
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        os.environ.setdefault("NCCL_IB_DISABLE", "1")
-        torch.cuda.set_device(rank % ndev)
-    device = "cpu" if fake else "cuda"
+    device, sync = take_device(rank, world, fake, "graphs")
     pair = [rank - rank % 2, rank - rank % 2 + 1]
     other = pair[1] if rank == pair[0] else pair[0]
     out = {"rank": rank}
 
     import fastcomm as fc
-
-    def sync():
-        if fake:
-            fc._state._engine.device_synchronize("cpu")
-        else:
-            torch.cuda.synchronize()
 
     def tensors():
         return [torch.full((args.numel,), float(rank + 1 + i), device=device) for i in range(args.ops)]
@@ -162,14 +146,8 @@ def main():
     ap.add_argument("--plain-iters", type=int, default=200)
     ap.add_argument("--numel", type=int, default=16)
     ap.add_argument("--side-budget", type=float, default=10, help="seconds per side before its runs stop early")
-    ap.add_argument("--fake", action="store_true")
-    ap.add_argument("--json", help="write the per-rank results here")
-    ap.add_argument("--job-timeout", type=float, default=120, help="seconds before a hung job is killed")
-    add_launcher_arg(ap, default="spawn")
-    args = ap.parse_args()
-    if args.world % 2:
-        sys.exit("--world must be even (pairs)")
-    use_launcher(args.launcher)
+    add_device_args(ap, job_timeout=120)
+    args = parse_device_args(ap)
     res = run_job(_rank, args.world, args, timeout=args.job_timeout)
     sides = ["fc_graph", "fc_plan"] + ([] if args.fake else ["torch_graph"])
     print(f"{args.world} ranks, a plan of {args.ops} pair all_reduces of {args.numel} float32; "
@@ -187,8 +165,7 @@ def main():
         print(f"{s:>12} {max(r[f'{s}_us_per_op'] for r in res):>19.2f} {min(r[f'{s}_runs'] for r in res):>6} "
               f"{str(ok):>11}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(args.json, res)
     sys.exit(1 if bad else 0)
 
 

@@ -23,12 +23,12 @@ Usage: python benchmarks/device_ipc.py [--pairs 1,8] [--ops 1000] [--numel 100] 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from datetime import timedelta
 
-from _launch import add_launcher_arg, run_job, use_launcher
+from _device_bench import add_device_args, parse_device_args, take_device
+from _launch import run_job, write_json
 
 
 def _rank(store, rank, world, args):
@@ -37,26 +37,11 @@ def _rank(store, rank, world, args):
 
     fake = args.fake
     os.environ["FASTCOMM_DEVICE_IPC"] = "1"
-    if fake:
-        os.environ["FASTCOMM_FAKE_DEVICE"] = "1"
-    else:
-        ndev = torch.cuda.device_count()
-        if ndev < world:  # ranks share a GPU: NCCL needs a host id per rank
-            os.environ["NCCL_HOSTID"] = f"ipc-{os.getppid()}-{rank}"
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        os.environ.setdefault("NCCL_IB_DISABLE", "1")
-        torch.cuda.set_device(rank % ndev)
-    device = "cpu" if fake else "cuda"
+    device, sync = take_device(rank, world, fake, "ipc")
     pair = [rank - rank % 2, rank - rank % 2 + 1]
     one_pair = world == 2
     out = {"rank": rank, "world": world}
     import fastcomm as fc
-
-    def sync():
-        if fake:
-            fc._state._engine.device_synchronize("cpu")
-        else:
-            torch.cuda.synchronize()
 
     def used(name):
         # Device-wide (the ranks share the GPU): read once every rank is at the same point.
@@ -124,12 +109,8 @@ def main():
     ap.add_argument("--big-bytes", type=int, default=16 << 20)
     ap.add_argument("--big-ops", type=int, default=20)
     ap.add_argument("--no-torch", action="store_true", help="skip the torch NCCL side")
-    ap.add_argument("--fake", action="store_true")
-    ap.add_argument("--json", help="write the per-rank results here")
-    ap.add_argument("--job-timeout", type=float, default=300, help="seconds before a hung job is killed")
-    add_launcher_arg(ap, default="spawn")
-    args = ap.parse_args()
-    use_launcher(args.launcher)
+    add_device_args(ap, job_timeout=300)
+    args = parse_device_args(ap)
     results = {}
     for p in [int(x) for x in args.pairs.split(",")]:
         results[p] = run_job(_rank, 2 * p, args, timeout=args.job_timeout)
@@ -151,8 +132,7 @@ def main():
               f"rings: {r0['ipc_ring_bytes']} B; the rest is scratch in torch's caching allocator), "
               f"{r0['mem_after_shutdown']:+d} B after fc.shutdown()")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.json, results)
 
 
 if __name__ == "__main__":

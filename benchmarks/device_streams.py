@@ -26,14 +26,12 @@ Usage: python benchmarks/device_streams.py [--world 2] [--ops 1000] [--numel 100
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
-import sys
 import time
 from datetime import timedelta
 
-from _launch import add_launcher_arg, run_job, use_launcher
+from _device_bench import add_device_args, parse_device_args, take_device
+from _launch import run_job, write_json
 
 
 def _rank(store, rank, world, args):
@@ -41,26 +39,10 @@ def _rank(store, rank, world, args):
     import torch.distributed as dist
 
     fake = args.fake
-    if fake:
-        os.environ["FASTCOMM_FAKE_DEVICE"] = "1"
-    else:
-        ndev = torch.cuda.device_count()
-        dev = rank % ndev
-        if ndev < world:  # ranks share a GPU: NCCL needs a host id per rank
-            os.environ["NCCL_HOSTID"] = f"streams-{os.getppid()}-{rank}"
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        os.environ.setdefault("NCCL_IB_DISABLE", "1")
-        torch.cuda.set_device(dev)
-    device = "cpu" if fake else "cuda"
+    device, sync = take_device(rank, world, fake, "streams")
     pair_ranks = [rank - rank % 2, rank - rank % 2 + 1]
     out = {"rank": rank}
     n = args.ops
-
-    def sync():
-        if fake:
-            fc._state._engine.device_synchronize("cpu")
-        else:
-            torch.cuda.synchronize()
 
     def long_kernel():
         if fake:
@@ -149,14 +131,8 @@ def main():
     ap.add_argument("--numel", type=int, default=100)
     ap.add_argument("--groups", type=int, default=10000)
     ap.add_argument("--sleep-cycles", type=float, default=2e9, help="torch.cuda._sleep cycles of the long kernel")
-    ap.add_argument("--fake", action="store_true")
-    ap.add_argument("--json", help="write the per-rank results here")
-    ap.add_argument("--job-timeout", type=float, default=300, help="seconds before a hung job is killed")
-    add_launcher_arg(ap, default="spawn")
-    args = ap.parse_args()
-    if args.world % 2:
-        sys.exit("--world must be even (pairs)")
-    use_launcher(args.launcher)
+    add_device_args(ap, job_timeout=300)
+    args = parse_device_args(ap)
     res = run_job(_rank, args.world, args, timeout=args.job_timeout)
     sides = ["fc"] if args.fake else ["torch", "fc"]
     print(f"{args.world} ranks, {args.ops} ops of {args.numel} float32 per pair, {'fake' if args.fake else 'GPU'}")
@@ -171,8 +147,7 @@ def main():
         unit = "live communicators" if args.fake else "bytes in use on the device"
         print(f"memory ({unit}) after steps of random pairings: {res[0]['mem_steps']}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(args.json, res)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ def add_device_arg(ap):
                     help="where the model and the communicated tensors live (cuda: compared with torch NCCL)")
 
 
-def add_common_args(ap, nproc):
+def add_common_args(ap, nproc, reference):
+    """The options every example takes; ``reference``: what --check trains on rank 0 and
+    compares with (the report names it)."""
     ap.add_argument("--nproc", type=int, default=nproc,
                     help=f"local ranks to start when no launcher set RANK/WORLD_SIZE "
                          f"(default {nproc})")
@@ -44,6 +46,9 @@ def add_common_args(ap, nproc):
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="seconds after which a hung local run is killed; also the "
                          "collectives' timeout")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--check", action="store_true", help=f"compare with {reference} (trained on rank 0)")
+    ap.set_defaults(reference=reference)
 
 
 class Library:
@@ -122,8 +127,9 @@ def world_size(args):
 
 def run(body, args, title, details=None):
     """Runs ``body(lib, rank, world, args)`` on every rank, once per library asked for; its
-    result on rank 0 (a dict with step_ms, comm_ms, loss_first, loss_final) is summarized there.
-    ``details(result)`` adds an example-specific line. Returns the exit status."""
+    result on rank 0 (a dict with step_ms, comm_ms, loss_first, loss_final, and with --check
+    check_max_abs_diff) is summarized there. ``details(result)`` adds an example-specific line.
+    Returns the exit status."""
     if getattr(args, "device", "cpu") == "cuda" and not torch.cuda.is_available():
         print("--device cuda: torch sees no CUDA device here", file=sys.stderr)
         return 2
@@ -170,7 +176,9 @@ def _report(results, args, title, details):
     for name, r in results.items():
         print(f"{LABELS[name] + ':':<{width + 1}} {r['step_ms']:8.3f} ms/step, of which "
               f"communication {r['comm_ms']:.3f} ms; loss {r['loss_first']:.4g} -> "
-              f"{r['loss_final']:.4g}" + (f"; {details(r)}" if details else ""))
+              f"{r['loss_final']:.4g}" + (f"; {details(r)}" if details else "")
+              + (f"; vs {args.reference}: max |diff| {r['check_max_abs_diff']:.1e}"
+                 if "check_max_abs_diff" in r else ""))
     summary = {"backends": results}
     if "torch" in results and "fastcomm" in results:
         t, f = results["torch"], results["fastcomm"]

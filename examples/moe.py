@@ -215,15 +215,12 @@ def reference(args, world):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(ap, nproc=4)
+    add_common_args(ap, nproc=4, reference="the same training in one process")
     add_device_arg(ap)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--tokens", type=int, default=256, help="tokens per rank and step")
     ap.add_argument("--hidden", type=int, default=64, help="hidden units of each expert")
     ap.add_argument("--lr", type=float, default=2.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--check", action="store_true",
-                    help="compare with the same training in one process (on rank 0)")
     args = ap.parse_args()
     if args.steps < 1 or args.tokens < 1:
         ap.error("--steps and --tokens must be positive")
@@ -236,11 +233,7 @@ def main():
                 f"{args.steps} steps")
 
     def details(r):
-        out = ("tokens per expert in the last step "
-               + ", ".join(str(n) for n in r["expert_load"]))
-        if "check_max_abs_diff" in r:
-            out += f"; vs one-process reference: max |diff| {r['check_max_abs_diff']:.1e}"
-        return out
+        return "tokens per expert in the last step " + ", ".join(str(n) for n in r["expert_load"])
 
     return run(body, args, title, details)
 

@@ -153,92 +153,53 @@ def _mixed_body(rank, world):
     def sync():
         fc.barrier()
 
+    def case(name, tag, early, sends, srcs, batched=False):
+        """Rank 0 posts one receive per entry of ``srcs`` (a sender, or None: any source), in
+        order, with the messages ``sends`` ((sender, index), each sent by its sender in order)
+        there before the receives are posted (early) or sent after; ``batched``: the sends and
+        the receives each in one fc.batch(). Records the receives' senders (None for a batch: its
+        receives have no Work of their own) and, per receive, whether it got sends[i]."""
+        def send():
+            mine = [(s, i) for s, i in sends if s == rank]
+            if batched and mine:
+                with fc.batch():
+                    for s, i in mine:
+                        fc.isend(msg(s, i, tag), dst=0, tag=tag)
+            else:
+                for s, i in mine:
+                    fc.send(msg(s, i, tag), dst=0, tag=tag)
+
+        if early:
+            send()
+            sync()
+        if rank == 0:
+            ts = [fresh(dt, n) for _ in srcs]
+            if batched:
+                with fc.batch() as b:
+                    for t, src in zip(ts, srcs):
+                        fc.irecv(t, src=src, tag=tag)
+            else:
+                ws = [fc.irecv(t, src=src, tag=tag) for t, src in zip(ts, srcs)]
+        if not early:
+            sync()
+            send()
+        if rank == 0:
+            for w in [b] if batched else ws:
+                w.wait()
+            out[(name, early)] = (None if batched else [w.source_rank() for w in ws],
+                                  [torch.equal(t, msg(*sent, tag)) for t, sent in zip(ts, sends)])
+
     for early in (True, False):
         base = 100 if early else 200
-        # Case A: R1 (from 1), any, R2 (from 1); only rank 1 sends: R1 gets m0, any m1, R2 m2.
-        tag = base + 1
-        if rank == 1 and early:
-            for i in range(3):
-                fc.send(msg(1, i, tag), dst=0, tag=tag)
-        if early:
-            sync()
-        if rank == 0:
-            ts = [fresh(dt, n) for _ in range(3)]
-            ws = [fc.irecv(ts[0], src=1, tag=tag), fc.irecv(ts[1], tag=tag), fc.irecv(ts[2], src=1, tag=tag)]
-        if not early:
-            sync()
-        if rank == 1 and not early:
-            for i in range(3):
-                fc.send(msg(1, i, tag), dst=0, tag=tag)
-        if rank == 0:
-            for w in ws:
-                w.wait()
-            out[("A", early)] = ([w.source_rank() for w in ws],
-                                 [torch.equal(t, msg(1, i, tag)) for i, t in enumerate(ts)])
-
-        # Case B: any, then R (from 1); only rank 1 sends: any gets m0 (R must not take it).
-        tag = base + 2
-        if rank == 1 and early:
-            for i in range(2):
-                fc.send(msg(1, i, tag), dst=0, tag=tag)
-        if early:
-            sync()
-        if rank == 0:
-            ts = [fresh(dt, n) for _ in range(2)]
-            ws = [fc.irecv(ts[0], tag=tag), fc.irecv(ts[1], src=1, tag=tag)]
-        if not early:
-            sync()
-        if rank == 1 and not early:
-            for i in range(2):
-                fc.send(msg(1, i, tag), dst=0, tag=tag)
-        if rank == 0:
-            for w in ws:
-                w.wait()
-            out[("B", early)] = ([w.source_rank() for w in ws],
-                                 [torch.equal(t, msg(1, i, tag)) for i, t in enumerate(ts)])
-
-        # Case C: R (from 1), then any; ranks 1 and 2 send one each: the any-source receive
-        # must leave rank 1's message to R and take rank 2's.
-        tag = base + 3
-        if rank in (1, 2) and early:
-            fc.send(msg(rank, 0, tag), dst=0, tag=tag)
-        if early:
-            sync()
-        if rank == 0:
-            ts = [fresh(dt, n) for _ in range(2)]
-            ws = [fc.irecv(ts[0], src=1, tag=tag), fc.irecv(ts[1], tag=tag)]
-        if not early:
-            sync()
-        if rank in (1, 2) and not early:
-            fc.send(msg(rank, 0, tag), dst=0, tag=tag)
-        if rank == 0:
-            for w in ws:
-                w.wait()
-            out[("C", early)] = ([w.source_rank() for w in ws],
-                                 [torch.equal(ts[0], msg(1, 0, tag)), torch.equal(ts[1], msg(2, 0, tag))])
-
-        # Case D: both kinds in one batch (any, then from 1); only rank 1 sends.
-        tag = base + 4
-        if rank == 1 and early:
-            with fc.batch():
-                for i in range(2):
-                    fc.isend(msg(1, i, tag), dst=0, tag=tag)
-        if early:
-            sync()
-        if rank == 0:
-            ts = [fresh(dt, n) for _ in range(2)]
-            with fc.batch() as b:
-                fc.irecv(ts[0], tag=tag)
-                fc.irecv(ts[1], src=1, tag=tag)
-        if not early:
-            sync()
-        if rank == 1 and not early:
-            with fc.batch():
-                for i in range(2):
-                    fc.isend(msg(1, i, tag), dst=0, tag=tag)
-        if rank == 0:
-            b.wait()
-            out[("D", early)] = ([1, 1], [torch.equal(t, msg(1, i, tag)) for i, t in enumerate(ts)])
+        # A: R1 (from 1), any, R2 (from 1); only rank 1 sends: R1 gets m0, any m1, R2 m2.
+        case("A", base + 1, early, [(1, 0), (1, 1), (1, 2)], [1, None, 1])
+        # B: any, then R (from 1); only rank 1 sends: any gets m0 (R must not take it).
+        case("B", base + 2, early, [(1, 0), (1, 1)], [None, 1])
+        # C: R (from 1), then any; ranks 1 and 2 send one each: the any-source receive must
+        # leave rank 1's message to R and take rank 2's.
+        case("C", base + 3, early, [(1, 0), (2, 0)], [1, None])
+        # D: both kinds in one batch (any, then from 1); only rank 1 sends.
+        case("D", base + 4, early, [(1, 0), (1, 1)], [None, 1], batched=True)
 
     # Tags stay apart: rank 1 sends on tag 0, then tag 5; the any-source receive on tag 5 takes
     # the second, and the first still waits for its own receive.
@@ -268,7 +229,7 @@ def _mixed_body(rank, world):
 
 
 def _check_mixed(out):
-    want = {"A": [1, 1, 1], "B": [1, 1], "C": [1, 2], "D": [1, 1]}
+    want = {"A": [1, 1, 1], "B": [1, 1], "C": [1, 2], "D": None}
     for (case, early), (sources, ok) in ((k, v) for k, v in out.items() if isinstance(k, tuple)):
         assert sources == want[case], (case, early, sources)
         assert all(ok), (case, early, ok)

@@ -69,12 +69,17 @@ def same(out, ref, what, exact=True):
         torch.testing.assert_close(out, ref, msg=lambda m: f"{what}: {m}")
 
 
+def pair_group(rank):
+    """(lo, group): this rank's pair [lo, lo + 1] ([0, 1] or [2, 3]), made by its members only."""
+    lo = 2 * (rank // 2)
+    return lo, dist.new_group([lo, lo + 1], backend="fastcomm", use_local_synchronization=True)
+
+
 def make_groups(rank, world):
     """(name, group, sorted global members) for this rank: the default group, its pair (made
     by the pair's members only) and, for ranks 1..3, the triple [1, 2, 3] (made by its members
     only, given unsorted)."""
-    lo = 2 * (rank // 2)
-    pair = dist.new_group([lo, lo + 1], backend="fastcomm", use_local_synchronization=True)
+    lo, pair = pair_group(rank)
     groups = [("world", None, list(range(world))), ("pair", pair, [lo, lo + 1])]
     if rank >= 1:
         triple = dist.new_group([3, 1, 2], backend="fastcomm", use_local_synchronization=True)
@@ -162,8 +167,7 @@ def test_collectives_world_pairs_and_triple():
 
 def async_body(rank, world):
     init(rank, world)
-    lo = 2 * (rank // 2)
-    pair = dist.new_group([lo, lo + 1], backend="fastcomm", use_local_synchronization=True)
+    lo, pair = pair_group(rank)
     members = [lo, lo + 1]
 
     # Several ops in flight on two groups, waited in the reverse order of issue.
@@ -225,9 +229,8 @@ def test_async_work_and_futures():
 
 def p2p_body(rank, world):
     init(rank, world)
-    lo = 2 * (rank // 2)
+    lo, pair = pair_group(rank)
     peer = lo + 1 - (rank - lo)
-    pair = dist.new_group([lo, lo + 1], backend="fastcomm", use_local_synchronization=True)
     for dtype in (torch.float32, torch.int64):
         for n in (0, 1, 7, 70_001):
             # blocking send/recv in the pair, by global rank (dst/src) and by group rank
@@ -312,8 +315,7 @@ def test_send_recv_isend_irecv():
 
 def coalesced_body(rank, world):
     init(rank, world)
-    lo = 2 * (rank // 2)
-    pair = dist.new_group([lo, lo + 1], backend="fastcomm", use_local_synchronization=True)
+    lo, pair = pair_group(rank)
     members = [lo, lo + 1]
     ts = [value(rank, n, torch.float32) for n in (0, 3, 1001)]
     dist.all_reduce_coalesced(ts, group=pair)

@@ -110,10 +110,11 @@ _BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 
 @pytest.mark.parametrize("launcher_name", ["fork", "spawn"])
 def test_device_benchmarks_run_on_the_fake_with_either_launcher(launcher_name, tmp_path):
-    """The GPU check's two device benchmarks start their ranks through the shared launchers;
-    on the fake their logic runs end to end: ops issued behind a held kernel are still pending
-    when the calls return, pair groups are released as pairings change, a same-host pair gets
-    its IPC link and fastcomm's rings are gone after shutdown."""
+    """The device benchmarks start their ranks through the shared launchers; on the fake their
+    logic runs end to end: ops issued behind a held kernel are still pending when the calls
+    return, pair groups are released as pairings change, a same-host pair gets its IPC link and
+    fastcomm's rings are gone after shutdown, and nccl_pairs' fastcomm side (blocking ops and
+    batches over many groups of one pair) gives the pair's sums."""
     import json
     import subprocess
 
@@ -134,4 +135,12 @@ def test_device_benchmarks_run_on_the_fake_with_either_launcher(launcher_name, t
     ranks = json.loads(out.read_text())["1"]
     assert [r["ipc_links"] for r in ranks] == [1, 1]
     assert all(r["ipc_ring_bytes"] > 0 and r["mem_after_shutdown"] == 0 for r in ranks)
+    # (Each rank checks its all_reduce and batch results against the pair's sum itself.)
+    out = tmp_path / "pairs.json"
+    subprocess.run([sys.executable, os.path.join(_BENCH, "nccl_pairs.py"), "--fake", "--pairs", "1", "--iters", "40",
+                    "--warmup", "4", "--batch", "4", "--launcher", launcher_name, "--job-timeout", "150",
+                    "--json", str(out)], check=True, timeout=200, env=env, capture_output=True)
+    ranks = json.loads(out.read_text())["1"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(r["fc"] > 0 and r["fc_batch"] > 0 and r["fc_mem"] is None and "torch" not in r for r in ranks)
     _launch.assert_no_children()

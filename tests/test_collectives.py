@@ -71,6 +71,16 @@ class Issued:
         self.check = check  # () -> (failure or None, digest or None)
 
 
+def issued(w, check, async_op, what):
+    """The Issued of a call that returned ``w``, which must be a Work for async_op=True, else
+    None."""
+    if async_op:
+        assert isinstance(w, fc.Work), f"{what}: async_op=True returned {type(w).__name__}"
+    else:
+        assert w is None, f"{what}: blocking call returned {w!r}"
+    return Issued(w, check)
+
+
 def issue(kind, g, ranks, me, seed, dt, n, op=None, vkind="int", async_op=False, variant=0):
     """Issues collective ``kind`` on group ``g`` (None: the default group over ``ranks``) for
     global rank ``me``; returns an Issued whose check() compares with the local reference.
@@ -174,11 +184,7 @@ def issue(kind, g, ranks, me, seed, dt, n, op=None, vkind="int", async_op=False,
     else:
         raise AssertionError(kind)
 
-    if async_op:
-        assert isinstance(w, fc.Work), f"{what}: async_op=True returned {type(w).__name__}"
-    else:
-        assert w is None, f"{what}: blocking call returned {w!r}"
-    return Issued(w, check)
+    return issued(w, check, async_op, what)
 
 
 def settle(issued):

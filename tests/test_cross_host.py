@@ -201,26 +201,26 @@ def test_send_then_recv_both_ways_with_bulk_on():
     run(_send_both_ways_body, 2, 300_001, hosts=["A", "B"], env=BULK_ENV, timeout=60)
 
 
+def _all_reduce_every_op_and_dtype(hosts, env):
+    """tc._rsag_body on pairs ([0, 1], [2, 3]) and the world, one-shot and reduce-scatter +
+    all-gather paths, on ``hosts`` with ``env``."""
+    for shape in ("pair", "world"):
+        results = run(tc._rsag_body, 4, shape, [0, 1, 7, 1001, 30_001], list(tc.OPS),
+                      list(tc.DTYPES), hosts=hosts, env={**env, "FASTCOMM_RSAG_THRESHOLD": "1024"})
+        tc.check_members_identical(results)
+
+
 @pytest.mark.parametrize("hosts", [SPLIT, THREE])
 def test_all_reduce_every_op_and_dtype_as_bulk_transfers(hosts):
     # On THREE the world's leaders reduce-scatter and all-gather their chunks as bulk transfers.
-    for shape in ("pair", "world"):
-        results = run(tc._rsag_body, 4, shape, [0, 1, 7, 1001, 30_001], list(tc.OPS),
-                      list(tc.DTYPES), hosts=hosts,
-                      env={**BULK_ENV, "FASTCOMM_RSAG_THRESHOLD": "1024"})
-        tc.check_members_identical(results)
+    _all_reduce_every_op_and_dtype(hosts, BULK_ENV)
 
 
 @pytest.mark.parametrize("hosts", [ALTERNATE, SPLIT, THREE])
 def test_all_reduce_every_op_and_dtype_across_hosts(hosts):
-    # Pairs ([0, 1], [2, 3]) and the world, one-shot and reduce-scatter + all-gather paths;
-    # on THREE the world runs hierarchically with three leaders, whose phase between hosts is
+    # On THREE the world runs hierarchically with three leaders, whose phase between hosts is
     # itself a reduce-scatter + all-gather above the threshold.
-    for shape in ("pair", "world"):
-        results = run(tc._rsag_body, 4, shape, [0, 1, 7, 1001, 30_001], list(tc.OPS),
-                      list(tc.DTYPES), hosts=hosts,
-                      env={**RING_ENV, "FASTCOMM_RSAG_THRESHOLD": "1024"})
-        tc.check_members_identical(results)
+    _all_reduce_every_op_and_dtype(hosts, RING_ENV)
 
 
 def _hierarchy_body(rank, world, hosts):
@@ -664,6 +664,28 @@ def test_dead_peer_fails_every_queued_async_op_across_hosts(tmp_path):
     assert res[0] is not None
 
 
+def _shutdown_returns_after(release):
+    """Whether fc.shutdown() returned only after ``release()`` (what lets the peer answer) ran:
+    a thread runs it a second from now, time enough for a shutdown that does not wait to return
+    first; the peer is never left waiting, whatever shutdown does."""
+    import threading
+
+    released = threading.Event()
+
+    def later():
+        time.sleep(1.0)
+        released.set()  # before the release: the peer can answer only after it
+        release()
+
+    th = threading.Thread(target=later)
+    th.start()
+    try:
+        fc.shutdown()
+        return released.is_set()
+    finally:
+        th.join()
+
+
 def _leave_early_body(rank, world, numel):
     """A rank that shuts down right after its last op must not close the connection before
     the peer has read what it sent (closing with unread bytes resets the connection, and the
@@ -672,7 +694,6 @@ def _leave_early_body(rank, world, numel):
     second later. shutdown() must return only after that resume (rank 1 can only confirm the
     read once running), and rank 1's op completes with the right result."""
     import signal
-    import threading
 
     store = harness.child_store()
     g = fc.new_group([0, 1])
@@ -693,21 +714,7 @@ def _leave_early_body(rank, world, numel):
     pid1 = int(store.get("pid1"))
     while open(f"/proc/{pid1}/stat").read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
         time.sleep(0.005)
-    resumed = threading.Event()
-
-    def resume():
-        time.sleep(1.0)  # gives a shutdown that does not wait the time to return first
-        resumed.set()  # before the signal: rank 1 can answer only after it
-        os.kill(pid1, signal.SIGCONT)
-
-    th = threading.Thread(target=resume)
-    th.start()
-    try:
-        fc.shutdown()
-        after_resume = resumed.is_set()
-    finally:
-        th.join()  # rank 1 is never left frozen
-    return after_resume
+    return _shutdown_returns_after(lambda: os.kill(pid1, signal.SIGCONT))  # rank 1 resumes
 
 
 @pytest.mark.parametrize("numel", [25, 300_001])
@@ -723,8 +730,6 @@ def _leader_leaves_body(rank, world, numel):
     op no longer needs rank 0, but rank 0 leaving (its connections closing) would fail it as
     rank 0's death: so rank 1 answers rank 0's "closing" only once no op of a group with rank 0
     runs, and rank 0's shutdown returns only after rank 2 was let go."""
-    import threading
-
     store = harness.child_store()
     g = fc.new_group([0, 1, 2])
     fc.all_reduce(torch.zeros(1), group=g)  # connected, receivers posted
@@ -736,21 +741,7 @@ def _leader_leaves_body(rank, world, numel):
     assert torch.equal(t, exp), t[:4]
     if rank != 0:
         return True
-    released = threading.Event()
-
-    def release():
-        time.sleep(1.0)  # gives a shutdown that does not wait for rank 1 the time to return
-        released.set()  # before the key: rank 1 can answer only after it
-        store.set("go", "1")
-
-    th = threading.Thread(target=release)
-    th.start()
-    try:
-        fc.shutdown()
-        after_release = released.is_set()
-    finally:
-        th.join()  # rank 2 is never left waiting
-    return after_release
+    return _shutdown_returns_after(lambda: store.set("go", "1"))  # rank 2 issues its op
 
 
 @pytest.mark.parametrize("env", [RING_ENV, BULK_ENV])

@@ -28,8 +28,9 @@ from torch.distributed import ReduceOp
 
 import harness
 from _helpers import all_reduce_ref, expect, fold, gen
-from test_collectives import BIG, RING_ENV, Issued, same, settle, shape_groups
-from test_more_collectives import BIT_DTYPES, BIT_OPS, BOOL_AS, bit_fold, bits
+from test_collectives import BIG, RING_ENV, Issued, issued, same, shape_groups
+from test_more_collectives import (BIT_DTYPES, BIT_OPS, BOOL_AS, assert_bitwise_results, backend_groups, bit_fold,
+                                   bits, in_batch)
 
 import fastcomm as fc
 
@@ -178,12 +179,9 @@ def issue(kind, g, ranks, me, seed, dt, n, op=None, vk="int", async_op=False):
     else:
         raise AssertionError(kind)
 
-    if kind != "send_recv":
-        if async_op:
-            assert isinstance(w, fc.Work), f"{what}: async_op=True returned {type(w).__name__}"
-        else:
-            assert w is None, f"{what}: call returned {w!r}"
-    return Issued(w, check)
+    if kind == "send_recv":  # its Work is the receive's (None inside a batch), whatever async_op
+        return Issued(w, check)
+    return issued(w, check, async_op, what)
 
 
 def complex_cases(sizes):
@@ -274,7 +272,7 @@ REFUSED = [
                                                   async_op=True)),
         ("reduce_scatter", lambda g, op=op, dt=dt: fc.reduce_scatter(_c(dtype=dt), [_c(dtype=dt)] * 2,
                                                                   op=getattr(ReduceOp, op), group=g)),
-        ("reduce_scatter_tensor", lambda g, op=op, dt=dt: _in_batch(lambda: fc.reduce_scatter_tensor(
+        ("reduce_scatter_tensor", lambda g, op=op, dt=dt: in_batch(lambda: fc.reduce_scatter_tensor(
             _c(dtype=dt), _c(8, dtype=dt), op=getattr(ReduceOp, op), group=g))),
     ]
 ] + [
@@ -300,12 +298,6 @@ REFUSED = [
     ("uint32-still-refused", TypeError, lambda g: fc.broadcast(torch.ones(4, dtype=torch.uint32), 0, group=g),
      ["'tensor'", "dtype", "UInt32"]),
 ]
-
-
-def _in_batch(call):
-    with fc.batch() as b:
-        call()
-    return b
 
 
 def _refusal_body(rank, world):
@@ -359,10 +351,7 @@ def _bitwise_rs_body(rank, world, sizes):
 
 
 def test_bitwise_ops_and_bool_in_reduce_scatter_list():
-    results = harness.run(_bitwise_rs_body, 4, [0, 1, 7, 1001, BIG], timeout=150, env=RING_ENV)
-    failures = [f for res in results for f in res[0]]
-    assert not failures, f"{len(failures)} wrong results:\n" + "\n".join(failures[:15])
-    assert all(res[1] > 100 for res in results), [res[1] for res in results]
+    assert_bitwise_results(harness.run(_bitwise_rs_body, 4, [0, 1, 7, 1001, BIG], timeout=150, env=RING_ENV))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,12 +359,7 @@ def test_bitwise_ops_and_bool_in_reduce_scatter_list():
 # reduce, reduce_scatter(_tensor) and gather as complex tensors.
 
 def _backend_body(rank, world):
-    dist.init_process_group("fastcomm", store=harness.child_store(), rank=rank, world_size=world)
-    lo = 2 * (rank // 2)
-    groups = [(None, list(range(world))),
-              (dist.new_group([lo, lo + 1], backend="fastcomm", use_local_synchronization=True), [lo, lo + 1])]
-    if rank >= 1:
-        groups.append((dist.new_group([1, 2, 3], backend="fastcomm", use_local_synchronization=True), [1, 2, 3]))
+    groups = backend_groups(rank, world)
     failures, checked = [], 0
     for gi, (g, ranks) in enumerate(groups):
         k, me = len(ranks), ranks.index(rank)

@@ -24,7 +24,7 @@ from torch.distributed import ReduceOp
 
 import harness
 from _helpers import expect, fold, gen
-from test_collectives import BIG, OVERLAP_LISTS, RING_ENV, same, settle, shape_groups, Issued
+from test_collectives import BIG, OVERLAP_LISTS, RING_ENV, issued, same, settle, shape_groups
 
 import fastcomm as fc
 
@@ -143,11 +143,7 @@ def issue(kind, g, ranks, me, seed, dt, n, op=None, vk="int", async_op=False, va
     else:
         raise AssertionError(kind)
 
-    if async_op:
-        assert isinstance(w, fc.Work), f"{what}: async_op=True returned {type(w).__name__}"
-    else:
-        assert w is None, f"{what}: call returned {w!r}"
-    return Issued(w, check)
+    return issued(w, check, async_op, what)
 
 
 def cases(sizes, dtypes):
@@ -349,11 +345,15 @@ def _bitwise_body(rank, world, sizes):
     return [f for f in failures if f], i
 
 
-def test_bitwise_ops_and_bool():
-    results = harness.run(_bitwise_body, 4, [0, 1, 7, 1001, BIG], timeout=120, env=RING_ENV)
+def assert_bitwise_results(results):
+    """Each rank's (failures, cases checked): none failed, and every rank checked over 100."""
     failures = [f for res in results for f in res[0]]
     assert not failures, f"{len(failures)} wrong results:\n" + "\n".join(failures[:15])
     assert all(res[1] > 100 for res in results), [res[1] for res in results]
+
+
+def test_bitwise_ops_and_bool():
+    assert_bitwise_results(harness.run(_bitwise_body, 4, [0, 1, 7, 1001, BIG], timeout=120, env=RING_ENV))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,12 +415,13 @@ ARG_ERRORS = [
      lambda g: fc.all_to_all_single(_t(), _t(), [1, 3], [2, 2], group=g), ["own block", "1 elements"]),
     ("gather-async", ValueError, lambda g: fc.gather(_t(), [_t()], dst=0, group=g, async_op=True),
      ["'gather_list'"]),
-    ("scatter-in-batch", ValueError, lambda g: _in_batch(lambda: fc.scatter(_t(), None, src=0, group=g)),
+    ("scatter-in-batch", ValueError, lambda g: in_batch(lambda: fc.scatter(_t(), None, src=0, group=g)),
      ["'scatter_list'"]),
 ]
 
 
-def _in_batch(call):
+def in_batch(call):
+    """Runs ``call`` (one op) inside an fc.batch(); returns the batch."""
     with fc.batch() as b:
         call()
     return b
@@ -544,13 +545,21 @@ def test_mismatched_calls_fail_every_member_and_group_recovers(hosts):
 # Through torch.distributed with the "fastcomm" backend
 
 
-def _backend_body(rank, world):
+def backend_groups(rank, world):
+    """Initializes the "fastcomm" process group over the world; returns the (group, global
+    ranks) this rank is in: the world (None), its pair [0, 1] or [2, 3], and the triple
+    [1, 2, 3] (the pair and the triple made by their members only)."""
     dist.init_process_group("fastcomm", store=harness.child_store(), rank=rank, world_size=world)
     lo = 2 * (rank // 2)
     groups = [(None, list(range(world))),
               (dist.new_group([lo, lo + 1], backend="fastcomm", use_local_synchronization=True), [lo, lo + 1])]
     if rank >= 1:
         groups.append((dist.new_group([1, 2, 3], backend="fastcomm", use_local_synchronization=True), [1, 2, 3]))
+    return groups
+
+
+def _backend_body(rank, world):
+    groups = backend_groups(rank, world)
     checked = 0
     for g, ranks in groups:
         k, me = len(ranks), ranks.index(rank)

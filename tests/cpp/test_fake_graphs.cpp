@@ -11,31 +11,16 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "device/runtime.h"
+#include "fake_runtime.h"
 #include "unit.h"
 
 namespace {
 
 using namespace fastcomm::device;
-using std::chrono::milliseconds;
-
-bool eventually(const std::function<bool()>& pred, milliseconds limit = milliseconds(5000)) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  for (;;) {
-    if (pred()) return true;
-    if (std::chrono::steady_clock::now() >= end) return false;
-    std::this_thread::sleep_for(milliseconds(1));
-  }
-}
-
-std::unique_ptr<Runtime> fake() {
-  auto rt = make_fake_runtime();
-  rt->debug("enqueue_us", 0);
-  return rt;
-}
+using namespace fastcomm::device::testing;
 
 // Host-blocks until what is enqueued on `s` so far has run.
 void drain(Runtime& rt, Stream s) {

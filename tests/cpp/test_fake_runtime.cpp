@@ -21,23 +21,15 @@
 #include <vector>
 
 #include "device/runtime.h"
+#include "fake_runtime.h"
 #include "unit.h"
 
 namespace {
 
 using namespace fastcomm::device;
+using namespace fastcomm::device::testing;
 using RedOp = c10d::ReduceOp::RedOpType;
 using std::chrono::milliseconds;
-
-// pred() within `limit`, polled.
-bool eventually(const std::function<bool()>& pred, milliseconds limit = milliseconds(5000)) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  for (;;) {
-    if (pred()) return true;
-    if (std::chrono::steady_clock::now() >= end) return false;
-    std::this_thread::sleep_for(milliseconds(1));
-  }
-}
 
 // pred() all along `span` (a negative check: what must not happen has not, for a while).
 bool stays(const std::function<bool()>& pred, milliseconds span = milliseconds(60)) {
@@ -50,14 +42,6 @@ bool stays(const std::function<bool()>& pred, milliseconds span = milliseconds(6
 }
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
-
-// A fake whose launches leave their communicators usable at once (the ncclInProgress window
-// has a test of its own).
-std::unique_ptr<Runtime> fake() {
-  auto rt = make_fake_runtime();
-  rt->debug("enqueue_us", 0);
-  return rt;
-}
 
 // An event recorded on `s` now.
 Event mark(Runtime& rt, Stream s) {
