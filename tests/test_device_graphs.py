@@ -19,23 +19,15 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-import pytest
 import torch
 import torch.distributed as dist
 
 import harness
 from _device import DEV, ENV, ON_GPU, dsync, fake_only, setup
-from _helpers import _DTYPES, expect, fold, gen
+from _helpers import expect, fold, gen
+from _plan_cases import LISTS5, PlanCases, same
 
 import fastcomm as fc
-
-LISTS5 = [[0, 1], [1, 2], [3, 4], [0, 1, 2], [1, 2, 3, 4], [0, 1, 2, 3, 4]]
-
-
-def same(got, ref, what):
-    got = got.cpu()
-    assert torch.equal(got, ref), f"{what}: got {got.tolist()}, expected {ref.tolist()}"
-
 
 # ---------------------------------------------------------------------------------------------
 # Results: one plan over every group shape, replayed with changing inputs
@@ -43,49 +35,18 @@ def same(got, ref, what):
 
 def _replay_body(rank, world, replays):
     setup(rank)
-    groups = fc.new_groups(LISTS5)
-    cases = []  # (tensor, kind, ranks, numel, dtype name, op, seed)
+    cases = PlanCases(rank)
     with fc.plan() as p:
-        for gi, (ranks, g) in enumerate(zip(LISTS5, groups)):
-            if rank not in ranks:
-                continue
-            for numel in (0, 1, 7):
-                for dt, op in (("float32", "SUM"), ("int64", "MAX")):
-                    t = torch.zeros(numel, dtype=_DTYPES[dt], device=DEV)
-                    fc.all_reduce(t, op=getattr(dist.ReduceOp, op), group=g)
-                    cases.append((t, "all_reduce", ranks, numel, dt, op, 100 * gi + 10 * numel))
-            b = torch.zeros(5, dtype=torch.float64, device=DEV)
-            fc.broadcast(b, src=ranks[-1], group=g)
-            cases.append((b, "broadcast", ranks, 5, "float64", None, 100 * gi + 3))
-            ag = torch.zeros(len(ranks) * 3, dtype=torch.int32, device=DEV)
-            src = torch.zeros(3, dtype=torch.int32, device=DEV)
-            fc.all_gather_into_tensor(ag, src, group=g)
-            cases.append(((ag, src), "all_gather", ranks, 3, "int32", None, 100 * gi + 5))
+        cases.record(fc.new_groups(LISTS5))
     g = p.capture()
-    checked = 0
     for r in range(replays):
-        # refill every input in place (the graph reads the same buffers at each replay)
-        for t, kind, ranks, numel, dt, op, seed in cases:
-            if kind == "all_gather":
-                t[1].copy_(gen(rank, seed + r, dt, numel))
-            elif kind == "broadcast":
-                t.copy_(gen(rank, seed + r, dt, numel))
-            else:
-                t.copy_(gen(rank, seed + r, dt, numel, op))
+        cases.refill(r)
         g.replay()
         g.wait()
         dsync()
-        for t, kind, ranks, numel, dt, op, seed in cases:
-            what = f"replay {r} {kind} {ranks} numel {numel} {dt}"
-            if kind == "all_reduce":
-                same(t, fold([gen(q, seed + r, dt, numel, op) for q in ranks], op), what)
-            elif kind == "broadcast":
-                same(t, gen(ranks[-1], seed + r, dt, numel), what)
-            else:
-                same(t[0], torch.cat([gen(q, seed + r, dt, numel) for q in ranks]), what)
-            checked += 1
+        cases.check(r, "replay")
     assert g.replays == replays
-    return checked
+    return len(cases) * replays
 
 
 def test_a_captured_plan_replays_with_correct_results_on_every_group_shape():

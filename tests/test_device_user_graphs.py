@@ -28,12 +28,10 @@ import torch.distributed as dist
 
 import harness
 from _device import DEV, ENV, ON_GPU, dsync, fake_only, setup
-from _helpers import _DTYPES, expect, fold, gen
+from _helpers import expect
+from _plan_cases import LISTS5, PlanCases, same
 
 import fastcomm as fc
-
-LISTS5 = [[0, 1], [1, 2], [3, 4], [0, 1, 2], [1, 2, 3, 4], [0, 1, 2, 3, 4]]
-
 
 def dbg(what, arg=0):
     return fc._state._engine.device_debug("cpu", what, arg)
@@ -83,76 +81,29 @@ class UserGraph:
             self.id = None
 
 
-def same(got, ref, what):
-    got = got.cpu()
-    assert torch.equal(got, ref), f"{what}: got {got.tolist()}, expected {ref.tolist()}"
-
-
 # ---------------------------------------------------------------------------------------------
 # Results: every group shape, the user's graph and plain replays in turn
 
 
 def _results_body(rank, world, rounds, mode):
     setup(rank)
-    groups = fc.new_groups(LISTS5)
-    cases = []  # (tensors, kind, ranks, numel, dtype name, op, seed)
+    cases = PlanCases(rank)
     with fc.plan() as p:
-        for gi, (ranks, g) in enumerate(zip(LISTS5, groups)):
-            if rank not in ranks:
-                continue
-            for numel in (0, 1, 7):
-                for dt, op in (("float32", "SUM"), ("int64", "MAX")):
-                    t = torch.zeros(numel, dtype=_DTYPES[dt], device=DEV)
-                    fc.all_reduce(t, op=getattr(dist.ReduceOp, op), group=g)
-                    cases.append(((t,), "all_reduce", ranks, numel, dt, op, 100 * gi + 10 * numel))
-            b = torch.zeros(5, dtype=torch.float64, device=DEV)
-            fc.broadcast(b, src=ranks[-1], group=g)
-            cases.append(((b,), "broadcast", ranks, 5, "float64", None, 100 * gi + 3))
-            ag = torch.zeros(len(ranks) * 3, dtype=torch.int32, device=DEV)
-            src = torch.zeros(3, dtype=torch.int32, device=DEV)
-            fc.all_gather_into_tensor(ag, src, group=g)
-            cases.append(((ag, src), "all_gather", ranks, 3, "int32", None, 100 * gi + 5))
-            rs = torch.zeros(9, dtype=torch.float32, device=DEV)
-            rin = torch.zeros(9 * len(ranks), dtype=torch.float32, device=DEV)
-            fc.reduce_scatter_tensor(rs, rin, group=g)
-            cases.append(((rs, rin), "reduce_scatter", ranks, 9, "float32", "SUM", 100 * gi + 7))
-
-    def refill(r):  # the inputs, in place (both graphs read the same buffers at each run)
-        for ts, kind, ranks, numel, dt, op, seed in cases:
-            if kind == "all_reduce":
-                ts[0].copy_(gen(rank, seed + r, dt, numel, op))
-            elif kind == "broadcast":
-                ts[0].copy_(gen(rank, seed + r, dt, numel))
-            else:
-                ts[1].copy_(gen(rank, seed + r, dt, ts[1].numel()))
-
-    def check(r, how):
-        for ts, kind, ranks, numel, dt, op, seed in cases:
-            what = f"{how} {r}: {kind} {ranks} numel {numel} {dt}"
-            if kind == "all_reduce":
-                same(ts[0], fold([gen(q, seed + r, dt, numel, op) for q in ranks], op), what)
-            elif kind == "broadcast":
-                same(ts[0], gen(ranks[-1], seed + r, dt, numel), what)
-            elif kind == "all_gather":
-                same(ts[0], torch.cat([gen(q, seed + r, dt, numel) for q in ranks]), what)
-            else:
-                me = ranks.index(rank)
-                full = fold([gen(q, seed + r, dt, numel * len(ranks)) for q in ranks], "SUM")
-                same(ts[0], full[numel * me:numel * (me + 1)], what)
+        cases.record(fc.new_groups(LISTS5))
 
     g = p.capture()
-    refill(0)
-    before = [[t.clone().cpu() for t in ts] for ts, *_ in cases]
+    cases.refill(0)
+    before = [[t.clone().cpu() for t in ts] for ts in cases.tensors()]
     user = UserGraph(mode)
     user.capture(lambda: (user.own_work(), g.replay(), user.own_work()))
     dsync()
     # recorded, not run: every tensor as it was before the capture
-    for (ts, kind, ranks, *_), old in zip(cases, before):
+    for i, (ts, old) in enumerate(zip(cases.tensors(), before)):
         for t, o in zip(ts, old):
-            same(t, o, f"after the capture, before any replay: {kind} {ranks}")
+            same(t, o, f"after the capture, before any replay: case {i}")
     assert (g.recorded, g.user_runs, g.replays) == (1, 0, 0)
     for r in range(rounds):
-        refill(r)
+        cases.refill(r)
         if r % 3 == 2:
             g.replay()  # the plan's own graph, between runs of the user's
             how = "plain replay"
@@ -161,7 +112,7 @@ def _results_body(rank, world, rounds, mode):
             how = "user graph"
         g.wait()
         dsync()
-        check(r, how)
+        cases.check(r, how)
     user.drop()
     n_user = sum(1 for r in range(rounds) if r % 3 != 2)
     assert (g.user_runs, g.replays) == (n_user, rounds - n_user), (g.user_runs, g.replays)
