@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from _device import DEV
+from _device import DEV, dsync
 from _helpers import _DTYPES, fold, gen
 
 import fastcomm as fc
@@ -76,3 +76,20 @@ class PlanCases:
 
     def tensors(self):
         return [ts for ts, *_ in self.cases]
+
+
+def pair_plan(t, group):
+    """A captured plan of one all_reduce of ``t`` over ``group``."""
+    with fc.plan() as p:
+        fc.all_reduce(t, group=group)
+    return p.capture()
+
+
+def others_go_on(rank, other, msgs):
+    """Ranks 0 and 2 all_reduce over ``other`` (a group the dead or stalled rank is not in) and
+    note the result, which is [4.0, 4.0] when the group still works."""
+    if rank in (0, 2):
+        x = torch.full((2,), float(rank + 1), device=DEV)
+        fc.all_reduce(x, group=other)
+        dsync()
+        msgs.append(x.tolist())

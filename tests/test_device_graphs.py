@@ -25,7 +25,7 @@ import torch.distributed as dist
 import harness
 from _device import DEV, ENV, ON_GPU, dsync, fake_only, setup
 from _helpers import expect, fold, gen
-from _plan_cases import LISTS5, PlanCases, same
+from _plan_cases import LISTS5, PlanCases, others_go_on, pair_plan, same
 
 import fastcomm as fc
 
@@ -190,9 +190,7 @@ def _dead_peer_body(rank, world):
     msgs = []
     if rank in (0, 1):
         t = torch.zeros(4, device=DEV)
-        with fc.plan() as p:
-            fc.all_reduce(t, group=pair)
-        g = p.capture()
+        g = pair_plan(t, pair)
         for r in range(3):
             t.fill_(float(rank + r))
             g.replay()
@@ -207,12 +205,7 @@ def _dead_peer_body(rank, world):
             g.wait()
         msgs.append(expect(dist.DistBackendError, replay_and_wait, "rank 1"))
         msgs.append(expect(dist.DistBackendError, g.replay, "rank 1", "dead"))  # stays dead
-    # groups without the dead rank go on
-    if rank in (0, 2):
-        x = torch.full((2,), float(rank + 1), device=DEV)
-        fc.all_reduce(x, group=other)
-        dsync()
-        msgs.append(x.tolist())
+    others_go_on(rank, other, msgs)  # groups without the dead rank go on
     return msgs
 
 
@@ -227,9 +220,7 @@ def _timeout_body(rank, world):
     pair = fc.new_group([0, 1], timeout=timedelta(seconds=2))
     host = fc.new_group([0, 1])
     t = torch.ones(3, device=DEV)
-    with fc.plan() as p:
-        fc.all_reduce(t, group=pair)
-    g = p.capture()
+    g = pair_plan(t, pair)
     msg = None
     if rank == 0:  # rank 1 never replays
         g.replay()
@@ -303,9 +294,7 @@ def _shutdown_body(rank, world):
     setup(rank)
     pair = fc.new_group([0, 1])
     t = torch.ones(3, device=DEV)
-    with fc.plan() as p:
-        fc.all_reduce(t, group=pair)
-    g = p.capture()
+    g = pair_plan(t, pair)
     g.replay()
     g.wait()
     dsync()

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import harness
 from _device import DEV, ENV, ON_GPU, dsync, fake_only, setup
 from _helpers import expect
-from _plan_cases import LISTS5, PlanCases, same
+from _plan_cases import LISTS5, PlanCases, others_go_on, pair_plan, same
 
 import fastcomm as fc
 
@@ -179,9 +179,7 @@ def _dead_peer_body(rank, world):
     msgs = []
     if rank in (0, 1):
         t = torch.zeros(4, device=DEV)
-        with fc.plan() as p:
-            fc.all_reduce(t, group=pair)
-        g = p.capture()
+        g = pair_plan(t, pair)
         user = UserGraph()
         user.capture(g.replay)
         for r in range(3):
@@ -199,11 +197,7 @@ def _dead_peer_body(rank, world):
         user.replay()  # later runs of the user's graph drain too
         dsync()
         user.drop()
-    if rank in (0, 2):  # groups without the dead rank go on
-        x = torch.full((2,), float(rank + 1), device=DEV)
-        fc.all_reduce(x, group=other)
-        dsync()
-        msgs.append(x.tolist())
+    others_go_on(rank, other, msgs)  # groups without the dead rank go on
     return msgs
 
 
@@ -218,9 +212,7 @@ def _timeout_body(rank, world):
     pair = fc.new_group([0, 1], timeout=timedelta(seconds=2))
     host = fc.new_group([0, 1])
     t = torch.ones(3, device=DEV)
-    with fc.plan() as p:
-        fc.all_reduce(t, group=pair)
-    g = p.capture()
+    g = pair_plan(t, pair)
     user = UserGraph()
     user.capture(g.replay)
     msgs = []
