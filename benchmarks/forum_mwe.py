@@ -160,12 +160,18 @@ def memcpy_bandwidth(nbytes, reps):
     """Bytes copied per second by one core, best of ``reps`` copies of ``nbytes``."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
+    # torch splits a large copy_ over its intra-op threads: one thread, or it is not one core.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dst.copy_(src)  # fault the pages in
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
     return nbytes / best
 
 
