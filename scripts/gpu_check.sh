@@ -7,7 +7,8 @@
 # tests/test_device_collectives.py on CUDA tensors (FASTCOMM_DEVICE_TEST=cuda); the rest of
 # tests/test_nccl.py (several ranks share the GPU, each with its own NCCL_HOSTID; same-host pairs
 # go over IPC unless FASTCOMM_DEVICE_IPC=0); the MoE and pipeline examples on CUDA against torch
-# NCCL; benchmarks/forum_mwe.py at 1, 2, 4, 8 pairs (CPU scaling on this machine's cores); and
+# NCCL; benchmarks/forum_mwe.py at 1, 2, 4, 8 pairs (CPU scaling on this machine's cores);
+# benchmarks/pair_breakdown.py (where one pair's op spends its time, perf where it runs); and
 # benchmarks/nccl_pairs.py (fastcomm vs torch NCCL).
 # It writes a Markdown report to ${OUT:-reports}/gpu_check.md (each step's command, exit code,
 # wall time and output tail; the whole logs go to gpu_check.log beside it, the MWE's
@@ -219,6 +220,8 @@ if [ "$BUILT" = 1 ]; then
     "$RUN; '$PY' '$ROOT/examples/moe.py' --device cuda --compare --check --steps 20 --timeout 80; '$PY' '$ROOT/examples/pipeline.py' --device cuda --compare --check --steps 20 --timeout 80"
   step bench "benchmarks/forum_mwe.py at 1, 2, 4, 8 pairs, spawned ranks (CPU, this machine's cores)" 120 \
     "$RUN; '$PY' '$ROOT/benchmarks/forum_mwe.py' --pairs 1 2 4 8 --repeat 3 --sizes 16M --json '$REPORT_DIR/forum_mwe.json'"
+  step bench "benchmarks/pair_breakdown.py: one pair's small all_reduce taken apart, with a perf profile where perf runs (CPU)" 45 \
+    "$RUN; '$PY' '$ROOT/benchmarks/pair_breakdown.py' --iters 20000 --repeat 3 --perf --job-timeout 40 --json '$REPORT_DIR/pair_breakdown.json'"
   step bench "benchmarks/nccl_pairs.py: fastcomm vs torch NCCL, ranks on one GPU" 60 \
     "$RUN; '$PY' '$ROOT/benchmarks/nccl_pairs.py' --pairs 1 4 --iters 300 --job-timeout 50"
 else
