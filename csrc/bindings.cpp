@@ -42,7 +42,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("hierarchical", &Settings::hierarchical)
       .def_readwrite("rsag_threshold", &Settings::rsag_threshold)
       .def_readwrite("gloo_bulk_bytes", &Settings::gloo_bulk_bytes)
-      .def_readwrite("baseline_kernels", &Settings::baseline_kernels);
+      .def_readwrite("baseline_kernels", &Settings::baseline_kernels)
+      .def_readwrite("shm_stream_stores", &Settings::shm_stream_stores)
+      .def_readwrite("shm_direct_bytes", &Settings::shm_direct_bytes)
+      .def_readwrite("fake_device", &Settings::fake_device)
+      .def_readwrite("device_single_stream", &Settings::device_single_stream)
+      .def_readwrite("device_idle_ms", &Settings::device_idle_ms)
+      .def_readwrite("device_max_comms", &Settings::device_max_comms)
+      .def_readwrite("device_max_kernels", &Settings::device_max_kernels)
+      .def_readwrite("device_pair_blocking", &Settings::device_pair_blocking)
+      .def_readwrite("device_ipc", &Settings::device_ipc)
+      .def_readwrite("device_ipc_ring_bytes", &Settings::device_ipc_ring_bytes)
+      .def_readwrite("device_ipc_group_max", &Settings::device_ipc_group_max);
 
   py::class_<GroupHandle>(m, "GroupHandle")
       .def_readonly("ranks", &GroupHandle::ranks)

@@ -245,6 +245,22 @@ def test_malformed_setting_is_refused_at_init():
                        env={"FASTCOMM_SHM_STREAM_STORES": "yes"}) == [True, True]
 
 
+@pytest.mark.parametrize("name,bad,good,field,value", [
+    ("FASTCOMM_HIERARCHICAL", "false", "0", "hierarchical", False),
+    ("FASTCOMM_FAKE_DEVICE", "true", "1", "fake_device", True),
+    ("FASTCOMM_DEVICE_PAIR_BLOCKING", "off", "0", "device_pair_blocking", False),
+    ("FASTCOMM_REDUCE_KERNELS", "basline", "baseline", "baseline_kernels", True),
+])
+def test_switches_refuse_what_they_do_not_name(monkeypatch, name, bad, good, field, value):
+    # Read in this process: the settings parser is the one init calls (Settings::from_env).
+    from fastcomm import _C
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ValueError, match=f"{name} must be .*got '{bad}'"):
+        _C.Settings.from_env()
+    monkeypatch.setenv(name, good)
+    assert getattr(_C.Settings.from_env(), field) is value
+
+
 def _init_twice_body(rank, world):
     msg = expect(RuntimeError, lambda: harness.init_child(rank, world, timeout=5.0), f"rank {rank}",
                  "twice")

@@ -25,6 +25,16 @@ int64_t env_int(const char* name, int64_t fallback, int64_t min) {
   return x;
 }
 
+// A switch: "0" or "1" only, so that a typo ("true", "off") is refused rather than read as one
+// of them.
+bool env_flag(const char* name, bool fallback) {
+  const char* v = env(name);
+  if (!v) return fallback;
+  TORCH_CHECK_VALUE(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0, "fastcomm: ", name,
+                    " must be 0 or 1, got '", v, "'");
+  return v[0] == '1';
+}
+
 }  // namespace
 
 Settings Settings::from_env() {
@@ -40,16 +50,20 @@ Settings Settings::from_env() {
   s.shm_direct_bytes = direct == 0 ? SIZE_MAX : (size_t)direct;
   s.spin_ns = env_int("FASTCOMM_SPIN_NS", -1, -1);
   s.yield_ns = env_int("FASTCOMM_YIELD_NS", -1, -1);
-  if (const char* v = env("FASTCOMM_HIERARCHICAL")) s.hierarchical = std::strcmp(v, "0") != 0;
+  s.hierarchical = env_flag("FASTCOMM_HIERARCHICAL", s.hierarchical);
   s.rsag_threshold = (size_t)env_int("FASTCOMM_RSAG_THRESHOLD", (int64_t)s.rsag_threshold, 0);
   const int64_t bulk = env_int("FASTCOMM_GLOO_BULK_BYTES", -1, 0);
   s.gloo_bulk_bytes = bulk < 0 ? 0 : bulk == 0 ? SIZE_MAX : (size_t)bulk;
-  if (const char* v = env("FASTCOMM_REDUCE_KERNELS")) s.baseline_kernels = std::strcmp(v, "baseline") == 0;
-  if (const char* v = env("FASTCOMM_FAKE_DEVICE")) s.fake_device = std::strcmp(v, "1") == 0;
+  if (const char* v = env("FASTCOMM_REDUCE_KERNELS")) {
+    TORCH_CHECK_VALUE(std::strcmp(v, "baseline") == 0 || std::strcmp(v, "auto") == 0,
+                      "fastcomm: FASTCOMM_REDUCE_KERNELS must be 'baseline' or 'auto', got '", v, "'");
+    s.baseline_kernels = std::strcmp(v, "baseline") == 0;
+  }
+  s.fake_device = env_flag("FASTCOMM_FAKE_DEVICE", s.fake_device);
   s.device_idle_ms = env_int("FASTCOMM_DEVICE_IDLE_MS", s.device_idle_ms, 1);
   s.device_max_comms = env_int("FASTCOMM_DEVICE_MAX_COMMS", s.device_max_comms, 1);
   s.device_max_kernels = env_int("FASTCOMM_DEVICE_MAX_KERNELS", s.device_max_kernels, 0);
-  if (const char* v = env("FASTCOMM_DEVICE_PAIR_BLOCKING")) s.device_pair_blocking = std::strcmp(v, "0") != 0;
+  s.device_pair_blocking = env_flag("FASTCOMM_DEVICE_PAIR_BLOCKING", s.device_pair_blocking);
   if (const char* v = env("FASTCOMM_DEVICE_IPC")) {
     TORCH_CHECK_VALUE(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0 || std::strcmp(v, "auto") == 0,
                       "fastcomm: FASTCOMM_DEVICE_IPC must be 0, 1 or auto, got '", v, "'");
