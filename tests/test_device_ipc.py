@@ -26,7 +26,7 @@ import torch.distributed as dist
 import harness
 import test_device_streams as tds
 import test_fake_device as tfd
-from _helpers import expect, fold, gen
+from _helpers import expect, fold, gen, seed_of
 
 import fastcomm as fc
 
@@ -204,7 +204,8 @@ def _killed_body(rank, world, flag_dir):
 def test_a_peer_killed_mid_run_fails_only_its_ops(tmp_path):
     res = harness.run(_killed_body, 3, str(tmp_path), timeout=90, env=IPC, init_timeout=5, allow_fail=(2,))
     for msg, took, ok, ring in res[:2]:
-        assert took < 5 + 3, (took, msg)
+        # Found dead (the host engine's liveness check), not left to the 5 s timeout.
+        assert "exited" in msg and "timeout" not in msg, (took, msg)
         assert ok == [3.0, 3.0]
         assert ring > 0  # the link with the live peer stays
 
@@ -282,7 +283,7 @@ def _placement_body(rank, world, peer_access):
             if rank not in ranks:
                 continue
             for numel in (1, 300, 5000):  # 5,000 floats: many turns of the 4 KiB ring
-                seed = hash((tuple(ranks), numel, epoch)) % 10_000
+                seed = seed_of(tuple(ranks), numel, epoch, mod=10_000)
                 t = gen(rank, seed, "float32", numel)
                 fc.all_reduce(t, group=g)
                 tfd.dsync()

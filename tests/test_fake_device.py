@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import harness
-from _helpers import expect, fold, gen
+from _helpers import expect, fold, gen, seed_of
 
 import fastcomm as fc
 
@@ -65,7 +65,7 @@ def _collectives_body(rank, world, sizes, dtypes, ops):
                 for op in ops:
                     if op == "AVG" and dt == "int64":
                         continue
-                    seed = hash((tuple(ranks), numel, dt, op)) % 100_000
+                    seed = seed_of(tuple(ranks), numel, dt, op, mod=100_000)
                     t = gen(rank, seed, dt, numel, op)
                     fc.all_reduce(t, op=getattr(dist.ReduceOp, op), group=g)
                     ref = fold([gen(r, seed, dt, numel, op) for r in ranks], op)
@@ -359,7 +359,8 @@ def test_a_dead_peer_fails_only_its_groups(when):
     res = harness.run(_dead_peer_body, 3, when, timeout=90, env=FAKE, init_timeout=5, allow_fail=(2,))
     for r in res[:2]:
         msg, took, ok = r
-        assert took < 5 + 3, (took, msg)
+        # Found dead (the host engine's liveness check), not left to the 5 s timeout.
+        assert "exited" in msg and "timeout" not in msg, (took, msg)
         assert ok == [3.0, 3.0]
 
 
@@ -487,7 +488,7 @@ def _group_comm_body(rank, world, numel):
             for op in ("SUM", "AVG", "PRODUCT"):
                 if op == "AVG" and dt == "int64":
                     continue
-                seed = hash((tuple(ranks), dt, op)) % 10_000
+                seed = seed_of(tuple(ranks), dt, op, mod=10_000)
                 t = gen(rank, seed, dt, numel, op)
                 fc.all_reduce(t, op=getattr(dist.ReduceOp, op), group=g)
                 ref = fold([gen(r, seed, dt, numel, op) for r in ranks], op)
