@@ -18,7 +18,8 @@ import torch
 from torch.distributed import ReduceOp
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-           "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
+           "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16,
+           "int32": torch.int32, "int64": torch.int64}
 
 
 def gen(rank, seed, dt, n, op=None, kind="int"):

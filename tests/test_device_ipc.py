@@ -53,7 +53,7 @@ def _until(pred, what, limit=30.0):
 
 @pytest.mark.parametrize("world,env", [(2, IPC), (3, SMALL_RING)])
 def test_collectives_match_the_reference(world, env):
-    sizes, dtypes = [0, 1, 7, 1000], ["float32", "bfloat16", "int64"]
+    sizes, dtypes = [0, 1, 7, 1000], ["float32", "bfloat16", "int64", "int16", "uint8"]
     ops = ["SUM", "AVG", "MAX", "MIN", "PRODUCT"]
     res = harness.run(_links_after(tfd._collectives_body), world, sizes, dtypes, ops, timeout=240, env=env)
     for checked, links, ring in res:
