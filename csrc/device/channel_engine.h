@@ -1,7 +1,9 @@
 #pragma once
 // The device engine of device/engine.h, one class over a few files, each one job:
-//   engine.cpp     issue (the caller's side), the engine thread, an op's life (ready, launched,
-//                  its end work, finished, settled)
+//   engine.cpp     issue (the caller's side): post, waits, plan captures, test hooks, shutdown
+//   engine_thread.cpp the engine thread: its loop, ops admitted, chained in their group's order
+//                  and made ready, one pass over channels, group communicators and health
+//   op_end.cpp     the rest of an op's life: launched, its end work, finished, settled
 //   channel.cpp    a pair's channel: the agreement frames, launches in agreed order, harvest,
 //                  faults
 //   group_comm.cpp large ops of groups of 3+ on the group's own communicator
@@ -158,18 +160,16 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   // Ops issued on a stream under CUDA graph capture: refused, naming the plan route.
   [[noreturn]] void throw_capture_refusal(const std::vector<DeviceOp>& dops) const;
 
-  // ---- the engine thread (engine.cpp)
+  // ---- the engine thread (engine_thread.cpp)
   void main();
   bool pass();
   void admit(std::unique_ptr<DevOp> op);
   void chain(DevOp* op);
   void make_ready(DevOp* op);
   void ready_part(Part* p);
+
+  // ---- the rest of an op's life (op_end.cpp)
   void part_launched(Part* p);
-  // A channel's launch, NCCL or IPC: its stream first waits for each committed part's inputs
-  // and its group's previous op; once enqueued, c.launching is in flight behind one event.
-  void wait_inputs(Channel& c);
-  void on_stream(Channel& c);
   void part_done(Part* p);
   // Ops whose parts are all enqueued: their end work, their end event, their group's next op.
   void flush_ends();
@@ -181,9 +181,15 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   void settle(Batch& b, std::exception_ptr e);
   void fail_op(DevOp* op, std::exception_ptr e);
   Stream join_stream(uint64_t group);
+  // Join streams of groups with nothing live go back to a pool.
+  void recycle_joins();
 
   // ---- channels (channel.cpp)
   Channel& channel(int peer);
+  // A channel's launch, NCCL or IPC: its stream first waits for each committed part's inputs
+  // and its group's previous op; once enqueued, c.launching is in flight behind one event.
+  void wait_inputs(Channel& c);
+  void on_stream(Channel& c);
   bool pump(Channel& c);
   bool exchange(Channel& c);
   void handle_frame(Channel& c, const uint8_t* data);
@@ -217,8 +223,6 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   // Idle channels' communicators released: past FASTCOMM_DEVICE_IDLE_MS, or the oldest idle
   // ones past FASTCOMM_DEVICE_MAX_COMMS (leaders only, device/agreement.h).
   void release_idle(Clock::time_point now);
-  // Join streams of groups with nothing live go back to a pool.
-  void recycle_joins();
 
   // ---- same-host channels over IPC (ipc_channel.cpp)
   // Whether the channel to `peer` is made over IPC (the leader decides, at each epoch's first

@@ -1,7 +1,7 @@
 #pragma once
 // The CPU fake's CUDA graphs (fake_runtime.cpp has the whole list of what it keeps): a capture
 // (fake_streams.h keeps the one under way) ended into a graph, the graph's replay, and the
-// capture side of event records and waits. Included by fake_runtime.cpp only.
+// capture side of event records and waits. Included by fake_runtime_impl.h only.
 #include <memory>
 #include <string>
 #include <vector>

@@ -3,7 +3,7 @@
 // a block is a /dev/shm segment two processes map, its "device memory" and its flags in one;
 // a flag wait blocks its stream's thread on a futex over the shared word, so an order between
 // the work of two processes holds only where the engine asked for it. Included by
-// fake_runtime.cpp only.
+// fake_runtime_impl.h only.
 #include <cstddef>
 #include <cstdint>
 

@@ -1,7 +1,7 @@
 #pragma once
 // The CPU fake of the device runtime (fake_runtime.cpp has the whole list of what it keeps):
 // its streams (worker threads), events (markers), freed scratch (poisoned, watched for late
-// writes) and capture modes. Included by fake_comm.h and fake_runtime.cpp only.
+// writes) and capture modes. Included by fake_comm.h and fake_runtime_impl.h only.
 #include <pthread.h>
 #include <stdlib.h>
 

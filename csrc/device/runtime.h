@@ -172,7 +172,7 @@ class Runtime {
   // runs at every replay. `fn` must make no runtime call and return soon.
   virtual void host_call(Stream s, void (*fn)(void*), void* arg);
 
-  // Test hooks (the fake's; see fake_runtime.cpp): raises for a hook this runtime lacks.
+  // Test hooks (the fake's; see fake_hooks.cpp): raises for a hook this runtime lacks.
   virtual int64_t debug(const std::string& what, int64_t arg);
 };
 

@@ -1,0 +1,107 @@
+// The fake runtime's test hooks (device/fake_runtime_impl.h): long and held kernels, captures
+// driven from a test, late writes, same-host block settings, a blocking abort, the residency
+// limit, and how long a launch keeps its communicators busy.
+#include <chrono>
+#include <cstdio>
+
+#include "device/fake_runtime_impl.h"
+
+namespace fastcomm {
+namespace device {
+namespace fake {
+
+int64_t FakeRuntime::debug(const std::string& what, int64_t arg) {
+  if (what == "spin") {
+    run_on(*caller_, [arg] { std::this_thread::sleep_for(std::chrono::milliseconds(arg)); });
+    return 0;
+  }
+  if (what == "hold") {  // a kernel that runs until "release"
+    auto m = std::make_shared<Marker>();
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      holds_.push_back(m);
+    }
+    run_on(*caller_, [m] { m->wait(); });
+    return 0;
+  }
+  if (what == "release") {
+    std::vector<std::shared_ptr<Marker>> held;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      held.swap(holds_);
+    }
+    for (auto& m : held) m->set();
+    return (int64_t)held.size();
+  }
+  if (what == "begin_capture") {
+    start_capture(caller_, arg == 0);
+    return 0;
+  }
+  if (what == "end_capture") {  // 0 where the capture was refused; arg 1 keeps the graph: its id
+    std::shared_ptr<FakeGraph> g;
+    try {
+      g = finish_capture(caller_);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "fastcomm fake runtime: %s\n", e.what());
+      return 0;
+    }
+    if (arg != 1) return 1;
+    std::lock_guard<std::mutex> lk(mu_);
+    user_graphs_.push_back(std::move(g));
+    return (int64_t)user_graphs_.size();
+  }
+  if (what == "graph_launch" || what == "graph_destroy") {  // a graph kept by end_capture, by id
+    std::shared_ptr<FakeGraph> g;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (arg < 1 || arg > (int64_t)user_graphs_.size() || !user_graphs_[(size_t)arg - 1])
+        call_error(what.c_str(), "no graph " + std::to_string(arg));
+      g = user_graphs_[(size_t)arg - 1];
+      if (what == "graph_destroy") user_graphs_[(size_t)arg - 1] = nullptr;  // a queued launch keeps it
+    }
+    if (what == "graph_launch") {
+      refuse_launch_under_capture(caller_.get());
+      run_on(*caller_, [g] { g->run(); });
+    }
+    return 0;
+  }
+  if (what == "late_writes") return quarantine().late_writes.load();
+  if (what == "ipc_blocks") return fake::ipc_blocks();
+  if (what == "fake_device" || what == "peer_access") {  // links made from now on (fake_ipc.h)
+    if (what == "fake_device") fake::set_device((int)arg);
+    else fake::set_peer_access(arg != 0);
+    return 0;
+  }
+  if (what == "abort_hold") {  // comm_abort blocks until "abort_release"
+    std::lock_guard<std::mutex> lk(mu_);
+    abort_hold_ = std::make_shared<Marker>();
+    return 0;
+  }
+  if (what == "abort_release") {
+    std::shared_ptr<Marker> hold;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      hold.swap(abort_hold_);
+    }
+    if (hold) hold->set();
+    return 0;
+  }
+  if (what == "resident_limit" || what == "resident" || what == "resident_waits") {
+    std::lock_guard<std::mutex> lk(residency_->mu);
+    if (what == "resident") return residency_->resident;
+    if (what == "resident_waits") return residency_->waits;
+    residency_->limit = arg;
+    residency_->cv.notify_all();
+    return 0;
+  }
+  if (what == "launch_threads") return launch_threads_.load();
+  if (what == "enqueue_us") {
+    enqueue_us_ = arg;
+    return 0;
+  }
+  return Runtime::debug(what, arg);
+}
+
+}  // namespace fake
+}  // namespace device
+}  // namespace fastcomm
