@@ -131,7 +131,8 @@ Comm CudaRuntime::open_pair(const ncclUniqueId& uid, int rank) {
       try {
         c10::cuda::CUDAGuard g(d);
         FASTCOMM_GPU_CHECK(ncclCommAbort(comm));
-      } catch (const std::exception&) {
+      } catch (const std::exception& e) {
+        TORCH_WARN("fastcomm: aborting an abandoned NCCL communicator failed: ", e.what());
       }
     }
   });
@@ -143,7 +144,10 @@ void CudaRuntime::release_opener(CommBox& box) {
   {
     std::lock_guard<std::mutex> lk(box.mu);
     if (!box.opened) {
-      box.abandoned = true;  // the opener aborts what NCCL gives it
+      // A thread inside NCCL's blocking init cannot be interrupted or joined without waiting
+      // for the peer (it may be dead): it holds its own share of the box, aborts what NCCL
+      // gives it, and ends then or with the process.
+      box.abandoned = true;
       box.opener.detach();
       return;
     }

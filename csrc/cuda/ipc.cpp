@@ -223,14 +223,13 @@ void ipc_close(int device, void* token) {
   if (k->host) {
     // The data is in the segment, unmapped below.
   } else if (k->creator) {
-    (void)cudaFree(k->data);
+    FASTCOMM_GPU_WARN(cudaFree(k->data));
   } else {
-    (void)cudaIpcCloseMemHandle(k->data);
+    FASTCOMM_GPU_WARN(cudaIpcCloseMemHandle(k->data));
   }
-  (void)cudaHostUnregister(k->flags);
+  FASTCOMM_GPU_WARN(cudaHostUnregister(k->flags));
   munmap(k->flags, k->flags_size);
   if (k->creator) shm_unlink(k->name.c_str());  // never opened: the name is still there
-  (void)cudaGetLastError();
 }
 
 void flag_write(uint32_t* flag, uint32_t value, cudaStream_t s) {

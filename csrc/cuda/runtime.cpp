@@ -25,6 +25,14 @@ void fail(cudaError_t r, ncclComm_t, const char* expr, const char* file, int lin
                    "): " + cudaGetErrorName(r) + ": " + cudaGetErrorString(r));
 }
 
+void warn(cudaError_t r, const char* expr, const char* file, int line) {
+  if (r == cudaSuccess) return;
+  (void)cudaGetLastError();
+  if (r == cudaErrorCudartUnloading || r == cudaErrorContextIsDestroyed) return;
+  TORCH_WARN("fastcomm: CUDA error in ", expr, " (", file, ":", line, "), ignored while releasing: ",
+             cudaGetErrorName(r), ": ", cudaGetErrorString(r));
+}
+
 }  // namespace cuda
 
 namespace device {
@@ -162,7 +170,7 @@ void* CudaRuntime::end_capture(Stream s) {
   FASTCOMM_GPU_CHECK(cudaStreamEndCapture(cs(s), &graph));
   cudaGraphExec_t exec = nullptr;
   const cudaError_t r = cudaGraphInstantiate(&exec, graph, 0);
-  (void)cudaGraphDestroy(graph);  // the instance keeps what it needs
+  FASTCOMM_GPU_WARN(cudaGraphDestroy(graph));  // the instance keeps what it needs
   cuda::check(r, nullptr, "cudaGraphInstantiate(&exec, graph, 0)", __FILE__, __LINE__);
   return exec;
 }

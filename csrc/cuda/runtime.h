@@ -41,6 +41,11 @@ inline R check(R r, ncclComm_t comm, const char* expr, const char* file, int lin
   return r;
 }
 
+// Releasing memory, or cleaning up on a path that is already failing: a failure is reported
+// (a warning naming the call) but never raised, and not at all once the process is tearing
+// CUDA down, where every call fails alike.
+void warn(cudaError_t r, const char* expr, const char* file, int line);
+
 }  // namespace cuda
 }  // namespace fastcomm
 
@@ -49,6 +54,7 @@ inline R check(R r, ncclComm_t comm, const char* expr, const char* file, int lin
 // communicator's ncclGetLastError detail.
 #define FASTCOMM_GPU_CHECK_COMM(call, comm) ::fastcomm::cuda::check((call), (comm), #call, __FILE__, __LINE__)
 #define FASTCOMM_GPU_CHECK(call) FASTCOMM_GPU_CHECK_COMM(call, nullptr)
+#define FASTCOMM_GPU_WARN(call) ::fastcomm::cuda::warn((call), #call, __FILE__, __LINE__)
 
 namespace fastcomm {
 namespace device {
