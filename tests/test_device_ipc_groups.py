@@ -90,7 +90,7 @@ def _blocking_body(rank, world, sizes, dtypes):
             fc.broadcast(b, src=ranks[-1], group=g)
             _check(b, gen(ranks[-1], seed + 2, "float32", numel), f"broadcast {ranks} {numel}")
             checked += 3
-    return checked, dbg("group_comms"), dbg("ipc_links")
+    return checked, dbg("group_comms"), dbg("ipc_links_made"), dbg("ipc_links")
 
 
 @pytest.mark.parametrize("world,threshold,sizes", [
@@ -101,12 +101,20 @@ def _blocking_body(rank, world, sizes, dtypes):
 ])
 def test_large_ops_of_linked_groups_match_the_reference(world, threshold, sizes):
     dtypes = ["float32", "bfloat16", "int64", "int32"]
-    env = dict(IPC, FASTCOMM_RSAG_THRESHOLD=threshold)
+    # No idle release (FASTCOMM_DEVICE_IDLE_MS), which would end an epoch and make a second link
+    # to the same peer when a starved rank leaves a channel idle that long.
+    env = dict(IPC, FASTCOMM_RSAG_THRESHOLD=threshold, FASTCOMM_DEVICE_IDLE_MS="3600000")
     res = harness.run(_blocking_body, world, sizes, dtypes, timeout=300, env=env, init_timeout=30)
-    for checked, group_comms, links in res:
+    for checked, group_comms, made, links in res:
         assert checked > 0
         assert group_comms == 0, group_comms  # none made: the large ops ran over the links
-        assert 1 <= links <= world - 1, links  # the IPC links holding memory now
+        # Every rank is in the world group, whose large ops go over a link to every other member:
+        # one link per peer, made at the pair's first op.
+        assert made == world - 1, made
+        # Held now: fewer where a member that finished first has shut down: this side then ends
+        # its idle link to it (check_health) and frees it once that member unmapped it, at a time
+        # no rank controls, so only the bound is exact.
+        assert 0 <= links <= made, (links, made)
 
 
 def _mixed_body(rank, world, rounds):
