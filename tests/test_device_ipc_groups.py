@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import harness
 import test_fake_device as tfd
-from _helpers import expect, fold, gen
+from _helpers import expect, fold, gen, seed_of
 
 import fastcomm as fc
 
@@ -71,7 +71,7 @@ def _blocking_body(rank, world, sizes, dtypes):
             continue
         n, me = len(ranks), ranks.index(rank)
         for numel, dt, op in _cases(ranks, sizes, dtypes):
-            seed = hash((tuple(ranks), numel, dt, op)) % 100_000
+            seed = seed_of(tuple(ranks), numel, dt, op, mod=100_000)
             t = gen(rank, seed, dt, numel, op)
             fc.all_reduce(t, op=getattr(dist.ReduceOp, op), group=g)
             _check(t, fold([gen(r, seed, dt, numel, op) for r in ranks], op), f"all_reduce {ranks} {numel} {dt} {op}")
@@ -90,7 +90,7 @@ def _blocking_body(rank, world, sizes, dtypes):
             fc.broadcast(b, src=ranks[-1], group=g)
             _check(b, gen(ranks[-1], seed + 2, "float32", numel), f"broadcast {ranks} {numel}")
             checked += 3
-    return checked, dbg("group_comms"), dbg("ipc_links")
+    return checked, dbg("group_comms"), dbg("ipc_links_made"), dbg("ipc_links")
 
 
 @pytest.mark.parametrize("world,threshold,sizes", [
@@ -101,12 +101,20 @@ def _blocking_body(rank, world, sizes, dtypes):
 ])
 def test_large_ops_of_linked_groups_match_the_reference(world, threshold, sizes):
     dtypes = ["float32", "bfloat16", "int64", "int32"]
-    env = dict(IPC, FASTCOMM_RSAG_THRESHOLD=threshold)
+    # No idle release (FASTCOMM_DEVICE_IDLE_MS), which would end an epoch and make a second link
+    # to the same peer when a starved rank leaves a channel idle that long.
+    env = dict(IPC, FASTCOMM_RSAG_THRESHOLD=threshold, FASTCOMM_DEVICE_IDLE_MS="3600000")
     res = harness.run(_blocking_body, world, sizes, dtypes, timeout=300, env=env, init_timeout=30)
-    for checked, group_comms, links in res:
+    for checked, group_comms, made, links in res:
         assert checked > 0
         assert group_comms == 0, group_comms  # none made: the large ops ran over the links
-        assert 1 <= links <= world - 1, links  # the IPC links holding memory now
+        # Every rank is in the world group, whose large ops go over a link to every other member:
+        # one link per peer, made at the pair's first op.
+        assert made == world - 1, made
+        # Held now: fewer where a member that finished first has shut down: this side then ends
+        # its idle link to it (check_health) and frees it once that member unmapped it, at a time
+        # no rank controls, so only the bound is exact.
+        assert 0 <= links <= made, (links, made)
 
 
 def _mixed_body(rank, world, rounds):
@@ -124,7 +132,7 @@ def _mixed_body(rank, world, rounds):
         for i in order:
             ranks, g = mine[i]
             for k, (numel, op) in enumerate([(100 + 31 * it, "SUM"), (257, "MAX"), (5, "AVG")]):
-                seed = hash((tuple(ranks), it, k)) % 100_000
+                seed = seed_of(tuple(ranks), it, k, mod=100_000)
                 t = gen(rank, seed, "float32", numel, op)
                 w = fc.all_reduce(t, op=getattr(dist.ReduceOp, op), group=g, async_op=True)
                 pending.append((w, t, fold([gen(r, seed, "float32", numel, op) for r in ranks], op), ranks))
@@ -137,7 +145,7 @@ def _mixed_body(rank, world, rounds):
     ts = []
     with fc.batch() as b:
         for ranks, g in mine:
-            seed = hash((tuple(ranks), "batch")) % 100_000
+            seed = seed_of(tuple(ranks), "batch", mod=100_000)
             t = gen(rank, seed, "int64", 999)
             fc.all_reduce(t, group=g)
             ts.append((t, fold([gen(r, seed, "int64", 999) for r in ranks], "SUM"), ranks))
@@ -156,14 +164,14 @@ def _mixed_body(rank, world, rounds):
             bufs.append((ranks, x, y, rs_in, rs_out))
     for it in range(3):
         for ranks, x, y, rs_in, rs_out in bufs:
-            s = hash((tuple(ranks), "plan", it)) % 100_000
+            s = seed_of(tuple(ranks), "plan", it, mod=100_000)
             x.copy_(gen(rank, s, "float32", 700))
             y.copy_(gen(rank, s + 1, "bfloat16", 333))
             rs_in.copy_(gen(rank, s + 2, "float32", rs_in.numel()))
         p.start().wait()
         tfd.dsync()
         for ranks, x, y, rs_in, rs_out in bufs:
-            s = hash((tuple(ranks), "plan", it)) % 100_000
+            s = seed_of(tuple(ranks), "plan", it, mod=100_000)
             me = ranks.index(rank)
             ok = torch.equal(x, fold([gen(r, s, "float32", 700) for r in ranks], "SUM"))
             ok = ok and torch.equal(y, fold([gen(r, s + 1, "bfloat16", 333) for r in ranks], "MIN"))

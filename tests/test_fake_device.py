@@ -373,7 +373,9 @@ def _stalled_peer_body(rank, world):
     # Rank 0 goes on working with rank 1 while its op with rank 2 waits.
     ok = torch.full((2,), float(rank + 1))
     fc.all_reduce(ok, group=g01)
-    msg = expect(dist.DistBackendError, stalled.wait, "timeout", "rank 2") if rank == 0 else ""
+    # The message says where the op stood: rank 2 (the follower) never committed rank 0's proposal.
+    msg = expect(dist.DistBackendError, stalled.wait, "timeout", "rank 2",
+                 "proposed, not committed by the peer yet") if rank == 0 else ""
     dsync()
     return msg, ok.tolist()
 

@@ -386,9 +386,11 @@ void ChannelEngine::wait_inputs(Channel& c) {
 
 void ChannelEngine::on_stream(Channel& c) {
   EventPtr ev = events_->record(c.stream);
+  const auto now = Clock::now();
   for (Part* p : c.launching) {
     p->done_event = ev;
     p->stream = c.stream;
+    p->launched_at = now;
     c.in_flight.push_back(p);
     part_launched(p);
   }

@@ -270,6 +270,7 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
 
   // ---- health and teardown (health.cpp)
   bool check_health();
+  std::string waited_for(const Part& p, Channel& c, Clock::time_point now);
   void teardown();
 
   const int rank_;

@@ -172,6 +172,7 @@ int64_t ChannelEngine::debug(const std::string& what, int64_t arg) {
   if (what == "kernels") return slots_held_.load();
   if (what == "kernel_waits") return slot_waits_.load();
   if (what == "ipc_links") return ipc_->blocks();
+  if (what == "ipc_links_made") return ipc_->made();
   if (what == "ipc_ring_bytes") return ipc_->ring_bytes();
   if (what == "ipc_host_rings") return ipc_->host_rings();
   if (what == "ipc_ring_fold_bytes") return ring_fold_bytes_.load();

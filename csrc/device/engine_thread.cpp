@@ -116,6 +116,7 @@ void ChannelEngine::chain(DevOp* o) {
 // The group's previous op is enqueued: this op's parts may be agreed with the peers.
 void ChannelEngine::make_ready(DevOp* op) {
   op->ready = true;
+  op->ready_at = Clock::now();
   if (op->gc != nullptr && op->gc->failed) {
     // Agreed all the same, so that no member waits for an answer: the flag makes the other
     // side refuse it.

@@ -5,6 +5,47 @@
 namespace fastcomm {
 namespace device {
 
+namespace {
+std::string ms_since(Clock::time_point t, Clock::time_point now) {
+  return std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(now - t).count()) + " ms";
+}
+}  // namespace
+
+// Where a part that missed its deadline stands, for the timeout's message: the agreement, the
+// launch or the device.
+std::string ChannelEngine::waited_for(const Part& p, Channel& c, Clock::time_point now) {
+  const DevOp& op = *p.op;
+  std::string s = "ready " + ms_since(op.deadline - op.timeout, op.ready_at) + " after issue, ";
+  switch (p.state) {
+    case Part::kWaiting:
+      s += c.leader ? "proposed, not committed by the peer yet" : "not proposed by the peer yet";
+      break;
+    case Part::kCommitted: {
+      s += "agreed, not launched: ";
+      std::string why;
+      if (c.comm == nullptr) s += "no communicator";
+      else if (IpcLink* l = ipc_->find(c.comm)) s += l->ready() ? "link ready" : "the link waits for the peer's ring";
+      else if (counts_kernels(c) && !c.slot) s += "waiting for a kernel slot";
+      else {
+        try {
+          const State st = rt_->comm_state(c.comm, &why);
+          s += st == State::kPending ? "the communicator is not connected yet"
+                                     : st == State::kFailed ? "the communicator failed: " + why : "communicator ready";
+        } catch (const std::exception& e) {
+          s += e.what();
+        }
+      }
+      break;
+    }
+    default:
+      s += p.launched_at == Clock::time_point{} ? "launched, not on the stream yet"
+                                                 : "on the stream for " + ms_since(p.launched_at, now) +
+                                                       ", not run on the device yet";
+      break;
+  }
+  return s;
+}
+
 // Deadlines, and peers the host knows are gone.
 bool ChannelEngine::check_health() {
   const auto now = Clock::now();
@@ -23,8 +64,8 @@ bool ChannelEngine::check_health() {
       Channel& c = channel(p->peer);
       reset(c, "fastcomm: rank " + std::to_string(rank_) + ", group " + op->label + ": " + op_kind_name(op->kind) +
                    " did not finish within the group's timeout (" + std::to_string(op->timeout.count()) +
-                   " ms) waiting for rank " + std::to_string(p->peer) + "; the channel to rank " +
-                   std::to_string(p->peer) + " was reset");
+                   " ms) waiting for rank " + std::to_string(p->peer) + " (" + waited_for(*p, c, now) +
+                   "); the channel to rank " + std::to_string(p->peer) + " was reset");
       moved = true;
     }
   }

@@ -264,6 +264,7 @@ Comm IpcLinks::add(std::unique_ptr<IpcLink> l) {
   Comm c = l.get();
   l->skip_rx_waits = skip_rx_waits_.load();
   ++blocks_;
+  ++made_;
   bytes_ += (int64_t)l->ring_bytes();
   if (l->host()) ++host_rings_;
   live_[c] = std::move(l);

@@ -132,8 +132,10 @@ class IpcLinks {
   // Teardown: the streams have drained; everything goes.
   void close_all();
   bool closing() const { return !closing_.empty(); }
-  // Links that hold memory, and this side's rings' bytes (any thread: debug).
+  // Links that hold memory, links made so far (one per channel epoch over IPC), and this side's
+  // rings' bytes (any thread: debug).
   int64_t blocks() const { return blocks_.load(); }
+  int64_t made() const { return made_.load(); }
   int64_t ring_bytes() const { return bytes_.load(); }
   void set_skip_rx_waits(bool on) { skip_rx_waits_ = on; }
   // Rings made in host memory (debug "ipc_host_rings").
@@ -150,7 +152,7 @@ class IpcLinks {
   Runtime& rt_;
   std::unordered_map<Comm, std::unique_ptr<IpcLink>> live_;
   std::vector<Closing> closing_;
-  std::atomic<int64_t> blocks_{0}, bytes_{0}, host_rings_{0};
+  std::atomic<int64_t> blocks_{0}, made_{0}, bytes_{0}, host_rings_{0};
   std::atomic<bool> skip_rx_waits_{false};
   void gone(const IpcLink& l) {
     --blocks_;

@@ -108,6 +108,7 @@ struct Part {
   enum State { kWaiting, kProposed, kCommitted, kLaunched, kDone } state = kWaiting;
   bool launched = false;  // on its channel's stream (or failed before): counted in parts_unlaunched
   EventPtr done_event;    // recorded after the channel group holding this part
+  Clock::time_point launched_at{};  // when it went onto its channel's stream (a timeout says)
   Stream stream = nullptr;  // its channel's stream, once launched
   bool agree_only = false;  // a group-communicator op's agreement with one member: no data
   bool agreed = false;      // group leader: that member committed
@@ -149,6 +150,7 @@ struct DevOp {
   std::exception_ptr error;
   Clock::time_point deadline;
   std::chrono::milliseconds timeout{0};
+  Clock::time_point ready_at{};  // when its group's previous op was enqueued (a timeout says)
   EventPtr input;     // the caller's stream at issue
   EventPtr pred_end;  // the end of the group's previous op, if it put work on a device stream
   Stream pred_stream = nullptr;  // ... and the stream it is on
