@@ -227,6 +227,8 @@ def _rendezvous(store: dist.Store, rank: int, world: int, timeout: timedelta, ba
         engine.abandon_init()
         raise
     engine.unlink_segment()
+    if len(local_pids) > 1 and settings.exit_nice > 0:
+        _exit_politely(settings.exit_nice)
     global _gloo
     _gloo = None
     if len(layout["hosts"]) > 1:
@@ -238,6 +240,30 @@ def _rendezvous(store: dist.Store, rank: int, world: int, timeout: timedelta, ba
             engine.shutdown()
             raise
     return engine
+
+
+_exit_nice = 0  # the nice value this process's exit runs at; 0 until a rendezvous asks for one
+
+
+def _exit_politely(nice: int) -> None:
+    """Lowers the priority of this process's teardown at interpreter exit (the thread running
+    atexit handlers then finalizes the interpreter). A rank that exits while same-host peers still
+    run spends up to a second of CPU there (torch's modules, the garbage collector); at full
+    priority that comes out of its peers' share of the cores, and peers that wait by polling or
+    yielding lose the most. Registered once per process: atexit handlers run last-in first-out,
+    so it runs before shutdown() and the handlers torch registered at import."""
+    global _exit_nice
+    if _exit_nice == 0:
+        atexit.register(_lower_priority)
+    _exit_nice = max(_exit_nice, nice)
+
+
+def _lower_priority() -> None:
+    try:
+        # On Linux this sets the calling thread's nice value: the one that finalizes.
+        os.setpriority(os.PRIO_PROCESS, 0, max(_exit_nice, os.getpriority(os.PRIO_PROCESS, 0)))
+    except (OSError, AttributeError):  # no setpriority on the platform, or refused
+        pass
 
 
 def _live() -> Optional[_C.Engine]:
