@@ -8,7 +8,8 @@ the forum loop, waiting the way Open MPI does with more ranks than cores (poll, 
 ``sched_yield``) or by sleeping in a blocking pipe read. The pairs that finish first exit,
 and a torch process spends most of a second of CPU tearing its interpreter down: that CPU is
 taken from the ranks still running. With ``exit: nice 19`` each rank lowers its priority at
-exit (what fastcomm does, ``FASTCOMM_EXIT_NICE``). A pair's time is from its first rank's start
+exit; with ``exit: idle`` it switches to SCHED_IDLE there (what fastcomm does,
+``FASTCOMM_EXIT_IDLE``), which a woken rank preempts at once. A pair's time is from its first rank's start
 to its last rank's end; a launch is fair when every pair is within 2x of the median pair.
 
 Usage: ``python benchmarks/exit_overlap.py [--pairs 4] [--launches 6] [--iters 1024]``."""
@@ -27,10 +28,19 @@ import numpy as np
 import torch
 import torch.multiprocessing as tmp
 
-_MODES = [("yield", False), ("yield", True), ("pipe", False), ("pipe", True)]
+# (how a rank waits, how it exits)
+_MODES = [("yield", "as is"), ("yield", "nice 19"), ("yield", "idle"), ("pipe", "as is"), ("pipe", "idle")]
 
 
-def _rank(rank, world, shm_name, fifo_dir, wait, nice_exit, iters):
+def _exit_low():
+    os.setpriority(os.PRIO_PROCESS, 0, 19)
+
+
+def _exit_idle():
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+def _rank(rank, world, shm_name, fifo_dir, wait, exit_how, iters):
     torch.set_num_threads(1)
     shm = shared_memory.SharedMemory(name=shm_name)
     # Pair p's counters at 2p, 2p + 1; then each rank's ready flag, start, and loop length.
@@ -41,8 +51,8 @@ def _rank(rank, world, shm_name, fifo_dir, wait, nice_exit, iters):
     # FIFOs opened read-write never block at open, whoever comes first.
     rd = os.open(os.path.join(fifo_dir, str(rank)), os.O_RDWR)
     wr = os.open(os.path.join(fifo_dir, str(rank ^ 1)), os.O_RDWR)
-    if nice_exit:
-        atexit.register(os.setpriority, os.PRIO_PROCESS, 0, 19)
+    if exit_how != "as is":
+        atexit.register(_exit_low if exit_how == "nice 19" else _exit_idle)
 
     def send(i):
         cell[mine] = i
@@ -75,7 +85,7 @@ def _rank(rank, world, shm_name, fifo_dir, wait, nice_exit, iters):
     os.close(wr)
 
 
-def _launch(pairs, wait, nice_exit, iters):
+def _launch(pairs, wait, exit_how, iters):
     world = 2 * pairs
     shm = shared_memory.SharedMemory(create=True, size=8 * 5 * world)
     try:
@@ -84,7 +94,7 @@ def _launch(pairs, wait, nice_exit, iters):
                 os.mkfifo(os.path.join(fifo_dir, str(r)))
             cell = np.ndarray((5 * world,), dtype=np.float64, buffer=shm.buf)
             cell[:] = 0
-            tmp.start_processes(_rank, args=(world, shm.name, fifo_dir, wait, nice_exit, iters), nprocs=world,
+            tmp.start_processes(_rank, args=(world, shm.name, fifo_dir, wait, exit_how, iters), nprocs=world,
                                 start_method="spawn")
             starts, lengths = cell[3 * world:4 * world].copy(), cell[4 * world:].copy()
             del cell
@@ -110,14 +120,14 @@ def main():
         for m in _MODES:  # alternating, so that a burst of outside load hits every mode alike
             pt = _launch(args.pairs, m[0], m[1], args.iters)
             runs[m].append(pt)
-            print(f"  launch {i + 1}, wait {m[0]}, exit {'nice 19' if m[1] else 'as is'}: "
+            print(f"  launch {i + 1}, wait {m[0]}, exit {m[1]}: "
                   + " ".join(f"{x:.1f}" for x in pt) + " µs per round", file=sys.stderr, flush=True)
     print("\n| wait | exit | job µs per round (median) | median pair | worst launch (slowest / median pair) | fair launches |")
     print("| :--- | :--- | ---: | ---: | ---: | ---: |")
     for m, pts in runs.items():
         ratios = [max(p) / statistics.median(p) for p in pts]
         print(f"| {'poll + sched_yield' if m[0] == 'yield' else 'blocking pipe read'} | "
-              f"{'nice 19' if m[1] else 'as is'} | {statistics.median(max(p) for p in pts):.1f} | "
+              f"{m[1]} | {statistics.median(max(p) for p in pts):.1f} | "
               f"{statistics.median(statistics.median(p) for p in pts):.1f} | {max(ratios):.2f}x | "
               f"{sum(r <= 2 for r in ratios)}/{len(pts)} |")
 

@@ -39,7 +39,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("ring_bytes", &Settings::ring_bytes)
       .def_readwrite("spin_ns", &Settings::spin_ns)
       .def_readwrite("yield_ns", &Settings::yield_ns)
-      .def_readwrite("exit_nice", &Settings::exit_nice)
+      .def_readwrite("exit_idle", &Settings::exit_idle)
       .def_readwrite("hierarchical", &Settings::hierarchical)
       .def_readwrite("rsag_threshold", &Settings::rsag_threshold)
       .def_readwrite("gloo_bulk_bytes", &Settings::gloo_bulk_bytes)

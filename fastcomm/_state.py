@@ -227,8 +227,8 @@ def _rendezvous(store: dist.Store, rank: int, world: int, timeout: timedelta, ba
         engine.abandon_init()
         raise
     engine.unlink_segment()
-    if len(local_pids) > 1 and settings.exit_nice > 0:
-        _exit_politely(settings.exit_nice)
+    if len(local_pids) > 1 and settings.exit_idle:
+        _exit_politely()
     global _gloo
     _gloo = None
     if len(layout["hosts"]) > 1:
@@ -242,28 +242,32 @@ def _rendezvous(store: dist.Store, rank: int, world: int, timeout: timedelta, ba
     return engine
 
 
-_exit_nice = 0  # the nice value this process's exit runs at; 0 until a rendezvous asks for one
+_exit_idle = False  # whether this process's exit runs under SCHED_IDLE (set by a rendezvous)
 
 
-def _exit_politely(nice: int) -> None:
-    """Lowers the priority of this process's teardown at interpreter exit (the thread running
-    atexit handlers then finalizes the interpreter). A rank that exits while same-host peers still
-    run spends up to a second of CPU there (torch's modules, the garbage collector); at full
-    priority that comes out of its peers' share of the cores, and peers that wait by polling or
-    yielding lose the most. Registered once per process: atexit handlers run last-in first-out,
-    so it runs before shutdown() and the handlers torch registered at import."""
-    global _exit_nice
-    if _exit_nice == 0:
-        atexit.register(_lower_priority)
-    _exit_nice = max(_exit_nice, nice)
+def _exit_politely() -> None:
+    """Makes this process's teardown at interpreter exit yield the CPU to any rank that wakes. A
+    rank that exits while same-host peers still run spends up to a second of CPU there (the
+    garbage collector over torch's modules, their teardown); at full priority that comes out of
+    its peers' share of the cores. Registered once per process: atexit handlers run last-in
+    first-out, so this runs before shutdown() and before the handlers torch registered at import."""
+    global _exit_idle
+    if not _exit_idle:
+        _exit_idle = True
+        atexit.register(_idle_from_here)
 
 
-def _lower_priority() -> None:
+def _idle_from_here() -> None:
+    # SCHED_IDLE rather than nice 19: a thread that wakes preempts an idle-policy thread at
+    # once, where a niced one keeps the CPU up to a slice, and a pair waits that long per op.
+    # On Linux both apply to the calling thread, the one that finalizes the interpreter.
     try:
-        # On Linux this sets the calling thread's nice value: the one that finalizes.
-        os.setpriority(os.PRIO_PROCESS, 0, max(_exit_nice, os.getpriority(os.PRIO_PROCESS, 0)))
-    except (OSError, AttributeError):  # no setpriority on the platform, or refused
-        pass
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError):  # no SCHED_IDLE here, or refused
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, 19)
+        except (OSError, AttributeError):
+            pass
 
 
 def _live() -> Optional[_C.Engine]:

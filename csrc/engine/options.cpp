@@ -50,10 +50,7 @@ Settings Settings::from_env() {
   s.shm_direct_bytes = direct == 0 ? SIZE_MAX : (size_t)direct;
   s.spin_ns = env_int("FASTCOMM_SPIN_NS", -1, -1);
   s.yield_ns = env_int("FASTCOMM_YIELD_NS", -1, -1);
-  const int64_t nice = env_int("FASTCOMM_EXIT_NICE", s.exit_nice, 0);
-  TORCH_CHECK_VALUE(nice <= 19, "fastcomm: FASTCOMM_EXIT_NICE must be an integer from 0 to 19, got '",
-                    env("FASTCOMM_EXIT_NICE"), "'");
-  s.exit_nice = (int)nice;
+  s.exit_idle = env_flag("FASTCOMM_EXIT_IDLE", s.exit_idle);
   s.hierarchical = env_flag("FASTCOMM_HIERARCHICAL", s.hierarchical);
   s.rsag_threshold = (size_t)env_int("FASTCOMM_RSAG_THRESHOLD", (int64_t)s.rsag_threshold, 0);
   const int64_t bulk = env_int("FASTCOMM_GLOO_BULK_BYTES", -1, 0);

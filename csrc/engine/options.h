@@ -19,8 +19,8 @@ struct Settings {
                                          // fastcomm.empty tensors in place (0: never)
   int64_t spin_ns = -1;            // FASTCOMM_SPIN_NS: a waiter polls this long (-1: picked
   int64_t yield_ns = -1;           // FASTCOMM_YIELD_NS: ... then yields this long, then sleeps
-  int exit_nice = 19;              // FASTCOMM_EXIT_NICE: at interpreter exit a rank with same-host
-                                   // peers runs its teardown at this nice value (0: as it was)
+  bool exit_idle = true;           // FASTCOMM_EXIT_IDLE: at interpreter exit a rank with same-host
+                                   // peers runs its teardown under SCHED_IDLE (0: as it was)
   bool hierarchical = true;        // FASTCOMM_HIERARCHICAL=0: groups spanning hosts run flat
   size_t rsag_threshold = 256 * 1024;  // FASTCOMM_RSAG_THRESHOLD: bytes from which groups of 3+
                                        // reduce-scatter + all-gather

@@ -1,10 +1,10 @@
-"""A rank with same-host peers runs its interpreter teardown at a low priority
-(``FASTCOMM_EXIT_NICE``, 19 by default), so that a rank that finishes first does not take the
+"""A rank with same-host peers runs its interpreter teardown under SCHED_IDLE
+(``FASTCOMM_EXIT_IDLE``, on by default), so that a rank that finishes first does not take the
 cores from peers still running their ops (docs/design.md, "Waiting").
 
 The ranks are real Python processes that exit normally (the harness's forked ranks leave with
 ``os._exit``, which runs no atexit handler). Each rank registers, before fastcomm is imported,
-an atexit handler that records its nice value: handlers run last-in first-out, so it runs
+an atexit handler that records its scheduling policy and nice value: handlers run last-in first-out, so it runs
 after fastcomm's."""
 from __future__ import annotations
 
@@ -18,14 +18,19 @@ import pytest
 TIMEOUT_S = 120
 
 
+def _priority() -> str:
+    """This thread's scheduling policy and nice value."""
+    return f"{os.sched_getscheduler(0)} {os.getpriority(os.PRIO_PROCESS, 0)}"
+
+
 def _rank_main(port: int, rank: int, world: int, out_dir: str) -> None:
     import atexit
 
-    def record_exit_nice():
+    def record_at_exit():
         with open(os.path.join(out_dir, f"exit.{rank}"), "w") as f:
-            f.write(str(os.getpriority(os.PRIO_PROCESS, 0)))
+            f.write(_priority())
 
-    atexit.register(record_exit_nice)
+    atexit.register(record_at_exit)
 
     import torch
     import torch.distributed as dist
@@ -38,7 +43,7 @@ def _rank_main(port: int, rank: int, world: int, out_dir: str) -> None:
     fc.all_reduce(t)
     assert t.tolist() == [world * (world + 1) / 2] * 3, t
     with open(os.path.join(out_dir, f"running.{rank}"), "w") as f:
-        f.write(str(os.getpriority(os.PRIO_PROCESS, 0)))
+        f.write(_priority())
     # No shutdown: exiting without one is what most programs do, and atexit covers it.
 
 
@@ -50,7 +55,7 @@ def _run(tmp_path, world, env_extra, hosts=None):
     procs = []
     try:
         for r in range(world):
-            env = {k: v for k, v in os.environ.items() if k not in ("FASTCOMM_EXIT_NICE", "FASTCOMM_HOST_ID")}
+            env = {k: v for k, v in os.environ.items() if k not in ("FASTCOMM_EXIT_IDLE", "FASTCOMM_HOST_ID")}
             env.update(env_extra)
             if hosts is not None:
                 env["FASTCOMM_HOST_ID"] = hosts[r]
@@ -64,36 +69,37 @@ def _run(tmp_path, world, env_extra, hosts=None):
                 p.kill()
                 p.wait()
         del server
-    running = [int((tmp_path / f"running.{r}").read_text()) for r in range(world)]
-    at_exit = [int((tmp_path / f"exit.{r}").read_text()) for r in range(world)]
+    running = [(tmp_path / f"running.{r}").read_text() for r in range(world)]
+    at_exit = [(tmp_path / f"exit.{r}").read_text() for r in range(world)]
     return running, at_exit
 
 
-@pytest.mark.parametrize("setting,expected", [(None, 19), ("5", 5), ("0", None)])
-def test_exit_runs_at_the_set_priority_when_peers_share_the_host(tmp_path, setting, expected):
-    env = {} if setting is None else {"FASTCOMM_EXIT_NICE": setting}
-    base = os.getpriority(os.PRIO_PROCESS, 0)  # the ranks inherit it
+@pytest.mark.parametrize("setting", [None, "1", "0"])
+def test_exit_runs_idle_when_peers_share_the_host(tmp_path, setting):
+    env = {} if setting is None else {"FASTCOMM_EXIT_IDLE": setting}
+    base = _priority()  # the ranks inherit it
     running, at_exit = _run(tmp_path, 2, env)
     assert running == [base, base]  # nothing changes while the rank runs
-    want = base if expected is None else max(base, expected)
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    want = base if setting == "0" else f"{os.SCHED_IDLE} {nice}"
     assert at_exit == [want, want]
 
 
 def test_a_rank_alone_on_its_host_exits_as_it_ran(tmp_path):
-    base = os.getpriority(os.PRIO_PROCESS, 0)
+    base = _priority()
     running, at_exit = _run(tmp_path, 2, {}, hosts=["host-a", "host-b"])
     assert running == [base, base]
     assert at_exit == [base, base]
 
 
-@pytest.mark.parametrize("bad", ["20", "-1", "low", "99999999999"])
-def test_exit_nice_outside_0_to_19_is_refused(monkeypatch, bad):
+@pytest.mark.parametrize("bad", ["2", "yes", "on"])
+def test_exit_idle_takes_0_or_1(monkeypatch, bad):
     from fastcomm import _C
-    monkeypatch.setenv("FASTCOMM_EXIT_NICE", bad)
-    with pytest.raises(ValueError, match=f"FASTCOMM_EXIT_NICE must be an integer .*got '{bad}'"):
+    monkeypatch.setenv("FASTCOMM_EXIT_IDLE", bad)
+    with pytest.raises(ValueError, match=f"FASTCOMM_EXIT_IDLE must be 0 or 1, got '{bad}'"):
         _C.Settings.from_env()
-    monkeypatch.setenv("FASTCOMM_EXIT_NICE", "7")
-    assert _C.Settings.from_env().exit_nice == 7
+    monkeypatch.setenv("FASTCOMM_EXIT_IDLE", "0")
+    assert _C.Settings.from_env().exit_idle is False
 
 
 if __name__ == "__main__":
