@@ -4,8 +4,8 @@ cores from peers still running their ops (docs/design.md, "Waiting").
 
 The ranks are real Python processes that exit normally (the harness's forked ranks leave with
 ``os._exit``, which runs no atexit handler). Each rank registers, before fastcomm is imported,
-an atexit handler that records its scheduling policy and nice value: handlers run last-in first-out, so it runs
-after fastcomm's."""
+an atexit handler that records its scheduling policy and nice value: handlers run last-in
+first-out, so it runs after fastcomm's."""
 from __future__ import annotations
 
 import os
