@@ -9,8 +9,9 @@ the forum loop, waiting the way Open MPI does with more ranks than cores (poll, 
 and a torch process spends most of a second of CPU tearing its interpreter down: that CPU is
 taken from the ranks still running. With ``exit: nice 19`` each rank lowers its priority at
 exit; with ``exit: idle`` it switches to SCHED_IDLE there (what fastcomm does,
-``FASTCOMM_EXIT_IDLE``), which a woken rank preempts at once. A pair's time is from its first rank's start
-to its last rank's end; a launch is fair when every pair is within 2x of the median pair.
+``FASTCOMM_EXIT_IDLE``), which a woken rank preempts at once. A pair's time is from its first
+rank's start to its last rank's end; a launch is fair when every pair is within 2x of the
+median pair.
 
 Usage: ``python benchmarks/exit_overlap.py [--pairs 4] [--launches 6] [--iters 1024]``."""
 from __future__ import annotations
