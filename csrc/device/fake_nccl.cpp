@@ -18,10 +18,15 @@ namespace fake {
 
 namespace {
 
+// A reduction's arguments, checked as NCCL checks them; returns the bytes per rank's block.
 // NCCL's reductions take no int16 (ncclDataType_t has none); the fold does.
-void check_nccl_reduction(const char* call, c10::ScalarType dtype, RedOp op) {
+size_t check_nccl_reduction(const char* call, const void* in, const void* out, int64_t count, c10::ScalarType dtype,
+                            RedOp op) {
   if (dtype == c10::kShort) call_error(call, "NCCL has no int16 dtype (ncclInvalidArgument)");
   check_reduction(call, dtype, op);
+  if (count < 0) call_error(call, "negative count");
+  if (count > 0 && (!in || !out)) call_error(call, "null buffer");
+  return static_cast<size_t>(count) * c10::elementSize(dtype);
 }
 
 }  // namespace
@@ -120,10 +125,7 @@ void FakeRuntime::all_reduce(const void* in, void* out, int64_t count, c10::Scal
                 Stream s) {
   auto comm = usable(c, "all_reduce");
   auto st = stream_of(s, "all_reduce");
-  check_nccl_reduction("all_reduce", dtype, redop);
-  if (count < 0) call_error("all_reduce", "negative count");
-  if (count > 0 && (!in || !out)) call_error("all_reduce", "null buffer");
-  const size_t bytes = static_cast<size_t>(count) * c10::elementSize(dtype);
+  const size_t bytes = check_nccl_reduction("all_reduce", in, out, count, dtype, redop);
   Op op;
   op.comm = comm;
   op.code = kAllReduce;
@@ -178,10 +180,7 @@ void FakeRuntime::reduce_scatter(const void* in, void* out, int64_t count, c10::
                     Stream s) {
   auto comm = usable(c, "reduce_scatter");
   auto st = stream_of(s, "reduce_scatter");
-  check_nccl_reduction("reduce_scatter", dtype, redop);
-  if (count < 0) call_error("reduce_scatter", "negative count");
-  if (count > 0 && (!in || !out)) call_error("reduce_scatter", "null buffer");
-  const size_t bytes = static_cast<size_t>(count) * c10::elementSize(dtype);
+  const size_t bytes = check_nccl_reduction("reduce_scatter", in, out, count, dtype, redop);
   const auto* blocks = static_cast<const uint8_t*>(in);
   Op op;
   op.comm = comm;
