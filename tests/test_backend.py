@@ -189,7 +189,9 @@ def async_body(rank, world):
     assert w2.wait() is True
     same(b, all_reduce_ref([value(r, 7, torch.int64) for r in range(world)], list(range(world)), ReduceOp.MAX, fold), "async all_reduce MAX")
     same(doubled.wait(), b * 2, "future.then")
-    assert w1.wait() is True and w1.is_completed() and w1.exception() is None
+    assert w1.wait() is True and w1.is_completed()
+    if _torch_work_exception_bound():
+        assert w1.exception() is None
     same(a, all_reduce_ref([value(r, 1001, torch.float32) for r in members], members, ReduceOp.SUM, fold), "async all_reduce")
 
     # A callback attached while the op is still pending (the partner issues it 0.3 s late)
@@ -217,6 +219,16 @@ def async_body(rank, world):
     same(cat, torch.tensor([float(lo)] * 3 + [float(lo + 1)] * 3), "async all_gather_into_tensor")
     same(bc, torch.full((2,), float(lo + 1)), "async broadcast")
     dist.destroy_process_group()
+    return True
+
+
+def _torch_work_exception_bound():
+    """Whether this torch's Python binding of Work.exception() returns at all: torch 2.11's
+    cannot convert its result (it raises TypeError for Gloo's Work too)."""
+    try:
+        dist.distributed_c10d.Work().exception()
+    except TypeError:
+        return False
     return True
 
 
@@ -399,6 +411,11 @@ def mixed_string_body(rank, world):
         assert not dist.is_nccl_available() and "NCCL built in" in str(e), e
         out["nccl"] = "torch has no NCCL"
         init(rank, world, "cpu:fastcomm,cuda:gloo")  # the same multi-backend path
+    except ValueError as e:
+        # A CUDA build of torch on a machine without a GPU: its NCCL part refuses to start.
+        assert not torch.cuda.is_available() and "no GPUs found" in str(e), e
+        out["nccl"] = "no GPU"
+        init(rank, world, "cpu:fastcomm,cuda:gloo")
     assert type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__ == "FastcommBackend"
     t = torch.full((5,), float(rank + 1))
     dist.all_reduce(t)

@@ -583,6 +583,11 @@ def _parity_body(rank, world):
             gloo = dist.new_group(list(range(world)), backend="gloo")
         table[name] = {k: v[0] for k, v in got.items()}
         ref = got["gloo"]
+        if ref[0] == "refused" and "Backend gloo does not support" in ref[1]:
+            # This torch's Gloo lacks the whole collective (all_to_all in torch 2.11):
+            # there is no outcome to compare with.
+            table[name]["gloo"] = "missing"
+            continue
         for path in ("backend", "native"):
             mine = got[path]
             if mine[0] != ref[0]:
