@@ -174,6 +174,9 @@ PyObject* batch_exit(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
 
 Py_ssize_t batch_len(PyObject* self) { return (Py_ssize_t)as_batch(self)->batch.ops.size(); }
 
+constexpr char kWait[] = "wait", kIsCompleted[] = "is_completed", kIsSuccess[] = "is_success",
+               kException[] = "exception", kGetFuture[] = "get_future";
+
 // The batch's Work methods, called on its Work once posted.
 template <const char* kName>
 PyObject* batch_forward(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
@@ -183,8 +186,9 @@ PyObject* batch_forward(PyObject* self, PyObject* const* args, size_t nargsf, Py
                     "fastcomm.batch: the batch has not been issued yet (leave the with-block first)");
     return nullptr;
   }
-  static PyObject* const name = PyUnicode_InternFromString(kName);
   const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  if constexpr (kName == kWait) return wait_work(work, args, nargs, kwnames);
+  static PyObject* const name = PyUnicode_InternFromString(kName);
   const Py_ssize_t n = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
   if (n > 4) {
     PyErr_Format(PyExc_TypeError, "fastcomm.batch.%s: too many arguments", kName);
@@ -194,9 +198,6 @@ PyObject* batch_forward(PyObject* self, PyObject* const* args, size_t nargsf, Py
   for (Py_ssize_t i = 0; i < n; ++i) stack[i + 1] = args[i];
   return PyObject_VectorcallMethod(name, stack, (size_t)(nargs + 1), kwnames);
 }
-
-constexpr char kWait[] = "wait", kIsCompleted[] = "is_completed", kIsSuccess[] = "is_success",
-               kException[] = "exception", kGetFuture[] = "get_future";
 
 template <const char* kName>
 PyMethodDef forwarded(const char* doc) {

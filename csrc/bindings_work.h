@@ -13,5 +13,7 @@ namespace fastcomm {
 void add_work_type(pybind11::module_& m);
 // A new fastcomm.Work holding `w` (a new reference; raises on failure).
 pybind11::object wrap_work(c10::intrusive_ptr<Work> w);
+// Work.wait(timeout=None) of `work`, a fastcomm.Work, called without looking the method up.
+PyObject* wait_work(PyObject* work, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames);
 
 }  // namespace fastcomm
