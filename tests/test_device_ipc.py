@@ -168,6 +168,34 @@ def test_a_receive_that_waits_for_nothing_reads_wrong_data():
     assert bad[1] > 0, bad
 
 
+def _early_waits_body(rank, world):
+    issued = tfd._random_order_body(rank, world, 5, 3)
+    # Messages of several laps of the 4 KiB ring, over every pair at once: sends wait for room.
+    pairs = [[a, b] for a in range(world) for b in range(a + 1, world)]
+    groups = fc.new_groups(pairs)
+    works = []
+    for k, (ranks, g) in enumerate(zip(pairs, groups)):
+        if rank in ranks:
+            t = gen(rank, k, "float32", 5003)
+            works.append((ranks, t, k, fc.all_reduce(t, group=g, async_op=True)))
+    for ranks, t, k, w in works:
+        w.wait()
+        tfd.assert_close(t, fold([gen(r, k, "float32", 5003) for r in ranks], "SUM"), rtol=0, atol=0)
+    tfd.dsync()
+    return issued, dbg("ipc_early_waits")
+
+
+def test_a_stream_waits_only_on_work_the_peer_has_enqueued():
+    """A flag wait goes onto a stream only once the peer's host has enqueued the write it waits
+    for: on a GPU, a stream's wait holds the hardware queue it sits in, and with it other
+    streams' work behind it (CUDA_DEVICE_MAX_CONNECTIONS), so a wait on a write nobody enqueued
+    yet can close a cycle across processes. The fake counts such waits at enqueue time."""
+    res = harness.run(_early_waits_body, 4, timeout=120, env=SMALL_RING, init_timeout=20)
+    for issued, early in res:
+        assert issued > 0
+        assert early == 0, res
+
+
 # ---------------------------------------------------------------------------------------------
 # Faults
 

@@ -106,8 +106,8 @@ bool ChannelEngine::pump(Channel& c) {
     Part* p = c.in_flight.front();
     const bool ran = rt_->query(p->done_event->ev) == State::kReady;
     // Read after the event: a receive that completed since the peer released a waiting send
-    // may hold garbage; one whose send the peer never enqueued will not complete.
-    if (link != nullptr && (link->peer_garbage() || (!ran && link->peer_starved()))) {
+    // may hold garbage.
+    if (link != nullptr && link->peer_garbage()) {
       if (c.doomed_why.empty())
         doom(c, "fastcomm: rank " + std::to_string(rank_) + ": the channel to rank " + std::to_string(c.peer) +
                     " failed: rank " + std::to_string(c.peer) + " ended its side of the link", /*for_good=*/false);
@@ -384,18 +384,20 @@ void ChannelEngine::wait_inputs(Channel& c) {
   }
 }
 
-void ChannelEngine::on_stream(Channel& c) {
+void ChannelEngine::on_stream(Channel& c, size_t n) {
   EventPtr ev = events_->record(c.stream);
   const auto now = Clock::now();
-  for (Part* p : c.launching) {
+  n = std::min(n, c.launching.size());
+  for (size_t i = 0; i < n; ++i) {
+    Part* p = c.launching[i];
     p->done_event = ev;
     p->stream = c.stream;
     p->launched_at = now;
     c.in_flight.push_back(p);
     part_launched(p);
   }
-  c.launching.clear();
-  c.last_used = Clock::now();
+  c.launching.erase(c.launching.begin(), c.launching.begin() + (long)n);
+  c.last_used = now;
 }
 
 bool ChannelEngine::counts_kernels(const Channel& c) {

@@ -15,6 +15,7 @@
 // abort never races another call on the same communicator.
 #include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -68,7 +69,7 @@ struct Channel final : SlotUser {
   bool doomed_for_good = true;  // else a reset follows
   PairAgreement agree;          // which parts run, in which order (device/agreement.h)
   std::deque<Part*> committed;  // agreed, not yet launched
-  std::vector<Part*> launching;  // launched; their event not yet recorded
+  std::vector<Part*> launching;  // launched (over IPC: some chunks may still be held back); no event yet
   std::deque<Part*> in_flight;   // launched and recorded, not yet seen done
   std::string reset_why;         // why the last reset cancelled what it did
   std::vector<Comm> retired;     // released by the leader; destroyed once nothing here runs on them
@@ -189,7 +190,8 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   // A channel's launch, NCCL or IPC: its stream first waits for each committed part's inputs
   // and its group's previous op; once enqueued, c.launching is in flight behind one event.
   void wait_inputs(Channel& c);
-  void on_stream(Channel& c);
+  // The first `n` parts of c.launching (all by default) go in flight behind one event.
+  void on_stream(Channel& c, size_t n = SIZE_MAX);
   bool pump(Channel& c);
   bool exchange(Channel& c);
   void handle_frame(Channel& c, const uint8_t* data);

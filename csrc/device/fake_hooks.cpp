@@ -67,6 +67,7 @@ int64_t FakeRuntime::debug(const std::string& what, int64_t arg) {
   }
   if (what == "late_writes") return quarantine().late_writes.load();
   if (what == "ipc_blocks") return fake::ipc_blocks();
+  if (what == "ipc_early_waits") return fake::early_waits();
   if (what == "fake_device" || what == "peer_access") {  // links made from now on (fake_ipc.h)
     if (what == "fake_device") fake::set_device((int)arg);
     else fake::set_peer_access(arg != 0);

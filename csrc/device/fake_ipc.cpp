@@ -11,10 +11,14 @@
 #include <atomic>
 #include <climits>
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <mutex>
 #include <random>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "common/errors.h"
 
@@ -43,22 +47,41 @@ struct Block {
   void* base = nullptr;
   size_t size = 0;
   bool creator = false;
+  uint32_t* flags = nullptr;
 };
 
 std::atomic<int64_t> g_blocks{0};
+std::atomic<int64_t> g_early_waits{0};
+
+// The flags of every block this process maps, to find a flag's shadow: the highest value a
+// stream write enqueued so far will store in it (kept beside the flags, so both processes see
+// it). A wait enqueued for more than that waits on work nobody has enqueued yet.
+std::mutex g_flags_mu;
+std::vector<std::pair<uint32_t*, uint32_t>> g_flags;  // (flags, nflags)
+
+uint32_t* shadow_of(const uint32_t* flag) {
+  std::lock_guard<std::mutex> lk(g_flags_mu);
+  for (auto& [f, n] : g_flags)
+    if (flag >= f && flag < f + n) return const_cast<uint32_t*>(flag) + n;
+  return nullptr;
+}
 std::atomic<int> g_device{0};
 std::atomic<bool> g_peer_access{true};
 
-size_t flags_bytes(int nflags) { return ((size_t)nflags * 4 + 63) & ~size_t(63); }
+// The flags, then as many shadow words (shadow_of).
+size_t flags_bytes(int nflags) { return ((size_t)nflags * 8 + 63) & ~size_t(63); }
 
 [[noreturn]] void fail(const char* call, const std::string& what) {
   throw_comm_error(std::string("fastcomm fake runtime: ") + call + ": " + what + " (" + std::strerror(errno) + ")");
 }
 
-void fill(const Block& k, int nflags, uint64_t bytes, Runtime::IpcBlock* b) {
+void fill(Block& k, int nflags, uint64_t bytes, Runtime::IpcBlock* b) {
   b->flags = reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(k.base) + kHead);
   b->data = static_cast<uint8_t*>(k.base) + kHead + flags_bytes(nflags);
   (void)bytes;
+  k.flags = b->flags;
+  std::lock_guard<std::mutex> lk(g_flags_mu);
+  g_flags.emplace_back(b->flags, (uint32_t)nflags);
 }
 
 }  // namespace
@@ -136,6 +159,14 @@ void* ipc_open(const Runtime::IpcHandle& h, Runtime::IpcBlock* b) {
 void ipc_close(void* token) {
   auto* k = static_cast<Block*>(token);
   if (k == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lk(g_flags_mu);
+    for (auto it = g_flags.begin(); it != g_flags.end(); ++it)
+      if (it->first == k->flags) {
+        g_flags.erase(it);
+        break;
+      }
+  }
   munmap(k->base, k->size);
   if (k->creator) shm_unlink(k->name.c_str());  // never opened: the name is still there
   delete k;
@@ -158,7 +189,27 @@ void flag_block(const uint32_t* flag, uint32_t value) {
   }
 }
 
+void note_write(const uint32_t* flag, uint32_t value) {
+  uint32_t* sh = shadow_of(flag);
+  if (sh == nullptr) return;
+  uint32_t cur = __atomic_load_n(sh, __ATOMIC_ACQUIRE);
+  while ((int32_t)(value - cur) > 0 &&
+         !__atomic_compare_exchange_n(sh, &cur, value, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+  }
+}
+
+void note_wait(const uint32_t* flag, uint32_t value) {
+  const uint32_t* sh = shadow_of(flag);
+  if (sh == nullptr) return;
+  if ((int32_t)(__atomic_load_n(sh, __ATOMIC_ACQUIRE) - value) < 0) {
+    ++g_early_waits;
+    std::fprintf(stderr, "fastcomm fake runtime: a stream waits for flag value %u, which no write enqueued yet stores\n",
+                 value);
+  }
+}
+
 int64_t ipc_blocks() { return g_blocks.load(); }
+int64_t early_waits() { return g_early_waits.load(); }
 
 }  // namespace fake
 }  // namespace device

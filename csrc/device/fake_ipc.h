@@ -28,8 +28,14 @@ void ipc_close(void* token);
 void flag_store(uint32_t* flag, uint32_t value);
 // Blocks until (int32_t)(*flag - value) >= 0.
 void flag_block(const uint32_t* flag, uint32_t value);
+// Enqueue-time bookkeeping of stream flag writes and waits: a wait enqueued for a value that
+// no write enqueued so far (by either process) stores is counted (debug "ipc_early_waits"): a
+// GPU stream would hold its hardware queue on it, and the work of other streams behind it.
+void note_write(const uint32_t* flag, uint32_t value);
+void note_wait(const uint32_t* flag, uint32_t value);
 // Segments this process made or opened and has not closed yet (debug "ipc_blocks").
 int64_t ipc_blocks();
+int64_t early_waits();
 
 }  // namespace fake
 }  // namespace device

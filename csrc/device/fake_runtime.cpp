@@ -337,10 +337,12 @@ void* FakeRuntime::ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* 
 }
 
 void FakeRuntime::flag_write(uint32_t* flag, uint32_t value, Stream s) {
+  note_write(flag, value);
   run_on(*stream_of(s, "flag_write"), [flag, value] { flag_store(flag, value); });
 }
 
 void FakeRuntime::flag_wait(Stream s, const uint32_t* flag, uint32_t value) {
+  note_wait(flag, value);
   run_on(*stream_of(s, "flag_wait"), [flag, value] { flag_block(flag, value); });
 }
 

@@ -76,21 +76,36 @@ void ChannelEngine::follower_reopens(Channel& c, const UniqueId& id, uint32_t ep
 }
 
 // Agreed parts go onto the pair's stream in agreed order, each after its inputs and its group's
-// previous op (as on NCCL: launch in channel.cpp). Nothing here waits for the peer's host.
+// previous op (as on NCCL: launch in channel.cpp), their chunks as far as the peer's host has
+// enqueued what they wait for (ipc_link.h). A part counts as launched once wholly enqueued. New
+// parts join only once the link has no chunk held back: their input waits go onto the stream
+// behind every chunk of the parts before them, never ahead of one.
 bool ChannelEngine::launch_ipc(Channel& c, IpcLink& l) {
-  if (c.committed.empty() || !l.ready()) return false;
-  wait_inputs(c);
-  for (Part* p : c.committed) {
-    if (const size_t folded = l.enqueue(*p, c.stream)) {
-      p->op->folds.clear();  // folded from the ring already (a pair op: its only fold)
-      ring_fold_bytes_ += (int64_t)folded;
+  if (!l.ready()) return false;
+  bool moved = false;
+  if (!c.committed.empty() && !l.pending()) {
+    wait_inputs(c);
+    for (Part* p : c.committed) {
+      if (const size_t folded = l.add(*p, c.stream)) {
+        p->op->folds.clear();  // folded from the ring (a pair op: its only fold)
+        ring_fold_bytes_ += (int64_t)folded;
+      }
+      p->state = Part::kLaunched;
+      c.launching.push_back(p);
     }
-    p->state = Part::kLaunched;
-    c.launching.push_back(p);
+    c.committed.clear();
+    moved = true;
   }
-  c.committed.clear();
-  on_stream(c);
-  return true;
+  // Read before the peer's counters (pump): an end seen here comes after its last enqueue.
+  const bool ended = l.peer_ended();
+  if (const size_t n = l.pump()) {
+    on_stream(c, n);
+    moved = true;
+  }
+  if (l.pending() && ended)
+    throw_comm_error("fastcomm: rank " + std::to_string(rank_) + ": the channel to rank " + std::to_string(c.peer) +
+                     " failed: rank " + std::to_string(c.peer) + " ended its side of the link");
+  return moved;
 }
 
 }  // namespace device

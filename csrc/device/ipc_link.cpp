@@ -35,16 +35,20 @@ Wire wire_of(const UniqueId& id) {
 static_assert(sizeof(Wire) == sizeof(UniqueId), "an IPC link's id fills a communicator id");
 
 // Flags of a ring: filled[K], consumed[K], then what the opener says (it closed, it opened,
-// it ended the link) and what the owner says (it ended the link; the chunks it enqueued; it
-// released a send still waiting for room, so what it wrote since may be garbage). Host words
-// that no stream waits on are plain stores.
+// it ended the link) and what the owner says (it ended the link; the chunks it enqueued, sent
+// and received; it released a send still waiting for room, so what it wrote since may be
+// garbage). Host words that no stream waits on are plain stores.
 size_t closed_flag(uint32_t k) { return 2 * (size_t)k; }
 size_t opened_flag(uint32_t k) { return 2 * (size_t)k + 1; }
 size_t opener_ended_flag(uint32_t k) { return 2 * (size_t)k + 2; }
 size_t owner_ended_flag(uint32_t k) { return 2 * (size_t)k + 3; }
 size_t tx_enqueued_flag(uint32_t k) { return 2 * (size_t)k + 4; }
 size_t garbage_flag(uint32_t k) { return 2 * (size_t)k + 5; }
-constexpr int kExtraFlags = 6;
+size_t rx_enqueued_flag(uint32_t k) { return 2 * (size_t)k + 6; }
+constexpr int kExtraFlags = 7;
+
+// Whether counter `have` has reached `want` (cyclic: the counters are 32-bit words).
+bool reached(uint32_t have, uint64_t want) { return (int32_t)(have - (uint32_t)want) >= 0; }
 
 uint32_t load(const uint32_t* f) { return __atomic_load_n(f, __ATOMIC_ACQUIRE); }
 void store(uint32_t* f, uint32_t v) { __atomic_store_n(f, v, __ATOMIC_RELEASE); }
@@ -133,7 +137,7 @@ void IpcLink::open_peer(const UniqueId& id) {
   rt_.flag_set(peer_flag(opened_flag(peer_slots_)), 1);
 }
 
-size_t IpcLink::enqueue(const Part& p, Stream s) {
+size_t IpcLink::add(const Part& p, Stream s) {
   TORCH_INTERNAL_ASSERT(ready(), "IPC link used before the peer's ring was mapped");
   TORCH_INTERNAL_ASSERT(stream_ == nullptr || stream_ == s, "an IPC link's parts go on one stream");
   stream_ = s;
@@ -142,66 +146,113 @@ size_t IpcLink::enqueue(const Part& p, Stream s) {
   const bool in_ring = p.fold_in_ring && p.recvs.size() == 1 && p.sends.size() == 1 &&
                        peer_slot_bytes_ == slot_bytes_ && p.sends[0].second == p.recvs[0].second;
   size_t folded = 0;
-  auto tx = [&](const uint8_t* src, size_t n) {
-    const uint32_t k = (uint32_t)(tx_seq_ % slots_);
-    const uint32_t use = (uint32_t)(tx_seq_ / slots_ + 1);
-    ++tx_seq_;
-    if (use > 1) {
-      rt_.flag_wait(s, own_flag(slots_ + k), use - 1);
-      tx_wait_[k] = use - 1;
-    }
-    rt_.copy((uint8_t*)own_.data + (size_t)k * slot_bytes_, src, n, s);
-    rt_.flag_write(own_flag(k), use, s);
-  };
-  auto rx = [&](uint8_t* dst, size_t n, size_t off) {
-    const uint32_t k = (uint32_t)(rx_seq_ % peer_slots_);
-    const uint32_t use = (uint32_t)(rx_seq_ / peer_slots_ + 1);
-    ++rx_seq_;
-    if (!skip_rx_waits) {
-      rt_.flag_wait(s, peer_flag(k), use);
-      rx_wait_[k] = use;
-    }
-    const uint8_t* chunk = (const uint8_t*)theirs_.data + (size_t)k * peer_slot_bytes_;
-    if (in_ring) {
-      FoldJob j = p.ring_fold;
-      j.dst = (uint8_t*)j.dst + off;
-      j.own = (const uint8_t*)j.own + off;
-      j.scratch = chunk;
-      j.numel = (int64_t)(n / c10::elementSize(j.dtype));
-      rt_.fold(&j, 1, s);
-      folded += n;
-    } else {
-      rt_.copy(dst, chunk, n, s);
-    }
-    rt_.flag_write(peer_flag(peer_slots_ + k), use, s);
-  };
-  // Chunk i of the part's sends, then chunk i of its receives (the order ipc_link.h argues from).
   struct Cursor {
     size_t buf = 0, off = 0;
   } cs, cr;
-  auto next_send = [&](const std::vector<std::pair<const void*, size_t>>& v, Cursor& c) -> bool {
-    while (c.buf < v.size() && c.off >= v[c.buf].second) c.buf++, c.off = 0;
-    if (c.buf == v.size()) return false;
-    const size_t n = std::min(slot_bytes_, v[c.buf].second - c.off);
-    tx((const uint8_t*)v[c.buf].first + c.off, n);
-    c.off += n;
+  auto next_send = [&]() -> bool {
+    const auto& v = p.sends;
+    while (cs.buf < v.size() && cs.off >= v[cs.buf].second) cs.buf++, cs.off = 0;
+    if (cs.buf == v.size()) return false;
+    Step st;
+    st.tx = true;
+    st.src = (const uint8_t*)v[cs.buf].first + cs.off;
+    st.n = std::min(slot_bytes_, v[cs.buf].second - cs.off);
+    cs.off += st.n;
+    steps_.push_back(st);
     return true;
   };
-  auto next_recv = [&](const std::vector<std::pair<void*, size_t>>& v, Cursor& c) -> bool {
-    while (c.buf < v.size() && c.off >= v[c.buf].second) c.buf++, c.off = 0;
-    if (c.buf == v.size()) return false;
-    const size_t n = std::min(peer_slot_bytes_, v[c.buf].second - c.off);
-    rx((uint8_t*)v[c.buf].first + c.off, n, c.off);
-    c.off += n;
+  auto next_recv = [&]() -> bool {
+    const auto& v = p.recvs;
+    while (cr.buf < v.size() && cr.off >= v[cr.buf].second) cr.buf++, cr.off = 0;
+    if (cr.buf == v.size()) return false;
+    Step st;
+    st.n = std::min(peer_slot_bytes_, v[cr.buf].second - cr.off);
+    st.dst = (uint8_t*)v[cr.buf].first + cr.off;
+    if (in_ring) {
+      st.in_ring = true;
+      st.fold = p.ring_fold;
+      st.fold.dst = (uint8_t*)st.fold.dst + cr.off;
+      st.fold.own = (const uint8_t*)st.fold.own + cr.off;
+      st.fold.numel = (int64_t)(st.n / c10::elementSize(st.fold.dtype));
+      folded += st.n;
+    }
+    cr.off += st.n;
+    steps_.push_back(st);
     return true;
   };
+  // Chunk i of the part's sends, then chunk i of its receives (the order ipc_link.h argues from).
+  const size_t before = steps_.size();
   for (;;) {
-    const bool a = next_send(p.sends, cs);
-    const bool b = next_recv(p.recvs, cr);
+    const bool a = next_send();
+    const bool b = next_recv();
     if (!a && !b) break;
   }
-  store(own_flag(tx_enqueued_flag(slots_)), (uint32_t)tx_seq_);
+  steps_added_ += steps_.size() - before;
+  part_ends_.push_back(steps_added_);
   return folded;
+}
+
+size_t IpcLink::pump() {
+  if (!steps_.empty()) {
+    // What the peer has enqueued: its sends of the chunks this side receives, and its receives of
+    // the chunks this side sends.
+    const uint32_t peer_tx = load(theirs_.flags + tx_enqueued_flag(peer_slots_));
+    const uint32_t peer_rx = load(theirs_.flags + rx_enqueued_flag(peer_slots_));
+    const uint64_t tx0 = tx_seq_, rx0 = rx_seq_;
+    while (!steps_.empty()) {
+      const Step& st = steps_.front();
+      if (st.tx) {
+        // Chunk tx_seq_ reuses the slot of chunk tx_seq_ - K, which the peer's receive of that
+        // chunk frees.
+        if (tx_seq_ >= slots_ && !reached(peer_rx, tx_seq_ - slots_ + 1)) break;
+        enqueue_tx(st);
+      } else {
+        if (!reached(peer_tx, rx_seq_ + 1)) break;
+        enqueue_rx(st);
+      }
+      steps_.pop_front();
+      ++steps_done_;
+    }
+    if (tx_seq_ != tx0) store(own_flag(tx_enqueued_flag(slots_)), (uint32_t)tx_seq_);
+    if (rx_seq_ != rx0) store(own_flag(rx_enqueued_flag(slots_)), (uint32_t)rx_seq_);
+  }
+  size_t parts = 0;
+  while (!part_ends_.empty() && part_ends_.front() <= steps_done_) {
+    part_ends_.pop_front();
+    ++parts;
+  }
+  return parts;
+}
+
+void IpcLink::enqueue_tx(const Step& st) {
+  const uint32_t k = (uint32_t)(tx_seq_ % slots_);
+  const uint32_t use = (uint32_t)(tx_seq_ / slots_ + 1);
+  ++tx_seq_;
+  if (use > 1) {
+    rt_.flag_wait(stream_, own_flag(slots_ + k), use - 1);
+    tx_wait_[k] = use - 1;
+  }
+  rt_.copy((uint8_t*)own_.data + (size_t)k * slot_bytes_, st.src, st.n, stream_);
+  rt_.flag_write(own_flag(k), use, stream_);
+}
+
+void IpcLink::enqueue_rx(const Step& st) {
+  const uint32_t k = (uint32_t)(rx_seq_ % peer_slots_);
+  const uint32_t use = (uint32_t)(rx_seq_ / peer_slots_ + 1);
+  ++rx_seq_;
+  if (!skip_rx_waits) {
+    rt_.flag_wait(stream_, peer_flag(k), use);
+    rx_wait_[k] = use;
+  }
+  const uint8_t* chunk = (const uint8_t*)theirs_.data + (size_t)k * peer_slot_bytes_;
+  if (st.in_ring) {
+    FoldJob j = st.fold;
+    j.scratch = chunk;
+    rt_.fold(&j, 1, stream_);
+  } else {
+    rt_.copy(st.dst, chunk, st.n, stream_);
+  }
+  rt_.flag_write(peer_flag(peer_slots_ + k), use, stream_);
 }
 
 void IpcLink::abort() {
@@ -216,7 +267,11 @@ void IpcLink::abort() {
     store(own_flag(owner_ended_flag(slots_)), 1);
   }
   if (peer_token_ != nullptr) store(peer_flag(opener_ended_flag(peer_slots_)), 1);
-  // A released wait leaves the flag at the value it waited for: cyclic-later values stay.
+  steps_.clear();  // never enqueued: their parts fail with the epoch
+  part_ends_.clear();
+  // A released wait leaves the flag at the value it waited for: cyclic-later values stay. The
+  // peer's stream may still write an older value over it (a write it enqueued earlier): the
+  // release is repeated until this side's stream has drained (IpcLinks::poll).
   auto release = [&](uint32_t* f, uint32_t v) {
     if (v == 0) return;
     const uint32_t cur = __atomic_load_n(f, __ATOMIC_ACQUIRE);
@@ -247,11 +302,6 @@ bool IpcLink::peer_ended() const {
 
 bool IpcLink::peer_garbage() const {
   return peer_token_ != nullptr && load(theirs_.flags + garbage_flag(peer_slots_)) != 0;
-}
-
-bool IpcLink::peer_starved() const {
-  return peer_ended() && peer_token_ != nullptr &&
-         (int32_t)((uint32_t)rx_seq_ - load(theirs_.flags + tx_enqueued_flag(peer_slots_))) > 0;
 }
 
 bool IpcLink::peer_done() const {
@@ -291,6 +341,7 @@ bool IpcLinks::poll(const std::function<bool(int)>& peer_alive) {
   for (size_t i = 0; i < closing_.size();) {
     Closing& x = closing_[i];
     if (x.drained && rt_.query(x.drained->ev) != State::kReady) {
+      x.link->abort();  // again: a wait released once may have been set back by the peer's stream
       ++i;
       continue;
     }

@@ -6,14 +6,22 @@
 // A message is cut into the ring's slots. Chunk c of a direction uses slot c % K for the u-th
 // time (u = c / K + 1). The sender's stream waits until the receiver consumed the slot's
 // (u-1)-th use, copies the chunk in and writes filled[slot] = u; the receiver's stream waits for
-// filled[slot] >= u, copies the chunk out and writes consumed[slot] = u. No host handshake: both
-// sides enqueue the parts in the channel's agreed order and number the chunks alike, so a wait
-// may be enqueued before the write it waits for, as NCCL's receives are.
+// filled[slot] >= u, copies the chunk out and writes consumed[slot] = u. Both sides number the
+// chunks alike, taking the parts in the channel's agreed order, send chunk i before receive
+// chunk i within a part.
 //
-// No deadlock: within a part each side enqueues send chunk i, then receive chunk i, for i = 0,
-// 1, ...; parts go in agreed order. A receive chunk waits on the peer's send chunk of the same
-// (part, i), a send chunk on the peer's receive of a chunk K earlier in that direction: every
-// wait points at an earlier place in one order both streams follow.
+// A stream waits only on work already enqueued: a receive chunk's wait goes onto the stream
+// once the peer's host has enqueued the matching send (its counter of sends enqueued, a host
+// word in its block), a send chunk's wait for room once the peer has enqueued the receive that
+// frees the slot; the chunks behind one that may not go yet wait on the host (pump). A wait
+// on a write not yet enqueued would hold the hardware queue it sits in, and so other streams'
+// work behind it in that queue (CUDA_DEVICE_MAX_CONNECTIONS), which can close a cycle across
+// processes; a wait on enqueued work cannot, since that work depends only on work enqueued
+// before it.
+//
+// No deadlock on the hosts either: a chunk held back waits for the peer to enqueue a chunk
+// that comes earlier in the one order both sides follow (the peer's send of the same chunk, or
+// its receive of the chunk K earlier in this direction), and the peer enqueues in that order.
 //
 // One link per channel epoch, made by the leader at its first proposal (its handle rides on the
 // proposal as the communicator id does) and by the follower when that arrives (its handle goes
@@ -22,11 +30,12 @@
 // completes. Chunks this side had written stay good (a sender may finish and end its side before
 // the receiver read them); but a released send that still waited for room overwrites chunks the
 // peer has not read, so that is flagged first, and the peer trusts no receive it sees complete
-// after seeing the flag. A receive whose send the peer never enqueued before ending fails at once.
+// after seeing the flag. Chunks held back for a peer that ended its side fail their parts at once.
 // The peer's ring is unmapped once this side's stream has drained; this side's ring is freed
 // once the peer unmapped it, is gone, or never mapped it.
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <unordered_map>
@@ -68,10 +77,16 @@ class IpcLink {
   uint32_t epoch() const { return epoch_; }
   size_t ring_bytes() const { return slots_ * slot_bytes_; }
 
-  // Enqueues the part's transfers on `s` (every part of the link on the same stream). Returns
-  // the bytes it folded straight from the peer's ring (Part::fold_in_ring; both rings cut
-  // alike, so each folded chunk was sent from here before): the op's own fold is then done.
-  size_t enqueue(const Part& p, Stream s);
+  // Takes the part's transfers, cut into chunks, to go onto `s` (every part of the link on the
+  // same stream) in order, as pump() lets them. Returns the bytes it will fold straight from the
+  // peer's ring (Part::fold_in_ring; both rings cut alike, so each folded chunk was sent from
+  // here before): the op's own fold is then done.
+  size_t add(const Part& p, Stream s);
+  // Enqueues the chunks that may go now (see above); returns how many of the parts added are
+  // now wholly on the stream, counting on from the last call, in the order they were added.
+  size_t pump();
+  // Chunks added and not enqueued yet.
+  bool pending() const { return !steps_.empty(); }
   Stream stream() const { return stream_; }
   // Tells the peer the link ended, then releases every wait this side enqueued; safe to repeat.
   void abort();
@@ -80,8 +95,6 @@ class IpcLink {
   // ... releasing a send that waited for room: a receive seen complete from now on may hold
   // garbage.
   bool peer_garbage() const;
-  // ... before enqueueing sends that receives enqueued here wait for: they never complete.
-  bool peer_starved() const;
   // Once nothing runs on the link here: unmaps the peer's ring (telling the peer).
   void close_peer();
   // Whether the peer unmapped this side's ring (or never mapped it).
@@ -91,6 +104,18 @@ class IpcLink {
   bool skip_rx_waits = false;  // test hook: the receive copies wait for nothing
 
  private:
+  // One chunk to enqueue: a send from `src`, or a receive into `dst` (or folded from the ring
+  // when `in_ring`: `fold` with its own and destination offsets applied).
+  struct Step {
+    bool tx = false;
+    bool in_ring = false;
+    const uint8_t* src = nullptr;
+    uint8_t* dst = nullptr;
+    size_t n = 0;
+    FoldJob fold{};
+  };
+  void enqueue_tx(const Step& st);
+  void enqueue_rx(const Step& st);
   void make_own(bool host, uint16_t flags);
   uint32_t* own_flag(size_t i) const { return own_.flags + i; }
   uint32_t* peer_flag(size_t i) const { return theirs_.flags + i; }
@@ -107,7 +132,10 @@ class IpcLink {
   Runtime::IpcBlock theirs_;
   uint32_t peer_slots_ = 0;
   size_t peer_slot_bytes_ = 0;
-  uint64_t tx_seq_ = 0, rx_seq_ = 0;
+  uint64_t tx_seq_ = 0, rx_seq_ = 0;  // chunks enqueued, per direction
+  std::deque<Step> steps_;             // added, not enqueued yet, in order
+  std::deque<uint64_t> part_ends_;     // per part added and not wholly enqueued: its last step's number + 1
+  uint64_t steps_added_ = 0, steps_done_ = 0;
   std::vector<uint32_t> tx_wait_, rx_wait_;  // the last value waited on, per flag (0: none)
   Stream stream_ = nullptr;
   UniqueId id_;
