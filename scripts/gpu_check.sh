@@ -205,8 +205,8 @@ if [ "$BUILT" = 1 ]; then
   # and the CPU-only MWE last.
   step test "smoke: pair/triple/quad all_reduce on NCCL channels (FASTCOMM_DEVICE_IPC=0)" 60 \
     "$RUN; FASTCOMM_DEVICE_IPC=0 $PYTEST -k all_reduce_pairs_triples"
-  step test "smoke: the same over CUDA IPC links (FASTCOMM_DEVICE_IPC=1)" 60 \
-    "$RUN; FASTCOMM_DEVICE_IPC=1 $PYTEST -k all_reduce_pairs_triples"
+  step test "smoke: the same over CUDA IPC links (FASTCOMM_DEVICE_IPC=1), every process's streams on one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1)" 60 \
+    "$RUN; FASTCOMM_DEVICE_IPC=1 CUDA_DEVICE_MAX_CONNECTIONS=1 $PYTEST -k all_reduce_pairs_triples"
   step bench "benchmarks/device_streams.py: run-ahead, host cost and back-to-back vs torch NCCL, memory over 10,000 pair groups" 90 \
     "$RUN; '$PY' '$ROOT/benchmarks/device_streams.py' --world 4 --ops 1000 --groups 10000 --json '$REPORT_DIR/device_streams.json'"
   step bench "benchmarks/device_ipc.py: same-host channels over CUDA IPC vs torch NCCL, 1 and 8 pairs on one GPU (400 B back to back, the MWE shape, 16 MB vs a D2D copy, memory)" 90 \

@@ -101,6 +101,9 @@ Comm CudaRuntime::open_pair(const ncclUniqueId& uid, int rank) {
     std::string error;
     try {
       c10::cuda::CUDAGuard g(d);
+      // NCCL's init syncs its streams: that must not break a capture of the user's.
+      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+      FASTCOMM_GPU_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
       ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
       config.blocking = 1;
       config.maxCTAs = kCommMaxCTAs;
@@ -188,6 +191,17 @@ State CudaRuntime::comm_state(Comm c, std::string* why) {
   return State::kFailed;
 }
 
+namespace {
+// Clears CommBox::ending when the call that ends the communicator returns or throws.
+struct EndingScope {
+  CommBox& b;
+  ~EndingScope() {
+    std::lock_guard<std::mutex> lk(b.mu);
+    b.ending = false;
+  }
+};
+}  // namespace
+
 void CudaRuntime::comm_abort(Comm c) {
   auto box = box_of(c);
   ncclComm_t comm;
@@ -201,12 +215,14 @@ void CudaRuntime::comm_abort(Comm c) {
     }
     if (box->comm == nullptr) return;
     comm = box->comm;
-    box->comm = nullptr;  // pollers now take it as done, and never touch the freed comm
+    box->comm = nullptr;  // pollers never touch the freed comm; quiet() once it has ended
     box->aborted = true;
+    box->ending = true;
   }
   {
     // Sets NCCL's abort flags (its kernels on our streams exit, so the streams drain), joins
     // its enqueue thread and frees the communicator.
+    EndingScope ended{*box};
     c10::cuda::CUDAGuard g(dev());
     FASTCOMM_GPU_CHECK(ncclCommAbort(comm));
   }
@@ -236,8 +252,10 @@ void CudaRuntime::comm_destroy(Comm c) {
     comm = box->comm;
     box->comm = nullptr;
     box->aborted = true;
+    box->ending = comm != nullptr;
   }
   if (comm != nullptr) {
+    EndingScope ended{*box};
     c10::cuda::CUDAGuard g(dev());
     if (clean) clean = finalize(comm, deadline);
     if (clean) {
@@ -432,7 +450,7 @@ void CudaRuntime::add_pending(std::vector<std::shared_ptr<CommBox>> comms, std::
 // Whether NCCL has no job in flight on the communicator (done, failed or aborted).
 bool CudaRuntime::quiet(CommBox& b) {
   std::lock_guard<std::mutex> lk(b.mu);
-  if (b.comm == nullptr) return true;
+  if (b.comm == nullptr) return !b.ending;
   ncclResult_t st = ncclSuccess;
   FASTCOMM_GPU_CHECK_COMM(ncclCommGetAsyncError(b.comm, &st), b.comm);  // also joins NCCL's finished job
   return st != ncclInProgress;

@@ -107,7 +107,19 @@ bool ipc_supported(int device) {
     (void)cudaGetLastError();
     return false;
   }
-  return same_address == 1;
+  if (same_address != 1) return false;
+  // What the links need, tried once: some platforms (WSL, containers without the IPC namespace)
+  // refuse cudaIpcGetMemHandle or registering shared pages, and the channels then stay on NCCL.
+  try {
+    IpcHandle h;
+    IpcBlock b;
+    ipc_close(device, ipc_create(device, 256, 4, &h, &b, /*host=*/false));
+  } catch (const std::exception& e) {
+    (void)cudaGetLastError();
+    TORCH_WARN("fastcomm: same-host device channels over CUDA IPC are off (device channels use NCCL): ", e.what());
+    return false;
+  }
+  return true;
 }
 
 bool ipc_readable(int device, const IpcHandle& h) {

@@ -236,6 +236,9 @@ State CudaRuntime::query(Event e) {
     if (it != event_pending_.end()) p = it->second;
   }
   if (p && !try_settle(p)) return State::kPending;
+  // On this runtime's device: a thread with none set (a plan graph's watcher) would otherwise
+  // make a context on device 0 at its first CUDA call.
+  c10::cuda::CUDAGuard g(dev());
   const cudaError_t r = cudaEventQuery(ce(e));
   if (r == cudaErrorNotReady) {
     (void)cudaGetLastError();
@@ -247,6 +250,7 @@ State CudaRuntime::query(Event e) {
 
 void CudaRuntime::synchronize(Event e) {
   settle_event(ce(e), "synchronize");
+  c10::cuda::CUDAGuard g(dev());  // as in query()
   FASTCOMM_GPU_CHECK(cudaEventSynchronize(ce(e)));
 }
 

@@ -46,6 +46,9 @@ struct CommBox : std::enable_shared_from_this<CommBox> {
   std::mutex mu;                     // orders polls (ncclCommGetAsyncError) with abort and destroy
   ncclComm_t comm = nullptr;         // under mu; null once aborted or destroyed (or still opening)
   bool aborted = false;              // under mu
+  // Under mu: inside ncclCommAbort/Finalize/Destroy, which first join NCCL's enqueue thread: until
+  // it returns, a launch NCCL was still enqueueing may not be on its stream yet (quiet()).
+  bool ending = false;
   int nranks = 0;                    // fixed at init: a non-blocking communicator in progress takes no query
   std::shared_ptr<Pending> pending;  // under the runtime's mu_
   // A blocking-mode pair communicator (launches enqueue on the calling thread, no NCCL thread):

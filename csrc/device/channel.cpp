@@ -33,22 +33,22 @@ void ChannelEngine::end_comm(Comm c, bool abort) {
     ipc_->end(c, l->stream() != nullptr ? events_->record(l->stream()) : nullptr);
     return;
   }
-  if (abort) {
-    // Nothing here touches `c` again, so the abort may run on another thread.
-    Runtime* rt = rt_.get();
-    aborter_.push([rt, c] {
-      try {
-        rt->comm_abort(c);
-        rt->comm_destroy(c);
-      } catch (const std::exception&) {
-      }
-    });
-    return;
-  }
-  try {
-    rt_->comm_destroy(c);
-  } catch (const std::exception&) {
-  }
+  retire_comm(c, abort);
+}
+
+// Off the engine thread: an abort can block for seconds, and so can a destroy (NCCL's finalize
+// waits for the communicator's work; freeing its memory may wait for the device's). Nothing
+// here touches `c` again.
+void ChannelEngine::retire_comm(Comm c, bool abort) {
+  Runtime* rt = rt_.get();
+  aborter_.push([rt, c, abort] {
+    try {
+      rt->relax_capture_mode();  // NCCL syncs its streams: that must not break a user's capture
+      if (abort) rt->comm_abort(c);
+      rt->comm_destroy(c);
+    } catch (const std::exception&) {
+    }
+  });
 }
 
 void ChannelEngine::release_idle(Clock::time_point now) {

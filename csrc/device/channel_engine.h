@@ -222,6 +222,8 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   // Channel communicators made and ended here, counted (debug "live_comms").
   Comm new_comm(const UniqueId& id, int nranks, int rank);
   void end_comm(Comm c, bool abort);
+  // A communicator (a channel's or a group's) aborted if asked, then destroyed, on the aborter.
+  void retire_comm(Comm c, bool abort);
   // Idle channels' communicators released: past FASTCOMM_DEVICE_IDLE_MS, or the oldest idle
   // ones past FASTCOMM_DEVICE_MAX_COMMS (leaders only, device/agreement.h).
   void release_idle(Clock::time_point now);

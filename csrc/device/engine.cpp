@@ -14,8 +14,9 @@ ChannelEngine::ChannelEngine(const EngineOptions& opts, HostLink& host, std::uni
       single_(opts.settings.device_single_stream),
       host_(host),
       rt_(std::move(rt)),
-      ipc_on_(!single_ && rt_->ipc_supported() &&
-              (opts.settings.device_ipc == 1 || (opts.settings.device_ipc < 0 && std::string(rt_->name()) != "fake"))),
+      ipc_on_(!single_ &&
+              (opts.settings.device_ipc == 1 || (opts.settings.device_ipc < 0 && std::string(rt_->name()) != "fake")) &&
+              rt_->ipc_supported()),  // last: on CUDA it tries a link's calls once
       ipc_ring_bytes_(opts.settings.device_ipc_ring_bytes),
       ipc_group_max_(opts.settings.device_ipc_group_max),
       host_of_(opts.host_of),
@@ -25,6 +26,7 @@ ChannelEngine::ChannelEngine(const EngineOptions& opts, HostLink& host, std::uni
       group_comm_bytes_(opts.settings.rsag_threshold) {
   events_ = std::make_shared<EventPool>(*rt_);
   ipc_ = std::make_unique<IpcLinks>(*rt_);
+  ipc_->set_offload([this](std::function<void()> f) { aborter_.push(std::move(f)); });
   alloc_ = rt_->new_stream();
   if (single_) shared_ = rt_->new_stream();
   thread_ = std::thread([this] { main(); });

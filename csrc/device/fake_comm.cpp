@@ -255,6 +255,29 @@ void run_ops(std::vector<Op>& ops) {
       if (!op.dead && !op.comm->wait_ack(s)) op.dead = true;
 }
 
+void CommImpl::add_graph_ref() {
+  std::lock_guard<std::mutex> lk(refs_mu_);
+  ++graph_refs_;
+}
+
+void CommImpl::drop_graph_ref() {
+  {
+    std::lock_guard<std::mutex> lk(refs_mu_);
+    --graph_refs_;
+  }
+  refs_cv_.notify_all();
+}
+
+void CommImpl::wait_graph_refs() {
+  std::unique_lock<std::mutex> lk(refs_mu_);
+  refs_cv_.wait(lk, [&] { return graph_refs_ == 0; });
+}
+
+int64_t CommImpl::graph_refs() {
+  std::lock_guard<std::mutex> lk(refs_mu_);
+  return graph_refs_;
+}
+
 }  // namespace fake
 }  // namespace device
 }  // namespace fastcomm

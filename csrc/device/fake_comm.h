@@ -120,6 +120,13 @@ class CommImpl {
   // Ends the communicator's work: what waits on it completes without moving data. Any thread.
   void abort();
 
+  // CUDA graphs holding work of this communicator (NCCL's persistent references): counted while
+  // such a graph lives; NCCL's abort and destroy block until none is left.
+  void add_graph_ref();
+  void drop_graph_ref();
+  void wait_graph_refs();
+  int64_t graph_refs();
+
   bool aborted();
 
   // abort() and the progress thread joined; the sockets close with the last reference (work
@@ -139,6 +146,10 @@ class CommImpl {
   bool wait_ack(const SendPart& s);
 
  private:
+  std::mutex refs_mu_;
+  std::condition_variable refs_cv_;
+  int64_t graph_refs_ = 0;
+
   // Waits (not spinning) until pred() or abort; true for pred().
   template <typename Pred>
   bool hold(std::unique_lock<std::mutex>& lk, Pred pred) {

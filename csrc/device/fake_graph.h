@@ -17,6 +17,7 @@ namespace fake {
 // the records and waits of one replay order only that replay. Launches of one graph run one at a
 // time, in launch order.
 struct FakeGraph {
+  std::vector<std::shared_ptr<void>> refs;  // released with the graph (GraphBuild::refs)
   std::vector<std::vector<GraphNode>> lanes;
   int slots = 0;
   std::vector<std::unique_ptr<StreamCore>> workers;  // lanes 1..
@@ -165,6 +166,7 @@ inline std::shared_ptr<FakeGraph> finish_capture(const std::shared_ptr<StreamCor
   auto g = std::make_shared<FakeGraph>();
   g->lanes = std::move(b->lanes);
   g->slots = b->slots;
+  g->refs = std::move(b->refs);
   for (size_t i = 1; i < n; ++i) g->workers.emplace_back(new StreamCore(false));
   return g;
 }

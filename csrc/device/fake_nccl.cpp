@@ -65,6 +65,9 @@ void FakeRuntime::comm_abort(Comm c) {
   }
   if (hold) hold->wait();  // a slow, blocking abort (debug "abort_hold")
   comm->abort();
+  // NCCL's abort returns only once no CUDA graph holds work of the communicator (its kernels
+  // return at once: the abort flag is set first).
+  comm->wait_graph_refs();
 }
 
 void FakeRuntime::comm_destroy(Comm c) {
@@ -76,6 +79,7 @@ void FakeRuntime::comm_destroy(Comm c) {
     comm = std::move(it->second);
     comms_.erase(it);
   }
+  comm->wait_graph_refs();  // as NCCL's finalize and destroy do (see comm_abort)
   comm->shutdown();
 }
 
@@ -290,7 +294,19 @@ void FakeRuntime::launch(StreamCore& st, std::vector<Op> ops) {
     for (const auto& t : *shared) now.push_back(replica(t));
     run_ops(now);
   };
-  if (capture_task(&st, replay)) return;
+  if (capture_task(&st, replay)) {
+    // The graph holds a reference on each communicator it captured work of (NCCL's persistent
+    // references), dropped when the graph is destroyed.
+    std::vector<std::shared_ptr<CommImpl>> seen;
+    for (const auto& op : *shared) {
+      if (std::find(seen.begin(), seen.end(), op.comm) != seen.end()) continue;
+      seen.push_back(op.comm);
+      op.comm->add_graph_ref();
+      std::shared_ptr<CommImpl> c = op.comm;
+      capture_hold(&st, std::shared_ptr<void>(nullptr, [c](void*) { c->drop_graph_ref(); }));
+    }
+    return;
+  }
   if (st.host) {
     run_on(st, [shared] { run_ops(*shared); });
     return;

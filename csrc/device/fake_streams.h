@@ -84,6 +84,7 @@ struct GraphNode {
   int slot = -1;               // kRecord, kWait
 };
 struct GraphBuild {
+  std::vector<std::shared_ptr<void>> refs;  // held by the graph for its life (capture_hold)
   bool global = false;   // the global mode (else thread-local)
   std::thread::id owner;  // the thread that began the capture
   bool invalidated = false;
@@ -136,6 +137,14 @@ inline bool capture_task(const void* s, std::function<void()>& f) {
   if (lane < 0) return false;
   c.build->lanes[(size_t)lane].push_back({GraphNode::kTask, std::move(f), -1});
   return true;
+}
+
+// Makes the graph being captured on `s` hold `ref` for as long as it lives (the graph, or the
+// capture if it never becomes one).
+inline void capture_hold(const void* s, std::shared_ptr<void> ref) {
+  Capture& c = capture();
+  std::lock_guard<std::mutex> lk(c.mu);
+  if (c.lane_of(s) >= 0) c.build->refs.push_back(std::move(ref));
 }
 
 // ------------------------------------------------------------------------------------------

@@ -484,13 +484,43 @@ void PlanGraph::check_locked(Check how, std::chrono::milliseconds timeout, Event
 void PlanGraph::fail_locked(const std::string& why) {
   broken_ = comm_error_ptr("fastcomm.plan graph: rank " + std::to_string(rank_) + ", groups " + label_ + ": " + why +
                            "; the graph is dead (capture the plan again)");
-  for (auto& q : pairs_) {
+  // The graph goes first (a launch in flight keeps it until it ends): NCCL's abort returns only
+  // once no graph holds work of the communicator.
+  if (graph_) {
     try {
-      if (q.comm) rt_.comm_abort(q.comm);  // the runs in flight return without moving data
+      rt_.graph_destroy(graph_);
     } catch (...) {
     }
+    graph_ = nullptr;
   }
+  abort_comms();  // the runs in flight return without moving data
   std::rethrow_exception(broken_);
+}
+
+void PlanGraph::abort_comms() {
+  std::vector<Comm> comms;
+  for (auto& q : pairs_) {
+    if (q.comm) comms.push_back(q.comm);
+    q.comm = nullptr;
+  }
+  if (comms.empty()) return;
+  // On a thread of its own, never joined: NCCL's abort stops the kernels at once but returns
+  // only once every graph holding their work is destroyed, and a user's graph that recorded a
+  // replay may outlive the plan. The thread keeps the runtime alive (owner_) until then.
+  Runtime* rt = &rt_;
+  std::thread([owner = owner_, rt, comms] {
+    try {
+      rt->relax_capture_mode();  // NCCL syncs its streams: that must not break a user's capture
+    } catch (...) {
+    }
+    for (Comm c : comms) {
+      try {
+        rt->comm_abort(c);
+        rt->comm_destroy(c);
+      } catch (...) {
+      }
+    }
+  }).detach();
 }
 
 void PlanGraph::abort(const std::string& why) {
@@ -539,6 +569,9 @@ void PlanGraph::release() {
   open_capture_ = false;
   if (graph_) quietly([&] { rt_.graph_destroy(graph_); });
   graph_ = nullptr;
+  // A user's graph that recorded a replay holds work of the communicators, and NCCL destroys
+  // them only once it is gone: those are aborted on a thread that waits for it.
+  if (recorded_ > 0) abort_comms();
   for (auto& q : pairs_) {
     if (q.comm) quietly([&] { rt_.comm_destroy(q.comm); });
     if (q.stream) quietly([&] { rt_.destroy_stream(q.stream); });

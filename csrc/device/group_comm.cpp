@@ -21,21 +21,7 @@ void ChannelEngine::end_group_comm(GroupComm& g, bool abort) {
   g.id_sent = false;
   if (comm == nullptr) return;
   --group_comms_;
-  if (!abort) {
-    try {
-      rt_->comm_destroy(comm);
-    } catch (const std::exception&) {
-    }
-    return;
-  }
-  Runtime* rt = rt_.get();
-  aborter_.push([rt, comm] {
-    try {
-      rt->comm_abort(comm);
-      rt->comm_destroy(comm);
-    } catch (const std::exception&) {
-    }
-  });
+  retire_comm(comm, abort);
 }
 
 void ChannelEngine::release_idle_groups(Clock::time_point now) {

@@ -98,10 +98,12 @@ bool ChannelEngine::launch_ipc(Channel& c, IpcLink& l) {
   }
   // Read before the peer's counters (pump): an end seen here comes after its last enqueue.
   const bool ended = l.peer_ended();
+  const size_t held = l.held();
   if (const size_t n = l.pump()) {
     on_stream(c, n);
     moved = true;
   }
+  moved = moved || l.held() != held;  // chunks went: the peer is moving, keep looking
   if (l.pending() && ended)
     throw_comm_error("fastcomm: rank " + std::to_string(rank_) + ": the channel to rank " + std::to_string(c.peer) +
                      " failed: rank " + std::to_string(c.peer) + " ended its side of the link");

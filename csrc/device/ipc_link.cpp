@@ -354,6 +354,10 @@ bool IpcLinks::poll(const std::function<bool(int)>& peer_alive) {
       continue;
     }
     gone(*x.link);
+    if (offload_) {
+      std::shared_ptr<IpcLink> l(std::move(x.link));
+      offload_([l]() mutable { l.reset(); });  // its destructor frees the ring, on that thread
+    }
     closing_.erase(closing_.begin() + (long)i);
   }
   return !closing_.empty();

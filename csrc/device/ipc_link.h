@@ -87,6 +87,7 @@ class IpcLink {
   size_t pump();
   // Chunks added and not enqueued yet.
   bool pending() const { return !steps_.empty(); }
+  size_t held() const { return steps_.size(); }
   Stream stream() const { return stream_; }
   // Tells the peer the link ended, then releases every wait this side enqueued; safe to repeat.
   void abort();
@@ -146,6 +147,9 @@ class IpcLink {
 class IpcLinks {
  public:
   explicit IpcLinks(Runtime& rt) : rt_(rt) {}
+  // Where poll() sends the last release of an ended link's memory (a cudaFree may wait for the
+  // whole device): a function that runs its argument on another thread. Unset: in poll().
+  void set_offload(std::function<void(std::function<void()>)> f) { offload_ = std::move(f); }
   Comm add(std::unique_ptr<IpcLink> l);
   IpcLink* find(Comm c) const {
     if (c == nullptr || live_.empty()) return nullptr;
@@ -178,6 +182,7 @@ class IpcLinks {
     bool peer_closed = false;
   };
   Runtime& rt_;
+  std::function<void(std::function<void()>)> offload_;
   std::unordered_map<Comm, std::unique_ptr<IpcLink>> live_;
   std::vector<Closing> closing_;
   std::atomic<int64_t> blocks_{0}, made_{0}, bytes_{0}, host_rings_{0};

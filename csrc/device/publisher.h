@@ -63,9 +63,10 @@ class Publisher {
   bool stop_ = false;
 };
 
-// Runs communicator aborts off the engine thread: an abort can block for seconds (NCCL's
-// ncclCommAbort), and the engine thread drives every other channel meanwhile. Each abort gets a
-// thread of its own, so a teardown's aborts run side by side; stop() joins them.
+// Runs communicator aborts and destroys, and the release of ended IPC links' memory, off the
+// engine thread: each can block for seconds (NCCL's ncclCommAbort and finalize; a cudaFree waits
+// for the device), and the engine thread drives every other channel meanwhile. Each job gets a
+// thread of its own, so a teardown's run side by side; stop() joins them.
 class Aborter {
  public:
   ~Aborter() { stop(); }
