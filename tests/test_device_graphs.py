@@ -80,6 +80,42 @@ def test_many_pair_all_reduces_replay_back_to_back():
     assert harness.run(_pairs_body, 2, 64, 20, timeout=120, env=ENV, init_timeout=30) == [20, 20]
 
 
+def _fused_body(rank, world):
+    """Pair ops captured together go as one NCCL group (one kernel per replay) where their memory
+    is disjoint; an op that reads what an earlier one writes (the same tensor again) starts a new
+    group, so it sees the earlier op's result."""
+    setup(rank)
+    pair, other = fc.new_groups([[0, 1], [0, 1]])
+    launches = lambda: fc._state._engine.device_debug("cpu", "captured_launches", 0)  # noqa: E731
+    out = []
+    for kind in ("disjoint", "chained"):
+        ts = [torch.zeros(5 + i, device=DEV) for i in range(8)]
+        with fc.plan() as p:
+            for i, t in enumerate(ts):
+                fc.all_reduce(t, group=pair if i % 2 else other)
+                if kind == "chained" and i == 3:
+                    fc.all_reduce(t, group=pair)  # t again: after the first op's fold
+        before = launches()
+        g = p.capture()
+        captured = launches() - before
+        for i, t in enumerate(ts):
+            t.fill_(float(rank + 1 + i))
+        g.replay()
+        g.wait()
+        dsync()
+        for i, t in enumerate(ts):
+            want = float(3 + 2 * i) * (2 if kind == "chained" and i == 3 else 1)
+            assert t.tolist() == [want] * t.numel(), (kind, i, t.tolist(), want)
+        out.append((kind, captured))
+    return out
+
+
+@fake_only
+def test_pair_ops_captured_together_go_as_one_nccl_group():
+    for r in harness.run(_fused_body, 2, timeout=120, env=ENV, init_timeout=30):
+        assert r == [("disjoint", 1), ("chained", 2)], r
+
+
 LARGE = [[0, 1, 2], [1, 2, 3], [0, 1, 2, 3]]
 
 

@@ -96,6 +96,7 @@ int64_t FakeRuntime::debug(const std::string& what, int64_t arg) {
     return 0;
   }
   if (what == "launch_threads") return launch_threads_.load();
+  if (what == "captured_launches") return captured_launches_.load();
   if (what == "enqueue_us") {
     enqueue_us_ = arg;
     return 0;

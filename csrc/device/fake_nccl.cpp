@@ -295,6 +295,7 @@ void FakeRuntime::launch(StreamCore& st, std::vector<Op> ops) {
     run_ops(now);
   };
   if (capture_task(&st, replay)) {
+    ++captured_launches_;
     // The graph holds a reference on each communicator it captured work of (NCCL's persistent
     // references), dropped when the graph is destroyed.
     std::vector<std::shared_ptr<CommImpl>> seen;

@@ -134,6 +134,7 @@ class FakeRuntime final : public Runtime {
   const std::shared_ptr<StreamCore> caller_;
   std::atomic<int64_t> enqueue_us_{kEnqueueMicros};
   std::atomic<int64_t> launch_threads_{0};  // threads non-blocking launches started (debug "launch_threads")
+  std::atomic<int64_t> captured_launches_{0};  // communicator launches kept by captures (debug "captured_launches")
   const bool blocking_pairs_;
   bool launches_inline(const CommImpl& c) const { return blocking_pairs_ && c.nranks() == 2; }
   const std::shared_ptr<Residency> residency_ = std::make_shared<Residency>();
