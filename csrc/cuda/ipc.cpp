@@ -236,12 +236,20 @@ void ipc_close(int device, void* token) {
     // The data is in the segment, unmapped below.
   } else if (k->creator) {
     FASTCOMM_GPU_WARN(cudaFree(k->data));
-  } else {
+  } else if (k->data != nullptr) {  // (unless ipc_close_data did)
     FASTCOMM_GPU_WARN(cudaIpcCloseMemHandle(k->data));
   }
   FASTCOMM_GPU_WARN(cudaHostUnregister(k->flags));
   munmap(k->flags, k->flags_size);
   if (k->creator) shm_unlink(k->name.c_str());  // never opened: the name is still there
+}
+
+void ipc_close_data(int device, void* token) {
+  auto* k = static_cast<Block*>(token);
+  if (k == nullptr || k->creator || k->host || k->data == nullptr) return;
+  c10::cuda::CUDAGuard g((c10::DeviceIndex)device);
+  FASTCOMM_GPU_WARN(cudaIpcCloseMemHandle(k->data));
+  k->data = nullptr;
 }
 
 void flag_write(uint32_t* flag, uint32_t value, cudaStream_t s) {

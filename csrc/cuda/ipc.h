@@ -29,6 +29,8 @@ void* ipc_create(int device, size_t bytes, int nflags, IpcHandle* h, IpcBlock* b
 bool ipc_readable(int device, const IpcHandle& h);
 void* ipc_open(int device, const IpcHandle& h, IpcBlock* b);
 void ipc_close(int device, void* token);
+// An opened device block's memory handle closed, its flags still mapped (Runtime::ipc_close_data).
+void ipc_close_data(int device, void* token);
 void flag_write(uint32_t* flag, uint32_t value, cudaStream_t s);
 void flag_wait(cudaStream_t s, const uint32_t* flag, uint32_t value);
 

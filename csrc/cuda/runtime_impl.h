@@ -130,6 +130,7 @@ class CudaRuntime final : public Runtime {
   bool ipc_readable(const IpcHandle& h) override;
   void* ipc_open(const IpcHandle& h, IpcBlock* b) override;
   void ipc_close(void* token) override;
+  void ipc_close_data(void* token) override;
   void flag_write(uint32_t* flag, uint32_t value, Stream s) override;
   void flag_wait(Stream s, const uint32_t* flag, uint32_t value) override;
   void flag_set(uint32_t* flag, uint32_t value) override;

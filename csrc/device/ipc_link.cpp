@@ -285,6 +285,7 @@ void IpcLink::abort() {
 
 void IpcLink::close_peer() {
   if (peer_token_ == nullptr) return;
+  rt_.ipc_close_data(peer_token_);  // first: the owner frees its ring once it sees the flag
   rt_.flag_set(peer_flag(closed_flag(peer_slots_)), 1);
   rt_.ipc_close(peer_token_);
   peer_token_ = nullptr;

@@ -147,6 +147,10 @@ class Runtime {
   // Unmaps an opened block, frees a created one. Nothing may run on it any more, and a created
   // block's openers must have closed theirs (or be gone).
   virtual void ipc_close(void* token);
+  // Unmaps an opened block's data only, its flags staying mapped: the owner frees the data once
+  // a flag says so, which must come after the unmap (freeing before the opener's close is
+  // undefined on CUDA). Where both are one mapping (the fake), ipc_close does it all.
+  virtual void ipc_close_data(void*) {}
   // On `s`, after the work before it (whose writes it makes visible first): *flag = value.
   virtual void flag_write(uint32_t* flag, uint32_t value, Stream s);
   // `s` waits until (int32_t)(*flag - value) >= 0 (cyclic, as CU_STREAM_WAIT_VALUE_GEQ).
