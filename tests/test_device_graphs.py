@@ -361,3 +361,33 @@ def test_the_graph_benchmark_runs_on_the_fake(tmp_path):
     ranks = json.loads(out.read_text())
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(r["fc_graph_ok"] and r["fc_plan_ok"] for r in ranks), ranks
+
+
+def _relay_body(rank, world, replays):
+    """A group of 3 whose ops each touch one pair on rank 1: broadcast from 0 (rank 1 receives
+    on pair (0, 1)), then reduce to 2 (rank 1 sends on pair (1, 2)): rank 1's send must carry
+    what it received, though the two ops are on different pairs (fused batches keep the group's
+    order across pairs)."""
+    setup(rank)
+    g = fc.new_group([0, 1, 2])
+    t = torch.zeros(1 << 12, device=DEV)
+    with fc.plan() as p:
+        fc.broadcast(t, src=0, group=g)
+        fc.reduce(t, dst=2, group=g)
+    gr = p.capture()
+    bad = []
+    for r in range(replays):
+        t.fill_(float(100 + r) if rank == 0 else -1.0)
+        dsync()
+        gr.replay()
+        gr.wait()
+        dsync()
+        want = 3.0 * (100 + r)
+        if rank == 2 and (t[0].item() != want or t[-1].item() != want):
+            bad.append((r, t[0].item(), t[-1].item(), want))
+    return bad
+
+
+def test_a_groups_ops_on_different_pairs_keep_their_order_in_the_graph():
+    res = harness.run(_relay_body, 3, 10, timeout=120, env=ENV, init_timeout=30)
+    assert all(not b for b in res), res

@@ -252,7 +252,7 @@ void CudaRuntime::comm_destroy(Comm c) {
     comm = box->comm;
     box->comm = nullptr;
     box->aborted = true;
-    box->ending = comm != nullptr;
+    if (comm != nullptr) box->ending = true;  // (never cleared here: an abort may be under way)
   }
   if (comm != nullptr) {
     EndingScope ended{*box};

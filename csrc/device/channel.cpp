@@ -257,7 +257,10 @@ void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
   } else if (h.has_id && f.type == kPropose && !c.leader && f.epoch >= c.agree.epoch()) {
     // The pair's communicator for this epoch, made at its first proposal. The leader sends an
     // id only with a new communicator: one still held here is done with (what runs on it ends).
-    if (c.comm != nullptr) c.retired.push_back(c.comm);
+    if (c.comm != nullptr) {
+      drain_link(c);
+      c.retired.push_back(c.comm);
+    }
     c.id = id;
     c.comm = IpcLink::is_ipc(id) ? new_link(c, &id) : new_comm(c.id, 2, 1);
     if (c.stream == nullptr) c.stream = rt_->new_stream();
@@ -272,6 +275,7 @@ void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
   c.agree.receive(f, out);
   if (out.released && c.comm != nullptr) {
     // What already runs on it finishes first (pump destroys it then).
+    drain_link(c);
     c.retired.push_back(c.comm);
     c.comm = nullptr;
     c.id_sent = false;

@@ -239,6 +239,7 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   // Sets c.id to this side's id, to go to the peer.
   Comm new_link(Channel& c, const UniqueId* leader_id);
   bool launch_ipc(Channel& c, IpcLink& l);
+  void drain_link(Channel& c);  // before its IPC link is retired (ipc_channel.cpp)
   // The follower's id reached the leader: maps its ring, first moving this side's to host
   // memory (and sending it again) where the follower asks; the follower maps the moved one.
   void leader_opens(Channel& c, IpcLink& l, const UniqueId& id);

@@ -137,7 +137,11 @@ inline std::shared_ptr<FakeGraph> finish_capture(const std::shared_ptr<StreamCor
     b = std::move(c.build);
     c.active = 0;
   }
-  if (b->invalidated) call_error("end_capture", "the capture was invalidated (" + b->why + ")");
+  // A refused capture makes no graph: what it held goes now (events recorded in it keep the build).
+  if (b->invalidated) {
+    b->refs.clear();
+    call_error("end_capture", "the capture was invalidated (" + b->why + ")");
+  }
   // Every stream that joined must be joined back: its last node a record that a joined
   // lane waits on (cudaErrorStreamCaptureUnjoined).
   const size_t n = b->lanes.size();
@@ -160,9 +164,11 @@ inline std::shared_ptr<FakeGraph> finish_capture(const std::shared_ptr<StreamCor
     }
   }
   for (size_t i = 1; i < n; ++i)
-    if (!joined[i])
+    if (!joined[i]) {
+      b->refs.clear();
       call_error("end_capture", "a stream that joined the capture has work that the capture's stream does not wait "
                                 "for (cudaErrorStreamCaptureUnjoined)");
+    }
   auto g = std::make_shared<FakeGraph>();
   g->lanes = std::move(b->lanes);
   g->slots = b->slots;

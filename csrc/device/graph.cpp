@@ -295,6 +295,7 @@ void PlanGraph::emit(Stream origin) {
     Access acc;  // of the ops so far
   };
   std::unordered_map<int, Open> open;
+  std::unordered_map<uint64_t, int> open_on;  // group id -> the pair whose open batch holds its last op
   auto flush = [&](Pair& q) {
     Open& o = open[q.peer];
     if (o.ops.empty()) return;
@@ -307,7 +308,11 @@ void PlanGraph::emit(Stream origin) {
     if (!folds.empty()) rt_.fold(folds.data(), (int)folds.size(), q.stream);
     const Event done = ev();
     rt_.record(done, q.stream);
-    for (DevOp* op : o.ops) last[op->key.id] = {q.stream, done};
+    for (DevOp* op : o.ops) {
+      last[op->key.id] = {q.stream, done};
+      auto it = open_on.find(op->key.id);
+      if (it != open_on.end() && it->second == q.peer) open_on.erase(it);
+    }
     o.ops.clear();
     o.acc = Access{};
   };
@@ -321,12 +326,17 @@ void PlanGraph::emit(Stream origin) {
       Open& o = open[q.peer];
       Access a = access_of(op);
       if (meets(a.reads, o.acc.writes) || meets(a.writes, o.acc.writes) || meets(a.writes, o.acc.reads)) flush(q);
+      // The group's previous op still open on another pair (a group of 3+): it goes first, so
+      // that its end exists to wait for.
+      auto held = open_on.find(op.key.id);
+      if (held != open_on.end() && held->second != q.peer) flush(pair(held->second));
       auto pred = last.find(op.key.id);
       if (pred != last.end() && pred->second.first != q.stream) {
         flush(q);
         rt_.wait(q.stream, pred->second.second);
       }
       o.ops.push_back(&op);
+      open_on[op.key.id] = q.peer;
       o.acc.reads.insert(o.acc.reads.end(), a.reads.begin(), a.reads.end());
       o.acc.writes.insert(o.acc.writes.end(), a.writes.begin(), a.writes.end());
       continue;

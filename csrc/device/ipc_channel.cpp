@@ -110,5 +110,22 @@ bool ChannelEngine::launch_ipc(Channel& c, IpcLink& l) {
   return moved;
 }
 
+// The channel's IPC link is about to be retired (the peer released it, or moved to a new epoch):
+// the peer has enqueued all it will on it, so what this side holds back, or has committed and
+// not added yet, goes now and its parts go in flight; a part that still cannot fails the link.
+void ChannelEngine::drain_link(Channel& c) {
+  IpcLink* l = ipc_->find(c.comm);
+  if (l == nullptr || !l->ready()) return;
+  try {
+    while ((l->pending() || !c.committed.empty()) && launch_ipc(c, *l)) {
+    }
+    if (l->pending() || !c.committed.empty())
+      throw_comm_error("fastcomm: rank " + std::to_string(rank_) + ": the link to rank " + std::to_string(c.peer) +
+                       " ended with transfers the peer never enqueued");
+  } catch (const std::exception& e) {
+    doom(c, e.what(), /*for_good=*/false);
+  }
+}
+
 }  // namespace device
 }  // namespace fastcomm
