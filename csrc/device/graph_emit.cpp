@@ -1,0 +1,190 @@
+// What a plan's CUDA graph holds (device/graph.h): the capture of the plan's device work, per
+// pair in canonical order, consecutive pair ops of a pair fused into one NCCL group and one fold
+// launch where their memory allows (docs/design.md, "The graph").
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <thread>
+#include <unordered_map>
+
+#include "common/errors.h"
+#include "device/graph.h"
+
+namespace fastcomm {
+namespace device {
+
+void PlanGraph::record_graph() {
+  if (std::any_of(ops_.begin(), ops_.end(), [](const auto& o) { return o->parts.size() != 1; }))
+    join_ = rt_.new_stream();
+  if (!open_capture_) rt_.begin_capture(origin_);
+  open_capture_ = true;
+  emit(origin_);
+  open_capture_ = false;
+  graph_ = rt_.end_capture(origin_);
+}
+
+void PlanGraph::emit(Stream origin) {
+  size_t used = 0;  // events used only to order the capture's streams, in the same order each time
+  auto ev = [&] {
+    if (used == emit_events_.size()) emit_events_.push_back(rt_.new_event());
+    return emit_events_[used++];
+  };
+  // A non-blocking communicator takes no call while it still enqueues its last launch.
+  auto settle = [&](Pair& q) {
+    for (;;) {
+      std::string why;
+      const State s = rt_.comm_state(q.comm, &why);
+      if (s == State::kReady) return;
+      if (s == State::kFailed)
+        throw_comm_error("fastcomm.plan.capture: rank " + std::to_string(rank_) + ": the plan's communicator with rank " +
+                         std::to_string(q.peer) + " failed: " + why);
+      std::this_thread::yield();
+    }
+  };
+  const Event fork = ev();
+  rt_.record(fork, origin);
+  for (auto& q : pairs_) rt_.wait(q.stream, fork);
+  if (join_) rt_.wait(join_, fork);
+  std::unordered_map<uint64_t, std::pair<Stream, Event>> last;  // each group's last end
+  // Transfers of parts on one pair go as one NCCL group (one kernel at each replay, not one per
+  // part); `ops` then have their copies and folds (one fold launch) on the pair's stream.
+  auto transfer = [&](Pair& q, const std::vector<DevOp*>& ops) {
+    const int peer_rank = q.leader ? 1 : 0;
+    rt_.group_start();
+    try {
+      for (DevOp* op : ops)
+        for (auto& p : op->parts) {
+          if (p->peer != q.peer) continue;
+          for (auto& [buf, n] : p->sends) rt_.send(buf, n, peer_rank, q.comm, q.stream);
+          for (auto& [buf, n] : p->recvs) rt_.recv(buf, n, peer_rank, q.comm, q.stream);
+        }
+    } catch (...) {
+      rt_.group_end();
+      throw;
+    }
+    rt_.group_end();
+    settle(q);
+  };
+  // Pair ops, in canonical order, whose transfers wait to go together. Fusing reorders an op's
+  // transfers before the folds and copies of the ops before it, so an op joins only where its
+  // memory is disjoint from theirs wherever one of them writes (its group's order then holds as
+  // a stream's would); an op after its group's op on another stream starts a new batch.
+  struct Span {
+    uintptr_t lo, hi;
+  };
+  struct Access {
+    std::vector<Span> reads, writes;
+  };
+  auto access_of = [](const DevOp& op) {
+    Access a;
+    auto add = [](std::vector<Span>& v, const void* p, size_t n) {
+      if (n > 0) v.push_back({(uintptr_t)p, (uintptr_t)p + n});
+    };
+    for (auto& p : op.parts) {
+      for (auto& [buf, n] : p->sends) add(a.reads, buf, n);
+      for (auto& [buf, n] : p->recvs) add(a.writes, buf, n);
+    }
+    for (auto& [dst, src, n] : op.copies) {
+      add(a.writes, dst, n);
+      add(a.reads, src, n);
+    }
+    for (const FoldJob& j : op.folds) {
+      const size_t n = (size_t)j.numel * c10::elementSize(j.dtype);
+      add(a.writes, j.dst, n);
+      add(a.reads, j.own, n);
+      add(a.reads, j.scratch, n * (size_t)std::max(j.n - 1, 0));
+    }
+    return a;
+  };
+  auto meets = [](const std::vector<Span>& a, const std::vector<Span>& b) {
+    for (const Span& x : a)
+      for (const Span& y : b)
+        if (x.lo < y.hi && y.lo < x.hi) return true;
+    return false;
+  };
+  struct Open {
+    std::vector<DevOp*> ops;
+    Access acc;  // of the ops so far
+  };
+  std::unordered_map<int, Open> open;
+  std::unordered_map<uint64_t, int> open_on;  // group id -> the pair whose open batch holds its last op
+  auto flush = [&](Pair& q) {
+    Open& o = open[q.peer];
+    if (o.ops.empty()) return;
+    transfer(q, o.ops);
+    std::vector<FoldJob> folds;
+    for (DevOp* op : o.ops) {
+      for (auto& [dst, src, n] : op->copies) rt_.copy(dst, src, n, q.stream);
+      folds.insert(folds.end(), op->folds.begin(), op->folds.end());
+    }
+    if (!folds.empty()) rt_.fold(folds.data(), (int)folds.size(), q.stream);
+    const Event done = ev();
+    rt_.record(done, q.stream);
+    for (DevOp* op : o.ops) {
+      last[op->key.id] = {q.stream, done};
+      auto it = open_on.find(op->key.id);
+      if (it != open_on.end() && it->second == q.peer) open_on.erase(it);
+    }
+    o.ops.clear();
+    o.acc = Access{};
+  };
+  auto flush_all = [&] {
+    for (auto& q : pairs_) flush(q);
+  };
+  for (auto& up : ops_) {
+    DevOp& op = *up;
+    if (op.parts.size() == 1) {
+      Pair& q = pair(op.parts[0]->peer);
+      Open& o = open[q.peer];
+      Access a = access_of(op);
+      if (meets(a.reads, o.acc.writes) || meets(a.writes, o.acc.writes) || meets(a.writes, o.acc.reads)) flush(q);
+      // The group's previous op still open on another pair (a group of 3+): it goes first, so
+      // that its end exists to wait for.
+      auto held = open_on.find(op.key.id);
+      if (held != open_on.end() && held->second != q.peer) flush(pair(held->second));
+      auto pred = last.find(op.key.id);
+      if (pred != last.end() && pred->second.first != q.stream) {
+        flush(q);
+        rt_.wait(q.stream, pred->second.second);
+      }
+      o.ops.push_back(&op);
+      open_on[op.key.id] = q.peer;
+      o.acc.reads.insert(o.acc.reads.end(), a.reads.begin(), a.reads.end());
+      o.acc.writes.insert(o.acc.writes.end(), a.writes.begin(), a.writes.end());
+      continue;
+    }
+    // An op of 3+ (or of none): its parts on several pairs, its end work on the join stream.
+    flush_all();
+    auto pred = last.find(op.key.id);
+    for (auto& p : op.parts) {
+      Pair& q = pair(p->peer);
+      if (pred != last.end() && pred->second.first != q.stream) rt_.wait(q.stream, pred->second.second);
+      transfer(q, {&op});
+    }
+    for (auto& p : op.parts) {
+      const Event e = ev();
+      rt_.record(e, pair(p->peer).stream);
+      rt_.wait(join_, e);
+    }
+    if (op.parts.empty() && pred != last.end() && pred->second.first != join_) rt_.wait(join_, pred->second.second);
+    for (auto& [dst, src, n] : op.copies) rt_.copy(dst, src, n, join_);
+    if (!op.folds.empty()) rt_.fold(op.folds.data(), (int)op.folds.size(), join_);
+    const Event done = ev();
+    rt_.record(done, join_);
+    last[op.key.id] = {join_, done};
+  }
+  flush_all();
+  for (auto& q : pairs_) {
+    const Event e = ev();
+    rt_.record(e, q.stream);
+    rt_.wait(origin, e);
+  }
+  if (join_) {
+    const Event e = ev();
+    rt_.record(e, join_);
+    rt_.wait(origin, e);
+  }
+}
+
+}  // namespace device
+}  // namespace fastcomm
