@@ -19,6 +19,7 @@ recorded anew reaches the user's graph. On a GPU the same bodies use torch.cuda.
   capture raises the plan route's message, exactly."""
 from __future__ import annotations
 
+import gc
 import os
 from datetime import timedelta
 
@@ -232,6 +233,41 @@ def _timeout_body(rank, world):
 def test_a_member_that_never_runs_its_user_graph_times_the_run_out():
     res = harness.run(_timeout_body, 2, timeout=60, env=ENV, init_timeout=30)
     assert len(res[0]) == 2, res
+
+
+def _dropped_body(rank, world):
+    """The plan goes (g dropped) while a run of a user graph that recorded it still waits for
+    rank 1, the plan failed and its communicators' abort slow: the run's memory outlives it."""
+    setup(rank)
+    pair = fc.new_group([0, 1], timeout=timedelta(seconds=2))
+    host = fc.new_group([0, 1])
+    t = torch.full((300,), float(rank + 1), device=DEV)
+    g = pair_plan(t, pair)
+    user = UserGraph()
+    user.capture(g.replay)
+    before = dbg("late_writes")
+    msg = None
+    if rank == 0:
+        dbg("abort_hold")  # the plan's communicators stay up: the run still waits for rank 1
+        user.replay()
+        msg = expect(dist.DistBackendError, g.wait, "timeout", "ranks [1]")
+        del g
+        gc.collect()
+    fc.barrier(group=host)  # a host op: rank 1 runs once rank 0's plan is gone
+    if rank == 1:
+        user.replay()  # rank 0's receive gets its data now
+    dsync()  # rank 0: its run ends with rank 1's data
+    fc.barrier(group=host)
+    if rank == 0:
+        dbg("abort_release")
+    user.drop()
+    return msg, t[:2].tolist(), dbg("late_writes") - before
+
+
+@fake_only
+def test_a_plan_dropped_during_a_user_graph_run_keeps_its_memory_until_the_run_is_over():
+    res = harness.run(_dropped_body, 2, timeout=60, env=ENV, init_timeout=30)
+    assert res[0][0] and res[0][1:] == ([3.0, 3.0], 0) and res[1] == (None, [3.0, 3.0], 0), res
 
 
 # ---------------------------------------------------------------------------------------------

@@ -428,9 +428,11 @@ void PlanGraph::abort_comms() {
   if (comms.empty()) return;
   // On a thread of its own, never joined: NCCL's abort stops the kernels at once but returns
   // only once every graph holding their work is destroyed, and a user's graph that recorded a
-  // replay may outlive the plan. The thread keeps the runtime alive (owner_) until then.
+  // replay may outlive the plan. The thread keeps the runtime alive (owner_) until then, and
+  // what a run in flight may still write or call back (the ops' memory, the watch) until the
+  // communicators are gone: the plan may be dropped before its abort has even begun.
   Runtime* rt = &rt_;
-  std::thread([owner = owner_, rt, comms] {
+  std::thread([owner = owner_, rt, comms, ops = std::move(ops_), watch = watch_]() mutable {
     try {
       rt->relax_capture_mode();  // NCCL syncs its streams: that must not break a user's capture
     } catch (...) {
@@ -442,7 +444,10 @@ void PlanGraph::abort_comms() {
       } catch (...) {
       }
     }
+    ops.clear();  // before `owner`: freeing scratch needs the runtime
+    watch.reset();
   }).detach();
+  ops_.clear();  // moved from: the plan fails or goes, nothing reads them again
 }
 
 void PlanGraph::abort(const std::string& why) {

@@ -93,7 +93,8 @@ class PlanGraph final : public DeviceGraph {
   void check_locked(Check how, std::chrono::milliseconds timeout, Event until = nullptr);
   std::string fault_locked();  // a plan channel failed or a peer gone: why ("" if none)
   [[noreturn]] void fail_locked(const std::string& why);
-  void abort_comms();  // the plan's communicators, aborted and destroyed on a detached thread
+  // The plan's communicators aborted and destroyed on a detached thread, which then frees ops_.
+  void abort_comms();
   void release();  // comms, streams, events, the graph
 
   std::shared_ptr<void> owner_;
