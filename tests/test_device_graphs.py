@@ -363,6 +363,37 @@ def test_the_graph_benchmark_runs_on_the_fake(tmp_path):
     assert all(r["fc_graph_ok"] and r["fc_plan_ok"] for r in ranks), ranks
 
 
+def _peers_body(rank, world):
+    """Rank 0's plan has a pair with each of the others: more peers than the kernel bound (2),
+    which a replay's kernels are not counted in, is warned about at capture; the plan still runs."""
+    import warnings
+    setup(rank)
+    pairs = fc.new_groups([[0, 1], [0, 2], [0, 3]])
+    ts = [torch.full((3,), float(rank + 1), device=DEV) for _ in pairs]
+    with fc.plan() as p:
+        for t, g in zip(ts, pairs):
+            if g.is_member:
+                fc.all_reduce(t, group=g)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        g = p.capture()
+    g.replay()
+    g.wait()
+    dsync()
+    mine = [t[0].item() for t, grp in zip(ts, pairs) if grp.is_member]
+    return [str(w.message) for w in seen if issubclass(w.category, UserWarning)], mine
+
+
+def test_a_plan_with_more_peers_than_the_kernel_bound_is_warned_about_at_capture():
+    env = dict(ENV, FASTCOMM_DEVICE_MAX_KERNELS="2")
+    res = harness.run(_peers_body, 4, timeout=90, env=env, init_timeout=30)
+    (warned, sums), others = res[0], res[1:]
+    assert sums == [3.0, 4.0, 5.0], sums
+    assert len(warned) == 1 and "rank 0: the plan has 3 peers" in warned[0], warned
+    assert "FASTCOMM_DEVICE_MAX_KERNELS=2" in warned[0] and "Split the plan" in warned[0], warned
+    assert others == [([], [3.0]), ([], [4.0]), ([], [5.0])], others
+
+
 def _relay_body(rank, world, replays):
     """A group of 3 whose ops each touch one pair on rank 1: broadcast from 0 (rank 1 receives
     on pair (0, 1)), then reduce to 2 (rank 1 sends on pair (1, 2)): rank 1's send must carry

@@ -50,6 +50,10 @@ class PlanGraph final : public DeviceGraph {
   int64_t user_runs() const override;
   // fastcomm is shutting down: the plan's communicators are aborted, later replays raise.
   void abort(const std::string& why);
+  // How many peers the plan has: a replay runs up to one NCCL kernel per peer at once.
+  size_t peers() const { return pairs_.size(); }
+  std::string warning() const override { return warning_; }
+  void set_warning(std::string w) { warning_ = std::move(w); }  // before the graph is shared
 
  private:
   struct Pair {
@@ -120,6 +124,7 @@ class PlanGraph final : public DeviceGraph {
   int64_t replays_ = 0;
   int64_t recorded_ = 0;  // times recorded into a user's capture
   std::exception_ptr broken_;
+  std::string warning_;
 };
 
 }  // namespace device
