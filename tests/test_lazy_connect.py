@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import fastcomm as fc
 from _helpers import expect
-from test_cross_host import run
+from _cross_host import run
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import scale_out  # noqa: E402
