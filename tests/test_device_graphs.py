@@ -29,6 +29,10 @@ from _plan_cases import LISTS5, PlanCases, others_go_on, pair_plan, same
 
 import fastcomm as fc
 
+
+def dbg(what, arg=0):
+    return fc._state._engine.device_debug("cpu", what, arg)
+
 # ---------------------------------------------------------------------------------------------
 # Results: one plan over every group shape, replayed with changing inputs
 
@@ -270,6 +274,31 @@ def test_a_member_that_never_replays_times_the_replay_out():
     assert res[0] is not None
 
 
+def _two_silent_peers_body(rank, world):
+    """Rank 0's plan has a pair op with rank 1 and one with rank 2, which never replay: the run
+    times out and drains (both of its kernels, on two communicators, end), no hang."""
+    setup(rank)
+    pairs = fc.new_groups([[0, 1], [0, 2]], timeout=timedelta(seconds=2))
+    everyone = fc.new_group([0, 1, 2])
+    ts = [torch.ones(3, device=DEV) for g in pairs if g.is_member]
+    with fc.plan() as p:
+        for t, g in zip(ts, [g for g in pairs if g.is_member]):
+            fc.all_reduce(t, group=g)
+    g = p.capture()
+    msg = None
+    if rank == 0:
+        g.replay()
+        msg = expect(dist.DistBackendError, g.wait, "timeout", "ranks [1, 2]")
+        dsync()  # the run has drained
+    fc.barrier(group=everyone)  # a host op: ranks 1 and 2 leave only once rank 0 is through
+    return msg
+
+
+def test_a_timed_out_run_with_two_silent_peers_drains():
+    res = harness.run(_two_silent_peers_body, 3, timeout=60, env=ENV, init_timeout=30)
+    assert res[0] is not None and res[1:] == [None, None], res
+
+
 def _opposite_order_body(rank, world):
     """Two graphs over one pair replayed in opposite orders: each side's first run waits for a
     run the other has queued behind its own. The timeout ends it with DistBackendError on both
@@ -363,35 +392,69 @@ def test_the_graph_benchmark_runs_on_the_fake(tmp_path):
     assert all(r["fc_graph_ok"] and r["fc_plan_ok"] for r in ranks), ranks
 
 
-def _peers_body(rank, world):
-    """Rank 0's plan has a pair with each of the others: more peers than the kernel bound (2),
-    which a replay's kernels are not counted in, is warned about at capture; the plan still runs."""
+def _window_body(rank, world, rounds):
+    """A triangle: each rank's plan holds an all_reduce with each of the other two. One kernel
+    resident per device and FASTCOMM_DEVICE_MAX_KERNELS=1. The graph's branches (one per pair,
+    in the plan's canonical order: by group id) reach the device staggered so that rank r's
+    first kernel is its pair with rank r + 1 (mod 3), which waits for a peer whose device holds
+    its kernel with the next rank: a cycle, unless the launches go in the plan's order, one at
+    a time (the window)."""
+    setup(rank)
+    groups = fc.new_groups([[0, 1], [1, 2], [0, 2]], timeout=timedelta(seconds=5))
+    mine = sorted([(g, torch.zeros(4, device=DEV)) for g in groups if g.is_member], key=lambda x: x[0]._h.id)
+    with fc.plan() as p:
+        for g, t in mine:
+            fc.all_reduce(t, group=g)
+    graph = p.capture()
+    dbg("resident_limit", 1)
+    first = mine[0][0].ranks == sorted([rank, (rank + 1) % 3])  # the branch that starts first unstaggered
+    dbg("lane_stagger", 300 if first else -300)
+    out = []
+    for r in range(rounds):
+        for _, t in mine:
+            t.fill_(float(rank + 1 + r))
+        graph.replay()
+        graph.wait()
+        dsync()
+        out.append({tuple(g.ranks): t[0].item() for g, t in mine})
+    dbg("lane_stagger", 0)
+    return out
+
+
+@fake_only
+def test_a_plan_with_more_peers_than_the_kernel_bound_replays_in_a_window():
+    env = dict(ENV, FASTCOMM_DEVICE_MAX_KERNELS="1")
+    res = harness.run(_window_body, 3, 2, timeout=90, env=env, init_timeout=30)
+    sums = {(0, 1): 3.0, (1, 2): 5.0, (0, 2): 4.0}  # round r adds 2r
+    for rank, rounds in enumerate(res):
+        for r, got in enumerate(rounds):
+            assert got == {k: v + 2 * r for k, v in sums.items() if rank in k}, (rank, r, got)
+
+
+def _wide_body(rank, world):
+    """An all_reduce over four ranks in a plan: three kernels (one per peer) that must run at
+    once, past a bound of 2, are warned about at capture; the plan still runs."""
     import warnings
     setup(rank)
-    pairs = fc.new_groups([[0, 1], [0, 2], [0, 3]])
-    ts = [torch.full((3,), float(rank + 1), device=DEV) for _ in pairs]
+    g = fc.new_group([0, 1, 2, 3])
+    t = torch.full((3,), float(rank + 1), device=DEV)
     with fc.plan() as p:
-        for t, g in zip(ts, pairs):
-            if g.is_member:
-                fc.all_reduce(t, group=g)
+        fc.all_reduce(t, group=g)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        g = p.capture()
-    g.replay()
-    g.wait()
+        graph = p.capture()
+    graph.replay()
+    graph.wait()
     dsync()
-    mine = [t[0].item() for t, grp in zip(ts, pairs) if grp.is_member]
-    return [str(w.message) for w in seen if issubclass(w.category, UserWarning)], mine
+    return [str(w.message) for w in seen if issubclass(w.category, UserWarning)], t.tolist()
 
 
-def test_a_plan_with_more_peers_than_the_kernel_bound_is_warned_about_at_capture():
+def test_a_plan_op_with_more_peers_than_the_kernel_bound_is_warned_about_at_capture():
     env = dict(ENV, FASTCOMM_DEVICE_MAX_KERNELS="2")
-    res = harness.run(_peers_body, 4, timeout=90, env=env, init_timeout=30)
-    (warned, sums), others = res[0], res[1:]
-    assert sums == [3.0, 4.0, 5.0], sums
-    assert len(warned) == 1 and "rank 0: the plan has 3 peers" in warned[0], warned
-    assert "FASTCOMM_DEVICE_MAX_KERNELS=2" in warned[0] and "Split the plan" in warned[0], warned
-    assert others == [([], [3.0]), ([], [4.0]), ([], [5.0])], others
+    for rank, (warned, t) in enumerate(harness.run(_wide_body, 4, timeout=90, env=env, init_timeout=30)):
+        assert t == [10.0] * 3, t
+        assert len(warned) == 1 and f"rank {rank}: an op of the plan has 3 peers" in warned[0], warned
+        assert "FASTCOMM_DEVICE_MAX_KERNELS=2" in warned[0], warned
 
 
 def _relay_body(rank, world, replays):

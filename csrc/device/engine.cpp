@@ -141,15 +141,7 @@ std::shared_ptr<DeviceGraph> ChannelEngine::capture(std::vector<DeviceOp> dops, 
     std::lock_guard<std::mutex> lk(mu_);
     if (broken_) std::rethrow_exception(broken_);
   }
-  auto g = std::make_shared<PlanGraph>(shared_from_this(), *rt_, host_, rank_, alloc_, std::move(dops), naive);
-  // A replay's kernels run outside the kernel bound, one per peer at once (docs/design.md,
-  // "Kernels in flight"): more than the bound allows may not all be resident.
-  if (max_kernels_ > 0 && (int64_t)g->peers() > max_kernels_)
-    g->set_warning(c10::str("fastcomm.plan.capture: rank ", rank_, ": the plan has ", g->peers(),
-                            " peers, and each replay runs an NCCL kernel per peer at once, more than "
-                            "FASTCOMM_DEVICE_MAX_KERNELS=", max_kernels_, "; a GPU that cannot hold them all at once "
-                            "leaves the replay hanging until the timeout. Split the plan, or raise the bound where "
-                            "the GPU holds that many"));
+  auto g = std::make_shared<PlanGraph>(shared_from_this(), *rt_, host_, rank_, alloc_, std::move(dops), naive, max_kernels_);
   std::lock_guard<std::mutex> lk(graphs_mu_);
   graphs_.erase(std::remove_if(graphs_.begin(), graphs_.end(), [](const auto& w) { return w.expired(); }),
                 graphs_.end());

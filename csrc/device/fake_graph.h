@@ -2,8 +2,11 @@
 // The CPU fake's CUDA graphs (fake_runtime.cpp has the whole list of what it keeps): a capture
 // (fake_streams.h keeps the one under way) ended into a graph, the graph's replay, and the
 // capture side of event records and waits. Included by fake_runtime_impl.h only.
+#include <atomic>
+#include <chrono>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "device/fake_streams.h"
@@ -11,6 +14,15 @@
 namespace fastcomm {
 namespace device {
 namespace fake {
+
+// debug("lane_stagger", ms): each launch of a graph starts lane i >= 1 (the streams forked from
+// the launching one) after (i - 1) * ms (ms < 0: after (lanes - 1 - i) * -ms), so a test
+// chooses which branch of a graph reaches the device first, as a GPU's scheduler may (0: all at
+// once).
+inline std::atomic<int64_t>& lane_stagger_ms() {
+  static std::atomic<int64_t> ms{0};
+  return ms;
+}
 
 // An instantiated graph: its lanes run at each launch, lane 0 on the launching stream's thread,
 // the others on workers of the graph's own; each launch takes fresh markers for its slots, so
@@ -28,10 +40,16 @@ struct FakeGraph {
     std::vector<std::shared_ptr<Marker>> marks((size_t)slots);
     for (auto& m : marks) m = std::make_shared<Marker>();
     std::vector<std::shared_ptr<Marker>> done;
+    const int64_t stagger = lane_stagger_ms().load();
+    auto delay = [&](size_t i) {
+      const int64_t n = (int64_t)lanes.size();
+      return std::chrono::milliseconds(stagger >= 0 ? ((int64_t)i - 1) * stagger : (n - 1 - (int64_t)i) * -stagger);
+    };
     for (size_t i = 1; i < lanes.size(); ++i) {
       auto d = std::make_shared<Marker>();
       done.push_back(d);
-      std::function<void()> f = [this, i, marks, d] {
+      std::function<void()> f = [this, i, marks, d, wait = delay(i)] {
+        std::this_thread::sleep_for(wait);
         run_lane(i, marks);
         d->set();
       };

@@ -66,6 +66,10 @@ int64_t FakeRuntime::debug(const std::string& what, int64_t arg) {
     return 0;
   }
   if (what == "late_writes") return quarantine().late_writes.load();
+  if (what == "lane_stagger") {
+    lane_stagger_ms().store(arg);
+    return 0;
+  }
   if (what == "ipc_blocks") return fake::ipc_blocks();
   if (what == "ipc_early_waits") return fake::early_waits();
   if (what == "fake_device" || what == "peer_access") {  // links made from now on (fake_ipc.h)

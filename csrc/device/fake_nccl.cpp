@@ -289,10 +289,18 @@ void FakeRuntime::launch(StreamCore& st, std::vector<Op> ops) {
     }).detach();
   }
   auto shared = std::make_shared<std::vector<Op>>(std::move(ops));
-  std::function<void()> replay = [shared] {
+  // A captured kernel is a kernel at each replay: resident before it moves anything, as below.
+  auto res = residency_;
+  std::function<void()> replay = [shared, res] {
     std::vector<Op> now;
     for (const auto& t : *shared) now.push_back(replica(t));
+    const bool slot = res->enter([&] {
+      for (auto& op : now)
+        if (op.comm->aborted()) return true;
+      return false;
+    });
     run_ops(now);
+    if (slot) res->leave();
   };
   if (capture_task(&st, replay)) {
     ++captured_launches_;
@@ -313,7 +321,6 @@ void FakeRuntime::launch(StreamCore& st, std::vector<Op> ops) {
     return;
   }
   // A kernel: resident (debug "resident_limit") before it moves anything.
-  auto res = residency_;
   run_on(st, [shared, res] {
     const bool slot = res->enter([&] {
       for (auto& op : *shared)

@@ -46,14 +46,15 @@
 //   in the relaxed mode (in the thread-local mode from the capturing thread), any event query,
 //   synchronize or allocation, which also invalidates the capture; and a graph launched into a
 //   capture (so only work recorded anew goes into a larger graph). A host_call is a task of its
-//   stream (a host node under capture).
+//   stream (a host node under capture). debug("lane_stagger", ms) staggers the start of a
+//   launch's forked streams, so a test picks which branch reaches the device first.
 // - Abort races a transfer that already has its data: a receive whose message has arrived still
 //   writes it after comm_abort. Scratch memory is poisoned when freed, and a stream that writes
 //   into freed scratch is counted (debug("late_writes")): memory must outlive every stream that
 //   may still write it.
 // - Residency: with debug("resident_limit", n), at most n communicator kernels run at once; one
 //   past them waits, moving nothing, until a resident one ends (fake_streams.h, Residency), so
-//   kernels that cannot all be resident deadlock as they can on a GPU.
+//   kernels that cannot all be resident deadlock as they can on a GPU; a graph's kernels too.
 // - Same-host blocks (fake_ipc.h) are /dev/shm segments both processes map; a flag wait blocks
 //   its stream on the shared word, so only the flags order one process's work after another's.
 #include "device/fake_runtime_impl.h"

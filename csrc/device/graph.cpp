@@ -50,8 +50,8 @@ at::Tensor bytes_of(const void* p, size_t n) {
 }  // namespace
 
 PlanGraph::PlanGraph(std::shared_ptr<void> owner, Runtime& rt, HostLink& host, int rank, Stream alloc,
-                     std::vector<DeviceOp> dops, bool naive)
-    : owner_(std::move(owner)), rt_(rt), host_(host), rank_(rank), naive_(naive) {
+                     std::vector<DeviceOp> dops, bool naive, int64_t max_kernels)
+    : owner_(std::move(owner)), rt_(rt), host_(host), rank_(rank), naive_(naive), max_kernels_(max_kernels) {
   try {
     origin_ = rt_.new_stream();
     // A careless design agrees and allocates with the capture already begun (tests show the
@@ -76,8 +76,18 @@ PlanGraph::PlanGraph(std::shared_ptr<void> owner, Runtime& rt, HostLink& host, i
     std::stable_sort(ops_.begin(), ops_.end(), [](const auto& a, const auto& b) {
       return a->key.id != b->key.id ? a->key.id < b->key.id : a->key.seq < b->key.seq;
     });
-    for (auto& op : ops_)
+    size_t widest = 0;  // the most peers one op has
+    for (auto& op : ops_) {
+      widest = std::max(widest, op->parts.size());
       for (auto& p : op->parts) pair(p->peer).parts.push_back(p.get());
+    }
+    windowed_ = max_kernels_ > 0 && (int64_t)pairs_.size() > max_kernels_;
+    if (max_kernels_ > 0 && (int64_t)widest > max_kernels_)
+      warning_ = "fastcomm.plan.capture: rank " + std::to_string(rank_) + ": an op of the plan has " +
+                 std::to_string(widest) + " peers, and its NCCL kernels (one per peer) must all run at once, more "
+                 "than FASTCOMM_DEVICE_MAX_KERNELS=" + std::to_string(max_kernels_) + "; a GPU that cannot hold them "
+                 "all at once leaves the replay hanging until the timeout. Raise the bound where the GPU holds that "
+                 "many";
     agree();
     connect();
     record_graph();
@@ -391,8 +401,11 @@ void PlanGraph::check_locked(Check how, std::chrono::milliseconds timeout, Event
                          ? std::chrono::milliseconds(0)
                          : std::chrono::duration_cast<std::chrono::milliseconds>(now - first);
     if (age > timeout_ || (how == Check::kWait && now - start > timeout)) {
+      std::vector<int> ranks;
+      for (auto& q : pairs_) ranks.push_back(q.peer);
+      std::sort(ranks.begin(), ranks.end());
       std::string peers;
-      for (auto& q : pairs_) peers += (peers.empty() ? "" : ", ") + std::to_string(q.peer);
+      for (int r : ranks) peers += (peers.empty() ? "" : ", ") + std::to_string(r);
       fail_locked("a replay of the graph not done after " +
                   std::to_string(std::max(age, std::chrono::duration_cast<std::chrono::milliseconds>(now - start)).count()) +
                   " ms (timeout); the plan's peers: ranks [" + peers + "]");
@@ -431,15 +444,30 @@ void PlanGraph::abort_comms() {
   // replay may outlive the plan. The thread keeps the runtime alive (owner_) until then, and
   // what a run in flight may still write or call back (the ops' memory, the watch) until the
   // communicators are gone: the plan may be dropped before its abort has even begun.
+  // Each communicator's abort on a thread of its own, all at once: a graph run in flight ends only
+  // once every one of its kernels has, so an abort that waited for it before the next abort had
+  // even begun could wait for good (a kernel of another communicator still waiting on a peer).
   Runtime* rt = &rt_;
   std::thread([owner = owner_, rt, comms, ops = std::move(ops_), watch = watch_]() mutable {
-    try {
-      rt->relax_capture_mode();  // NCCL syncs its streams: that must not break a user's capture
-    } catch (...) {
-    }
+    auto relaxed = [rt] {
+      try {
+        rt->relax_capture_mode();  // NCCL syncs its streams: that must not break a user's capture
+      } catch (...) {
+      }
+    };
+    relaxed();
+    std::vector<std::thread> aborts;
+    for (Comm c : comms)
+      aborts.emplace_back([rt, c, relaxed] {
+        relaxed();
+        try {
+          rt->comm_abort(c);
+        } catch (...) {
+        }
+      });
+    for (auto& t : aborts) t.join();
     for (Comm c : comms) {
       try {
-        rt->comm_abort(c);
         rt->comm_destroy(c);
       } catch (...) {
       }
@@ -506,6 +534,8 @@ void PlanGraph::release() {
     q.stream = nullptr;
   }
   if (join_) quietly([&] { rt_.destroy_stream(join_); });
+  if (retire_) quietly([&] { rt_.destroy_stream(retire_); });
+  retire_ = nullptr;
   if (origin_) quietly([&] { rt_.destroy_stream(origin_); });
   join_ = origin_ = nullptr;
   for (Event e : spare_) quietly([&] { rt_.destroy_event(e); });

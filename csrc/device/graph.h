@@ -39,8 +39,10 @@ class PlanGraph final : public DeviceGraph {
  public:
   // Blocks until every peer of the plan has captured the same plan (see above). `owner` keeps
   // the runtime alive.
+  // `max_kernels`: FASTCOMM_DEVICE_MAX_KERNELS (0: unbounded); a plan with more peers than that
+  // runs its launches in a window (docs/design.md, "Kernels in flight").
   PlanGraph(std::shared_ptr<void> owner, Runtime& rt, HostLink& host, int rank, Stream alloc,
-            std::vector<DeviceOp> ops, bool naive);
+            std::vector<DeviceOp> ops, bool naive, int64_t max_kernels = 0);
   ~PlanGraph() override;
 
   void replay() override;
@@ -50,10 +52,7 @@ class PlanGraph final : public DeviceGraph {
   int64_t user_runs() const override;
   // fastcomm is shutting down: the plan's communicators are aborted, later replays raise.
   void abort(const std::string& why);
-  // How many peers the plan has: a replay runs up to one NCCL kernel per peer at once.
-  size_t peers() const { return pairs_.size(); }
   std::string warning() const override { return warning_; }
-  void set_warning(std::string w) { warning_ = std::move(w); }  // before the graph is shared
 
  private:
   struct Pair {
@@ -106,6 +105,11 @@ class PlanGraph final : public DeviceGraph {
   HostLink& host_;
   const int rank_;
   const bool naive_;
+  const int64_t max_kernels_;
+  // More peers than max_kernels_: launches go in canonical order, at most max_kernels_ kernels
+  // of them in flight, each admitted once every launch too far back has retired (on retire_).
+  bool windowed_ = false;
+  Stream retire_ = nullptr;
   std::chrono::milliseconds timeout_{0};
   std::string label_;  // the plan's groups, for messages
   std::vector<std::unique_ptr<DevOp>> ops_;  // in the canonical order

@@ -1,6 +1,7 @@
 // What a plan's CUDA graph holds (device/graph.h): the capture of the plan's device work, per
 // pair in canonical order, consecutive pair ops of a pair fused into one NCCL group and one fold
-// launch where their memory allows (docs/design.md, "The graph").
+// launch where their memory allows (docs/design.md, "The graph"); with more peers than the
+// kernel bound, its launches in a window (docs/design.md, "Kernels in flight").
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@ namespace device {
 void PlanGraph::record_graph() {
   if (std::any_of(ops_.begin(), ops_.end(), [](const auto& o) { return o->parts.size() != 1; }))
     join_ = rt_.new_stream();
+  if (windowed_) retire_ = rt_.new_stream();
   if (!open_capture_) rt_.begin_capture(origin_);
   open_capture_ = true;
   emit(origin_);
@@ -45,6 +47,29 @@ void PlanGraph::emit(Stream origin) {
   rt_.record(fork, origin);
   for (auto& q : pairs_) rt_.wait(q.stream, fork);
   if (join_) rt_.wait(join_, fork);
+  if (retire_) rt_.wait(retire_, fork);
+  // The window (windowed_ only): launch i, of `weight` kernels, waits until every launch before
+  // the last few that fit beside it within max_kernels_ kernels has retired. retire_ waits on
+  // the launches' ends in order, so its event after launch j means launches 0..j are over.
+  struct Launch {
+    Event retired;
+    int64_t weight;
+  };
+  std::vector<Launch> launches;
+  auto admit = [&](int64_t weight, const std::vector<Stream>& streams) {
+    if (!windowed_) return;
+    size_t i = launches.size();
+    for (int64_t sum = weight; i > 0 && sum + launches[i - 1].weight <= max_kernels_; --i) sum += launches[i - 1].weight;
+    if (i == 0) return;
+    for (Stream s : streams) rt_.wait(s, launches[i - 1].retired);
+  };
+  auto retire = [&](Event end, int64_t weight) {
+    if (!windowed_) return;
+    rt_.wait(retire_, end);
+    const Event r = ev();
+    rt_.record(r, retire_);
+    launches.push_back({r, weight});
+  };
   std::unordered_map<uint64_t, std::pair<Stream, Event>> last;  // each group's last end
   // Transfers of parts on one pair go as one NCCL group (one kernel at each replay, not one per
   // part); `ops` then have their copies and folds (one fold launch) on the pair's stream.
@@ -111,6 +136,7 @@ void PlanGraph::emit(Stream origin) {
   auto flush = [&](Pair& q) {
     Open& o = open[q.peer];
     if (o.ops.empty()) return;
+    admit(1, {q.stream});
     transfer(q, o.ops);
     std::vector<FoldJob> folds;
     for (DevOp* op : o.ops) {
@@ -120,6 +146,7 @@ void PlanGraph::emit(Stream origin) {
     if (!folds.empty()) rt_.fold(folds.data(), (int)folds.size(), q.stream);
     const Event done = ev();
     rt_.record(done, q.stream);
+    retire(done, 1);
     for (DevOp* op : o.ops) {
       last[op->key.id] = {q.stream, done};
       auto it = open_on.find(op->key.id);
@@ -135,6 +162,10 @@ void PlanGraph::emit(Stream origin) {
     DevOp& op = *up;
     if (op.parts.size() == 1) {
       Pair& q = pair(op.parts[0]->peer);
+      // In the window, launches keep the canonical order: one batch open at a time.
+      if (windowed_)
+        for (auto& other : pairs_)
+          if (other.peer != q.peer) flush(other);
       Open& o = open[q.peer];
       Access a = access_of(op);
       if (meets(a.reads, o.acc.writes) || meets(a.writes, o.acc.writes) || meets(a.writes, o.acc.reads)) flush(q);
@@ -156,6 +187,11 @@ void PlanGraph::emit(Stream origin) {
     // An op of 3+ (or of none): its parts on several pairs, its end work on the join stream.
     flush_all();
     auto pred = last.find(op.key.id);
+    if (!op.parts.empty()) {
+      std::vector<Stream> streams;
+      for (auto& p : op.parts) streams.push_back(pair(p->peer).stream);
+      admit((int64_t)op.parts.size(), streams);
+    }
     for (auto& p : op.parts) {
       Pair& q = pair(p->peer);
       if (pred != last.end() && pred->second.first != q.stream) rt_.wait(q.stream, pred->second.second);
@@ -171,6 +207,7 @@ void PlanGraph::emit(Stream origin) {
     if (!op.folds.empty()) rt_.fold(op.folds.data(), (int)op.folds.size(), join_);
     const Event done = ev();
     rt_.record(done, join_);
+    if (!op.parts.empty()) retire(done, (int64_t)op.parts.size());
     last[op.key.id] = {join_, done};
   }
   flush_all();
@@ -179,9 +216,10 @@ void PlanGraph::emit(Stream origin) {
     rt_.record(e, q.stream);
     rt_.wait(origin, e);
   }
-  if (join_) {
+  for (Stream s : {join_, retire_}) {
+    if (!s) continue;
     const Event e = ev();
-    rt_.record(e, join_);
+    rt_.record(e, s);
     rt_.wait(origin, e);
   }
 }
