@@ -172,17 +172,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("async_op") = true)
       .def(
           "capture",
-          [](const std::shared_ptr<Plan>& p, bool naive) {
-            std::shared_ptr<DeviceGraph> g;
-            {
-              py::gil_scoped_release nogil;
-              g = p->engine().capture(p, naive);
-            }
-            const std::string w = g->warning();
-            if (!w.empty() && PyErr_WarnEx(PyExc_UserWarning, w.c_str(), 1) != 0) throw py::error_already_set();
-            return g;
-          },
-          py::arg("naive") = false);
+          [](const std::shared_ptr<Plan>& p, bool naive) { return p->engine().capture(p, naive); },
+          py::arg("naive") = false, py::call_guard<py::gil_scoped_release>());
 
   // A plan captured into a CUDA graph (fastcomm.plan.capture).
   py::class_<DeviceGraph, std::shared_ptr<DeviceGraph>>(m, "PlanGraph")

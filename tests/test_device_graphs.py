@@ -431,30 +431,35 @@ def test_a_plan_with_more_peers_than_the_kernel_bound_replays_in_a_window():
             assert got == {k: v + 2 * r for k, v in sums.items() if rank in k}, (rank, r, got)
 
 
-def _wide_body(rank, world):
-    """An all_reduce over four ranks in a plan: three kernels (one per peer) that must run at
-    once, past a bound of 2, are warned about at capture; the plan still runs."""
-    import warnings
+def _wide_body(rank, world, rounds):
+    """An all_reduce over three ranks in a plan: two kernels per rank, one per peer. One kernel
+    resident per device and FASTCOMM_DEVICE_MAX_KERNELS=1; the branches reach the device so
+    that rank r's first kernel is its pair with rank r + 1 (mod 3): a cycle, unless each part is
+    a launch of its own in peer order (the window)."""
     setup(rank)
-    g = fc.new_group([0, 1, 2, 3])
-    t = torch.full((3,), float(rank + 1), device=DEV)
+    g = fc.new_group([0, 1, 2], timeout=timedelta(seconds=5))
+    t = torch.zeros(3, device=DEV)
     with fc.plan() as p:
         fc.all_reduce(t, group=g)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        graph = p.capture()
-    graph.replay()
-    graph.wait()
-    dsync()
-    return [str(w.message) for w in seen if issubclass(w.category, UserWarning)], t.tolist()
+    graph = p.capture()
+    dbg("resident_limit", 1)
+    # The pairs' branches go in peer order: the wanted one starts first if it is the lower peer.
+    dbg("lane_stagger", 300 if (rank + 1) % 3 < (rank + 2) % 3 else -300)
+    out = []
+    for r in range(rounds):
+        t.fill_(float(rank + 1 + r))
+        graph.replay()
+        graph.wait()
+        dsync()
+        out.append(t[0].item())
+    dbg("lane_stagger", 0)
+    return out
 
 
-def test_a_plan_op_with_more_peers_than_the_kernel_bound_is_warned_about_at_capture():
-    env = dict(ENV, FASTCOMM_DEVICE_MAX_KERNELS="2")
-    for rank, (warned, t) in enumerate(harness.run(_wide_body, 4, timeout=90, env=env, init_timeout=30)):
-        assert t == [10.0] * 3, t
-        assert len(warned) == 1 and f"rank {rank}: an op of the plan has 3 peers" in warned[0], warned
-        assert "FASTCOMM_DEVICE_MAX_KERNELS=2" in warned[0], warned
+@fake_only
+def test_an_op_of_three_in_a_plan_past_the_kernel_bound_replays_in_a_window():
+    env = dict(ENV, FASTCOMM_DEVICE_MAX_KERNELS="1")
+    assert harness.run(_wide_body, 3, 2, timeout=90, env=env, init_timeout=30) == [[6.0, 9.0]] * 3
 
 
 def _relay_body(rank, world, replays):

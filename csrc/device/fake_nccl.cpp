@@ -294,13 +294,12 @@ void FakeRuntime::launch(StreamCore& st, std::vector<Op> ops) {
   std::function<void()> replay = [shared, res] {
     std::vector<Op> now;
     for (const auto& t : *shared) now.push_back(replica(t));
-    const bool slot = res->enter([&] {
+    const ResidentSlot slot(*res, res->enter([&] {
       for (auto& op : now)
         if (op.comm->aborted()) return true;
       return false;
-    });
+    }));
     run_ops(now);
-    if (slot) res->leave();
   };
   if (capture_task(&st, replay)) {
     ++captured_launches_;
@@ -322,13 +321,12 @@ void FakeRuntime::launch(StreamCore& st, std::vector<Op> ops) {
   }
   // A kernel: resident (debug "resident_limit") before it moves anything.
   run_on(st, [shared, res] {
-    const bool slot = res->enter([&] {
+    const ResidentSlot slot(*res, res->enter([&] {
       for (auto& op : *shared)
         if (op.comm->aborted()) return true;
       return false;
-    });
+    }));
     run_ops(*shared);
-    if (slot) res->leave();
   });
 }
 

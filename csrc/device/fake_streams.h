@@ -322,6 +322,18 @@ struct Residency {
   }
 };
 
+// A kernel's place among the resident ones, given back however its run ends.
+struct ResidentSlot {
+  Residency& r;
+  const bool held;
+  ResidentSlot(Residency& res, bool taken) : r(res), held(taken) {}
+  ResidentSlot(const ResidentSlot&) = delete;
+  ResidentSlot& operator=(const ResidentSlot&) = delete;
+  ~ResidentSlot() {
+    if (held) r.leave();
+  }
+};
+
 }  // namespace fake
 }  // namespace device
 }  // namespace fastcomm

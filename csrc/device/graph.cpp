@@ -76,18 +76,11 @@ PlanGraph::PlanGraph(std::shared_ptr<void> owner, Runtime& rt, HostLink& host, i
     std::stable_sort(ops_.begin(), ops_.end(), [](const auto& a, const auto& b) {
       return a->key.id != b->key.id ? a->key.id < b->key.id : a->key.seq < b->key.seq;
     });
-    size_t widest = 0;  // the most peers one op has
-    for (auto& op : ops_) {
-      widest = std::max(widest, op->parts.size());
+    for (auto& op : ops_)
       for (auto& p : op->parts) pair(p->peer).parts.push_back(p.get());
-    }
+    // An op's parts are no more than the plan's peers: within the bound, the pairs' streams keep
+    // the kernels in flight within it too.
     windowed_ = max_kernels_ > 0 && (int64_t)pairs_.size() > max_kernels_;
-    if (max_kernels_ > 0 && (int64_t)widest > max_kernels_)
-      warning_ = "fastcomm.plan.capture: rank " + std::to_string(rank_) + ": an op of the plan has " +
-                 std::to_string(widest) + " peers, and its NCCL kernels (one per peer) must all run at once, more "
-                 "than FASTCOMM_DEVICE_MAX_KERNELS=" + std::to_string(max_kernels_) + "; a GPU that cannot hold them "
-                 "all at once leaves the replay hanging until the timeout. Raise the bound where the GPU holds that "
-                 "many";
     agree();
     connect();
     record_graph();
@@ -447,24 +440,37 @@ void PlanGraph::abort_comms() {
   // Each communicator's abort on a thread of its own, all at once: a graph run in flight ends only
   // once every one of its kernels has, so an abort that waited for it before the next abort had
   // even begun could wait for good (a kernel of another communicator still waiting on a peer).
+  struct Held {
+    std::vector<std::unique_ptr<DevOp>> ops;
+    std::shared_ptr<Watch> watch;
+  };
+  auto held = std::make_shared<Held>();
+  held->ops = std::move(ops_);
+  held->watch = watch_;
   Runtime* rt = &rt_;
-  std::thread([owner = owner_, rt, comms, ops = std::move(ops_), watch = watch_]() mutable {
+  auto body = [owner = owner_, rt, comms, held] {
     auto relaxed = [rt] {
       try {
         rt->relax_capture_mode();  // NCCL syncs its streams: that must not break a user's capture
       } catch (...) {
       }
     };
-    relaxed();
+    auto abort_one = [rt, relaxed](Comm c) {
+      relaxed();
+      try {
+        rt->comm_abort(c);
+      } catch (...) {
+      }
+    };
+    relaxed();  // for the destroys below
     std::vector<std::thread> aborts;
-    for (Comm c : comms)
-      aborts.emplace_back([rt, c, relaxed] {
-        relaxed();
-        try {
-          rt->comm_abort(c);
-        } catch (...) {
-        }
-      });
+    for (Comm c : comms) {
+      try {
+        aborts.emplace_back(abort_one, c);
+      } catch (...) {
+        abort_one(c);  // no thread to be had: in line (it may wait for the graphs holding `c`)
+      }
+    }
     for (auto& t : aborts) t.join();
     for (Comm c : comms) {
       try {
@@ -472,9 +478,14 @@ void PlanGraph::abort_comms() {
       } catch (...) {
       }
     }
-    ops.clear();  // before `owner`: freeing scratch needs the runtime
-    watch.reset();
-  }).detach();
+    held->ops.clear();  // before `owner`: freeing scratch needs the runtime
+    held->watch.reset();
+  };
+  try {
+    std::thread(body).detach();
+  } catch (...) {
+    body();  // no thread to be had: in line, rather than free what a run may still write
+  }
   ops_.clear();  // moved from: the plan fails or goes, nothing reads them again
 }
 

@@ -52,7 +52,6 @@ class PlanGraph final : public DeviceGraph {
   int64_t user_runs() const override;
   // fastcomm is shutting down: the plan's communicators are aborted, later replays raise.
   void abort(const std::string& why);
-  std::string warning() const override { return warning_; }
 
  private:
   struct Pair {
@@ -128,7 +127,6 @@ class PlanGraph final : public DeviceGraph {
   int64_t replays_ = 0;
   int64_t recorded_ = 0;  // times recorded into a user's capture
   std::exception_ptr broken_;
-  std::string warning_;
 };
 
 }  // namespace device

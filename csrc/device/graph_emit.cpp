@@ -48,27 +48,18 @@ void PlanGraph::emit(Stream origin) {
   for (auto& q : pairs_) rt_.wait(q.stream, fork);
   if (join_) rt_.wait(join_, fork);
   if (retire_) rt_.wait(retire_, fork);
-  // The window (windowed_ only): launch i, of `weight` kernels, waits until every launch before
-  // the last few that fit beside it within max_kernels_ kernels has retired. retire_ waits on
-  // the launches' ends in order, so its event after launch j means launches 0..j are over.
-  struct Launch {
-    Event retired;
-    int64_t weight;
+  // The window (windowed_ only): every launch is one kernel (a pair's batch, or one part of an
+  // op of 3+), and launch i waits until launch i - max_kernels_ and all before it are over:
+  // retire_ waits on the launches' ends in order, so retired[j] means launches 0..j are over.
+  std::vector<Event> retired;
+  auto admit = [&](Stream s) {
+    if (windowed_ && (int64_t)retired.size() >= max_kernels_) rt_.wait(s, retired[retired.size() - max_kernels_]);
   };
-  std::vector<Launch> launches;
-  auto admit = [&](int64_t weight, const std::vector<Stream>& streams) {
-    if (!windowed_) return;
-    size_t i = launches.size();
-    for (int64_t sum = weight; i > 0 && sum + launches[i - 1].weight <= max_kernels_; --i) sum += launches[i - 1].weight;
-    if (i == 0) return;
-    for (Stream s : streams) rt_.wait(s, launches[i - 1].retired);
-  };
-  auto retire = [&](Event end, int64_t weight) {
+  auto retire = [&](Event end) {
     if (!windowed_) return;
     rt_.wait(retire_, end);
-    const Event r = ev();
-    rt_.record(r, retire_);
-    launches.push_back({r, weight});
+    retired.push_back(ev());
+    rt_.record(retired.back(), retire_);
   };
   std::unordered_map<uint64_t, std::pair<Stream, Event>> last;  // each group's last end
   // Transfers of parts on one pair go as one NCCL group (one kernel at each replay, not one per
@@ -136,7 +127,7 @@ void PlanGraph::emit(Stream origin) {
   auto flush = [&](Pair& q) {
     Open& o = open[q.peer];
     if (o.ops.empty()) return;
-    admit(1, {q.stream});
+    admit(q.stream);
     transfer(q, o.ops);
     std::vector<FoldJob> folds;
     for (DevOp* op : o.ops) {
@@ -146,7 +137,7 @@ void PlanGraph::emit(Stream origin) {
     if (!folds.empty()) rt_.fold(folds.data(), (int)folds.size(), q.stream);
     const Event done = ev();
     rt_.record(done, q.stream);
-    retire(done, 1);
+    retire(done);
     for (DevOp* op : o.ops) {
       last[op->key.id] = {q.stream, done};
       auto it = open_on.find(op->key.id);
@@ -175,8 +166,9 @@ void PlanGraph::emit(Stream origin) {
       if (held != open_on.end() && held->second != q.peer) flush(pair(held->second));
       auto pred = last.find(op.key.id);
       if (pred != last.end() && pred->second.first != q.stream) {
+        const Event pred_end = pred->second.second;  // flush() may rehash `last`
         flush(q);
-        rt_.wait(q.stream, pred->second.second);
+        rt_.wait(q.stream, pred_end);
       }
       o.ops.push_back(&op);
       open_on[op.key.id] = q.peer;
@@ -184,30 +176,31 @@ void PlanGraph::emit(Stream origin) {
       o.acc.writes.insert(o.acc.writes.end(), a.writes.begin(), a.writes.end());
       continue;
     }
-    // An op of 3+ (or of none): its parts on several pairs, its end work on the join stream.
+    // An op of 3+ (or of none): its parts on several pairs, its end work on the join stream. In
+    // the window each part is a launch of its own, in peer order (so the pairs (lo, hi) go in
+    // the same order on every rank).
     flush_all();
     auto pred = last.find(op.key.id);
-    if (!op.parts.empty()) {
-      std::vector<Stream> streams;
-      for (auto& p : op.parts) streams.push_back(pair(p->peer).stream);
-      admit((int64_t)op.parts.size(), streams);
-    }
-    for (auto& p : op.parts) {
+    const Stream pred_stream = pred != last.end() ? pred->second.first : nullptr;
+    const Event pred_end = pred != last.end() ? pred->second.second : nullptr;
+    std::vector<Part*> parts;
+    for (auto& p : op.parts) parts.push_back(p.get());
+    if (windowed_) std::sort(parts.begin(), parts.end(), [](Part* a, Part* b) { return a->peer < b->peer; });
+    for (Part* p : parts) {
       Pair& q = pair(p->peer);
-      if (pred != last.end() && pred->second.first != q.stream) rt_.wait(q.stream, pred->second.second);
+      if (pred_end && pred_stream != q.stream) rt_.wait(q.stream, pred_end);
+      admit(q.stream);
       transfer(q, {&op});
-    }
-    for (auto& p : op.parts) {
       const Event e = ev();
-      rt_.record(e, pair(p->peer).stream);
+      rt_.record(e, q.stream);
+      retire(e);
       rt_.wait(join_, e);
     }
-    if (op.parts.empty() && pred != last.end() && pred->second.first != join_) rt_.wait(join_, pred->second.second);
+    if (op.parts.empty() && pred_end && pred_stream != join_) rt_.wait(join_, pred_end);
     for (auto& [dst, src, n] : op.copies) rt_.copy(dst, src, n, join_);
     if (!op.folds.empty()) rt_.fold(op.folds.data(), (int)op.folds.size(), join_);
     const Event done = ev();
     rt_.record(done, join_);
-    if (!op.parts.empty()) retire(done, (int64_t)op.parts.size());
     last[op.key.id] = {join_, done};
   }
   flush_all();

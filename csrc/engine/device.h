@@ -57,9 +57,6 @@ class DeviceGraph {
   // runs of those user graphs that have started on the device.
   virtual int64_t recorded() const { return 0; }
   virtual int64_t user_runs() const { return 0; }
-  // What the caller should be warned of about this graph ("" if nothing), raised as a Python
-  // warning once capture() has returned.
-  virtual std::string warning() const { return ""; }
 };
 
 class DeviceEngine {
