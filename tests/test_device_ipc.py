@@ -296,6 +296,39 @@ def test_a_peer_that_shuts_down_takes_its_link_with_it(tmp_path):
     assert harness.run(_peer_shutdown_body, 2, str(tmp_path), timeout=60, env=IPC) == [(3.0, 0)] * 2
 
 
+def _late_opener_body(rank, world):
+    """Rank 1 maps rank 0's ring and is held there (its engine thread waits, the data mapped)
+    while rank 0's op times out, its link ends and well past two seconds go by: rank 0 must not
+    free the ring under rank 1's mapping (undefined on CUDA; the fake counts it), however late
+    rank 1 comes back, and frees it once rank 1 has let it go."""
+    from datetime import timedelta
+    store = harness.child_store()
+    g = fc.new_group([0, 1], timeout=timedelta(seconds=1))
+    if rank == 1:
+        dbg("ipc_open_hold", 1)
+    w = fc.all_reduce(torch.ones(8), group=g, async_op=True)
+    err = None
+    if rank == 0:
+        err = expect(dist.DistBackendError, w.wait, "timeout")
+        time.sleep(3.0)  # rank 0's link has ended; rank 1 still holds the mapping
+        store.set("late-opener/waited", "1")
+        _until(lambda: dbg("ipc_links") == 0, "rank 0's ring freed once rank 1 let it go")
+    else:
+        store.wait(["late-opener/waited"], timedelta(seconds=30))
+        dbg("ipc_open_hold", 0)
+        try:
+            w.wait()
+        except dist.DistBackendError as e:
+            err = str(e)
+    store.set(f"late-opener/done-{rank}", "1")
+    store.wait([f"late-opener/done-{r}" for r in range(world)], timedelta(seconds=30))
+    return err is not None, dbg("ipc_freed_while_mapped")
+
+
+def test_a_ring_is_never_freed_under_a_late_openers_mapping():
+    assert harness.run(_late_opener_body, 2, timeout=60, env=IPC, init_timeout=30) == [(True, 0), (True, 0)]
+
+
 # ---------------------------------------------------------------------------------------------
 # Devices without peer access: rings in host memory
 

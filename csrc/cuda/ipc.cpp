@@ -186,7 +186,7 @@ void* ipc_create(int device, size_t bytes, int nflags, IpcHandle* h, IpcBlock* b
   return k.release();
 }
 
-void* ipc_open(int device, const IpcHandle& h, IpcBlock* b) {
+void* ipc_open(int device, const IpcHandle& h, IpcBlock* b, const IpcClaim& claim) {
   c10::cuda::CUDAGuard g((c10::DeviceIndex)device);
   Wire w;
   std::memcpy(&w, h.bytes.data(), sizeof(w));
@@ -210,6 +210,12 @@ void* ipc_open(int device, const IpcHandle& h, IpcBlock* b) {
     throw;
   }
   k->host = w.host != 0;
+  auto* flags = static_cast<uint32_t*>(k->flags);
+  if (claim.take && !claim.take(flags)) {
+    (void)cudaHostUnregister(k->flags);
+    munmap(k->flags, k->flags_size);
+    throw_comm_error(std::string("fastcomm: the peer's IPC ring ") + w.name + " was ended before it was mapped here");
+  }
   try {
     if (k->host) {
       uint64_t at;
@@ -219,6 +225,7 @@ void* ipc_open(int device, const IpcHandle& h, IpcBlock* b) {
       FASTCOMM_GPU_CHECK(cudaIpcOpenMemHandle(&k->data, w.mem, cudaIpcMemLazyEnablePeerAccess));
     }
   } catch (...) {
+    if (claim.give_back) claim.give_back(flags);
     (void)cudaHostUnregister(k->flags);
     munmap(k->flags, k->flags_size);
     throw;

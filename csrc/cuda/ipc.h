@@ -18,6 +18,7 @@ namespace cuda {
 
 using IpcHandle = device::Runtime::IpcHandle;
 using IpcBlock = device::Runtime::IpcBlock;
+using IpcClaim = device::Runtime::IpcClaim;
 
 // Stream memory operations are available and the device reads registered host memory at the
 // host's addresses.
@@ -27,7 +28,8 @@ bool ipc_supported(int device);
 void* ipc_create(int device, size_t bytes, int nflags, IpcHandle* h, IpcBlock* b, bool host);
 // A host block, or a device block on `device` or on one `device` has peer access to.
 bool ipc_readable(int device, const IpcHandle& h);
-void* ipc_open(int device, const IpcHandle& h, IpcBlock* b);
+// With the flags mapped, `claim.take` decides whether the data is mapped too (device::Runtime).
+void* ipc_open(int device, const IpcHandle& h, IpcBlock* b, const IpcClaim& claim);
 void ipc_close(int device, void* token);
 // An opened device block's memory handle closed, its flags still mapped (Runtime::ipc_close_data).
 void ipc_close_data(int device, void* token);

@@ -304,7 +304,9 @@ void* CudaRuntime::ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* 
   return cuda::ipc_create(device_, bytes, nflags, h, b, host);
 }
 bool CudaRuntime::ipc_readable(const IpcHandle& h) { return cuda::ipc_readable(device_, h); }
-void* CudaRuntime::ipc_open(const IpcHandle& h, IpcBlock* b) { return cuda::ipc_open(device_, h, b); }
+void* CudaRuntime::ipc_open(const IpcHandle& h, IpcBlock* b, const IpcClaim& claim) {
+  return cuda::ipc_open(device_, h, b, claim);
+}
 void CudaRuntime::ipc_close(void* token) { cuda::ipc_close(device_, token); }
 void CudaRuntime::ipc_close_data(void* token) { cuda::ipc_close_data(device_, token); }
 void CudaRuntime::flag_write(uint32_t* flag, uint32_t value, Stream s) {

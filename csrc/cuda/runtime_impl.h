@@ -128,7 +128,7 @@ class CudaRuntime final : public Runtime {
   bool ipc_supported() override;
   void* ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b, bool host) override;
   bool ipc_readable(const IpcHandle& h) override;
-  void* ipc_open(const IpcHandle& h, IpcBlock* b) override;
+  void* ipc_open(const IpcHandle& h, IpcBlock* b, const IpcClaim& claim) override;
   void ipc_close(void* token) override;
   void ipc_close_data(void* token) override;
   void flag_write(uint32_t* flag, uint32_t value, Stream s) override;

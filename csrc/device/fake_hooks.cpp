@@ -71,6 +71,11 @@ int64_t FakeRuntime::debug(const std::string& what, int64_t arg) {
     return 0;
   }
   if (what == "ipc_blocks") return fake::ipc_blocks();
+  if (what == "ipc_freed_while_mapped") return fake::freed_while_mapped();
+  if (what == "ipc_open_hold") {  // the next ipc_opens wait, their data mapped, until released (arg 0)
+    fake::set_open_hold(arg != 0);
+    return 0;
+  }
   if (what == "ipc_early_waits") return fake::early_waits();
   if (what == "fake_device" || what == "peer_access") {  // links made from now on (fake_ipc.h)
     if (what == "fake_device") fake::set_device((int)arg);

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <climits>
 #include <algorithm>
 #include <cstdio>
@@ -17,6 +18,7 @@
 #include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -48,10 +50,16 @@ struct Block {
   size_t size = 0;
   bool creator = false;
   uint32_t* flags = nullptr;
+  bool host = false;  // the data is in host memory (which an owner's unmap leaves to the peer)
 };
 
 std::atomic<int64_t> g_blocks{0};
 std::atomic<int64_t> g_early_waits{0};
+std::atomic<int64_t> g_freed_while_mapped{0};
+std::atomic<bool> g_open_hold{false};
+
+// The segment's head: whether an opener has the data mapped (device blocks only matter).
+uint32_t* mapped_word(void* base) { return static_cast<uint32_t*>(base); }
 
 // The flags of every block this process maps, to find a flag's shadow: the highest value a
 // stream write enqueued so far will store in it (kept beside the flags, so both processes see
@@ -73,6 +81,15 @@ size_t flags_bytes(int nflags) { return ((size_t)nflags * 8 + 63) & ~size_t(63);
 
 [[noreturn]] void fail(const char* call, const std::string& what) {
   throw_comm_error(std::string("fastcomm fake runtime: ") + call + ": " + what + " (" + std::strerror(errno) + ")");
+}
+
+void unfill(Block& k) {
+  std::lock_guard<std::mutex> lk(g_flags_mu);
+  for (auto it = g_flags.begin(); it != g_flags.end(); ++it)
+    if (it->first == k.flags) {
+      g_flags.erase(it);
+      break;
+    }
 }
 
 void fill(Block& k, int nflags, uint64_t bytes, Runtime::IpcBlock* b) {
@@ -114,6 +131,7 @@ void* ipc_create(size_t bytes, int nflags, Runtime::IpcHandle* h, Runtime::IpcBl
     fail("ipc_create", "mmap");
   }
   auto* k = new Block{name, base, size, true};
+  k->host = host;
   fill(*k, nflags, bytes, b);
   // Fresh device memory holds garbage: a read that no flag ordered after its write sees it.
   std::memset(b->data, 0xa5, bytes);
@@ -129,7 +147,7 @@ void* ipc_create(size_t bytes, int nflags, Runtime::IpcHandle* h, Runtime::IpcBl
   return k;
 }
 
-void* ipc_open(const Runtime::IpcHandle& h, Runtime::IpcBlock* b) {
+void* ipc_open(const Runtime::IpcHandle& h, Runtime::IpcBlock* b, const Runtime::IpcClaim& claim) {
   Wire w;
   std::memcpy(&w, h.bytes.data(), sizeof(w));
   if (w.magic != kMagic) throw_comm_error("fastcomm fake runtime: ipc_open: not a fake IPC handle");
@@ -152,6 +170,15 @@ void* ipc_open(const Runtime::IpcHandle& h, Runtime::IpcBlock* b) {
   shm_unlink(w.name);
   auto* k = new Block{w.name, base, size, false};
   fill(*k, (int)w.nflags, w.bytes, b);
+  if (claim.take && !claim.take(b->flags)) {
+    unfill(*k);
+    munmap(base, size);
+    delete k;
+    throw_comm_error(std::string("fastcomm fake runtime: ipc_open: the peer's ring ") + w.name +
+                     " was ended before it was mapped here");
+  }
+  __atomic_store_n(mapped_word(base), 1, __ATOMIC_SEQ_CST);  // the data mapped (cudaIpcOpenMemHandle)
+  while (g_open_hold.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   ++g_blocks;
   return k;
 }
@@ -159,13 +186,11 @@ void* ipc_open(const Runtime::IpcHandle& h, Runtime::IpcBlock* b) {
 void ipc_close(void* token) {
   auto* k = static_cast<Block*>(token);
   if (k == nullptr) return;
-  {
-    std::lock_guard<std::mutex> lk(g_flags_mu);
-    for (auto it = g_flags.begin(); it != g_flags.end(); ++it)
-      if (it->first == k->flags) {
-        g_flags.erase(it);
-        break;
-      }
+  unfill(*k);
+  if (!k->creator) {
+    __atomic_store_n(mapped_word(k->base), 0, __ATOMIC_SEQ_CST);
+  } else if (!k->host && __atomic_load_n(mapped_word(k->base), __ATOMIC_SEQ_CST) != 0) {
+    ++g_freed_while_mapped;  // cudaFree under a peer's cudaIpcOpenMemHandle: undefined on CUDA
   }
   munmap(k->base, k->size);
   if (k->creator) shm_unlink(k->name.c_str());  // never opened: the name is still there
@@ -209,6 +234,12 @@ void note_wait(const uint32_t* flag, uint32_t value) {
 }
 
 int64_t ipc_blocks() { return g_blocks.load(); }
+void set_open_hold(bool on) { g_open_hold = on; }
+void ipc_close_data(void* token) {
+  auto* k = static_cast<Block*>(token);
+  if (k != nullptr && !k->creator) __atomic_store_n(mapped_word(k->base), 0, __ATOMIC_SEQ_CST);
+}
+int64_t freed_while_mapped() { return g_freed_while_mapped.load(); }
 int64_t early_waits() { return g_early_waits.load(); }
 
 }  // namespace fake

@@ -18,7 +18,14 @@ void* ipc_create(size_t bytes, int nflags, Runtime::IpcHandle* h, Runtime::IpcBl
 // A device block of another fake device is readable only with peer access (set_peer_access);
 // ipc_open refuses what is not, as cudaIpcOpenMemHandle does.
 bool ipc_readable(const Runtime::IpcHandle& h);
-void* ipc_open(const Runtime::IpcHandle& h, Runtime::IpcBlock* b);
+// A device block's data counts as mapped by the opener from after `claim.take` until its close;
+// its owner freeing it meanwhile is counted (debug "ipc_freed_while_mapped"), as CUDA leaves that
+// undefined. With set_open_hold(true), ipc_open waits, the data mapped, until it is released.
+void* ipc_open(const Runtime::IpcHandle& h, Runtime::IpcBlock* b, const Runtime::IpcClaim& claim);
+void set_open_hold(bool on);
+// An opened block's data unmapped (its flags stay mapped until ipc_close).
+void ipc_close_data(void* token);
+int64_t freed_while_mapped();
 // Test hooks (debug "fake_device", "peer_access"): the fake device this process drives (all
 // are device 0 unless set), and whether distinct fake devices have peer access (default yes).
 void set_device(int device);

@@ -84,8 +84,11 @@ class FakeRuntime final : public Runtime {
   bool ipc_supported() override { return true; }
   void* ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b, bool host) override;
   bool ipc_readable(const IpcHandle& h) override { return fake::ipc_readable(h); }
-  void* ipc_open(const IpcHandle& h, IpcBlock* b) override { return fake::ipc_open(h, b); }
+  void* ipc_open(const IpcHandle& h, IpcBlock* b, const IpcClaim& claim) override {
+    return fake::ipc_open(h, b, claim);
+  }
   void ipc_close(void* token) override { fake::ipc_close(token); }
+  void ipc_close_data(void* token) override { fake::ipc_close_data(token); }
   void flag_write(uint32_t* flag, uint32_t value, Stream s) override;
   void flag_wait(Stream s, const uint32_t* flag, uint32_t value) override;
   void flag_set(uint32_t* flag, uint32_t value) override { flag_store(flag, value); }

@@ -59,7 +59,7 @@ void* Runtime::ipc_create(size_t, int, IpcHandle*, IpcBlock*, bool) {
   TORCH_CHECK(false, "fastcomm: the ", name(), " device runtime has no same-host IPC");
 }
 bool Runtime::ipc_readable(const IpcHandle&) { return true; }
-void* Runtime::ipc_open(const IpcHandle&, IpcBlock*) {
+void* Runtime::ipc_open(const IpcHandle&, IpcBlock*, const IpcClaim&) {
   TORCH_CHECK(false, "fastcomm: the ", name(), " device runtime has no same-host IPC");
 }
 void Runtime::ipc_close(void*) {}
@@ -128,13 +128,26 @@ void IpcLink::open_peer(const UniqueId& id) {
   TORCH_INTERNAL_ASSERT(peer_token_ == nullptr, "IPC link opened twice");
   const Wire w = wire_of(id);
   TORCH_INTERNAL_ASSERT(w.tag == kTag && w.slots > 0 && w.slot_bytes > 0, "not an IPC link id");
+  // The claim: the owner frees a ring nobody claimed once it has ended the link (IpcLinks::poll),
+  // and a ring it has ended is not mapped here. Each side stores its word, fences, then reads
+  // the other's, so whichever comes second sees the first: the ring is never freed under a
+  // mapping, nor kept for an opener that will never come.
+  const uint32_t k = w.slots;
+  Runtime::IpcClaim claim;
+  claim.take = [k](uint32_t* f) {
+    __atomic_store_n(f + opened_flag(k), 1, __ATOMIC_SEQ_CST);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (__atomic_load_n(f + owner_ended_flag(k), __ATOMIC_SEQ_CST) == 0) return true;
+    store(f + closed_flag(k), 1);  // ended: not mapped, so the owner may free it now
+    return false;
+  };
+  claim.give_back = [k](uint32_t* f) { store(f + closed_flag(k), 1); };
   Runtime::IpcBlock b;
-  peer_token_ = rt_.ipc_open(w.handle, &b);
+  peer_token_ = rt_.ipc_open(w.handle, &b, claim);
   theirs_ = b;
   peer_slots_ = w.slots;
   peer_slot_bytes_ = w.slot_bytes;
   rx_wait_.assign(peer_slots_, 0);
-  rt_.flag_set(peer_flag(opened_flag(peer_slots_)), 1);
 }
 
 size_t IpcLink::add(const Part& p, Stream s) {
@@ -264,7 +277,7 @@ void IpcLink::abort() {
     for (uint32_t k = 0; k < slots_; ++k)
       garbage = garbage || (tx_wait_[k] != 0 && (int32_t)(load(own_flag(slots_ + k)) - tx_wait_[k]) < 0);
     if (garbage) store(own_flag(garbage_flag(slots_)), 1);
-    store(own_flag(owner_ended_flag(slots_)), 1);
+    __atomic_store_n(own_flag(owner_ended_flag(slots_)), 1, __ATOMIC_SEQ_CST);  // the claim's other half
   }
   if (peer_token_ != nullptr) store(peer_flag(opener_ended_flag(peer_slots_)), 1);
   steps_.clear();  // never enqueued: their parts fail with the epoch
@@ -330,15 +343,13 @@ void IpcLinks::end(Comm c, EventPtr drained) {
   live_.erase(it);
   x.link->abort();
   x.drained = std::move(drained);
-  x.since = Clock::now();
   closing_.push_back(std::move(x));
 }
 
 bool IpcLinks::poll(const std::function<bool(int)>& peer_alive) {
-  // A peer that never mapped this side's ring gets this long to do it (its proposal may be on
-  // the way) before the ring goes without it.
-  constexpr auto kUnopenedGrace = std::chrono::seconds(2);
-  const auto now = Clock::now();
+  // After each link's end (IpcLink::abort) and before its claim word is read: a peer that has
+  // not claimed the ring by now never maps it (IpcLink::open_peer).
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
   for (size_t i = 0; i < closing_.size();) {
     Closing& x = closing_[i];
     if (x.drained && rt_.query(x.drained->ev) != State::kReady) {
@@ -348,8 +359,7 @@ bool IpcLinks::poll(const std::function<bool(int)>& peer_alive) {
     }
     x.drained.reset();
     x.link->close_peer();
-    const bool done = x.link->peer_done() || !peer_alive(x.link->peer()) ||
-                      (!x.link->peer_opened() && now - x.since > kUnopenedGrace);
+    const bool done = x.link->peer_done() || !peer_alive(x.link->peer()) || !x.link->peer_opened();
     if (!done) {
       ++i;
       continue;

@@ -100,6 +100,7 @@ class IpcLink {
   void close_peer();
   // Whether the peer unmapped this side's ring (or never mapped it).
   bool peer_done() const;
+  // Whether the peer claimed this side's ring (it maps it, or did; open_peer's claim).
   bool peer_opened() const;
 
   bool skip_rx_waits = false;  // test hook: the receive copies wait for nothing
@@ -178,7 +179,6 @@ class IpcLinks {
   struct Closing {
     std::unique_ptr<IpcLink> link;
     EventPtr drained;
-    Clock::time_point since;
     bool peer_closed = false;
   };
   Runtime& rt_;

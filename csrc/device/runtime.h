@@ -29,6 +29,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -141,15 +142,22 @@ class Runtime {
   // Whether this process's device can read the block `h` names: a host block always; a device
   // block where it is on this device or one this device has peer access to.
   virtual bool ipc_readable(const IpcHandle& h);
+  // What an opener settles with the block's owner between mapping the flags and mapping the data
+  // (IpcLink's claim): `take` says whether to go on; `give_back` undoes a take whose data could
+  // then not be mapped. Either may be empty.
+  struct IpcClaim {
+    std::function<bool(uint32_t* flags)> take;
+    std::function<void(uint32_t* flags)> give_back;
+  };
   // Maps another process's block (its name goes at once: nothing is left behind after a crash);
-  // raises where it is not readable here.
-  virtual void* ipc_open(const IpcHandle& h, IpcBlock* b);
+  // raises where it is not readable here, or where `claim.take` refused it.
+  virtual void* ipc_open(const IpcHandle& h, IpcBlock* b, const IpcClaim& claim);
   // Unmaps an opened block, frees a created one. Nothing may run on it any more, and a created
   // block's openers must have closed theirs (or be gone).
   virtual void ipc_close(void* token);
   // Unmaps an opened block's data only, its flags staying mapped: the owner frees the data once
   // a flag says so, which must come after the unmap (freeing before the opener's close is
-  // undefined on CUDA). Where both are one mapping (the fake), ipc_close does it all.
+  // undefined on CUDA). The fake keeps one mapping for both and only notes the data unmapped.
   virtual void ipc_close_data(void*) {}
   // On `s`, after the work before it (whose writes it makes visible first): *flag = value.
   virtual void flag_write(uint32_t* flag, uint32_t value, Stream s);
