@@ -9,7 +9,10 @@ what CUDA refuses under capture (tests/cpp/test_fake_graphs.cpp tests the model 
 - The members agree on the plan at capture: a plan that differs between two members raises on
   both, naming the peer.
 - Faults during replay: a dead peer, and a member that never replays (a timeout), raise
-  DistBackendError naming the peer from the next replay or wait(), never hang; other groups go on.
+  DistBackendError naming the peer from the next replay or wait(), never hang; other groups go on;
+  a run with two silent peers drains (their communicators are aborted at once).
+- More peers than FASTCOMM_DEVICE_MAX_KERNELS: the launches go in a window, so a triangle of
+  pairs, and an op of three, whose branches reach a one-kernel device in a cycle complete.
 - A careless capture that allocates with the capture begun fails on the fake, as on CUDA.
 - fastcomm.shutdown() ends a live graph: its next replay raises.
 - An op issued under capture outside a plan, natively or through the backend, is refused

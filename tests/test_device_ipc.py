@@ -11,7 +11,8 @@ on the streams) instead of a fake NCCL communicator.
 - a peer killed with ops in flight, or one that stalls, fails only its ops, naming it, within the
   timeout; a timed-out channel goes on over a new link; idle links are released and made again; a
   peer that shuts down takes its link with it; scratch outlives a stream whose waits an abort
-  released; links are released, and /dev/shm is left as it was (the autouse fixture);
+  released; a ring is never freed under a late opener's mapping; links are released, and
+  /dev/shm is left as it was (the autouse fixture);
 - FASTCOMM_DEVICE_IPC=0 keeps the channels on NCCL; a simulated second host does too.
 """
 from __future__ import annotations

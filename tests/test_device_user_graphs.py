@@ -13,7 +13,8 @@ recorded anew reaches the user's graph. On a GPU the same bodies use torch.cuda.
   back to back without a wait: every run counted and applied, in order.
 - Faults: a peer dead during a user graph's run, and a member that never replays its user graph,
   fail the graph (the user's graph drains: the caller's stream synchronizes, no hang) and raise
-  DistBackendError naming the peer from the next wait() or replay().
+  DistBackendError naming the peer from the next wait() or replay(). A failed plan dropped while
+  its run in a user graph still waits keeps that run's memory until its communicators are gone.
 - Refused under capture: g.wait(), p.capture(), and a dead graph's replay.
 - Through the backend (init_process_group("cpu:fastcomm,cuda:fastcomm")): dist.all_reduce under
   capture raises the plan route's message, exactly."""
