@@ -289,17 +289,21 @@ void FakeRuntime::launch(StreamCore& st, std::vector<Op> ops) {
     }).detach();
   }
   auto shared = std::make_shared<std::vector<Op>>(std::move(ops));
-  // A captured kernel is a kernel at each replay: resident before it moves anything, as below.
+  // A kernel, eager or a graph's at each replay: resident (debug "resident_limit") before it
+  // moves anything.
   auto res = residency_;
-  std::function<void()> replay = [shared, res] {
-    std::vector<Op> now;
-    for (const auto& t : *shared) now.push_back(replica(t));
-    const ResidentSlot slot(*res, res->enter([&] {
-      for (auto& op : now)
+  auto kernel = [](Residency& r, std::vector<Op>& run) {
+    const ResidentSlot slot(r, r.enter([&] {
+      for (auto& op : run)
         if (op.comm->aborted()) return true;
       return false;
     }));
-    run_ops(now);
+    run_ops(run);
+  };
+  std::function<void()> replay = [shared, res, kernel] {
+    std::vector<Op> now;
+    for (const auto& t : *shared) now.push_back(replica(t));
+    kernel(*res, now);
   };
   if (capture_task(&st, replay)) {
     ++captured_launches_;
@@ -319,15 +323,7 @@ void FakeRuntime::launch(StreamCore& st, std::vector<Op> ops) {
     run_on(st, [shared] { run_ops(*shared); });
     return;
   }
-  // A kernel: resident (debug "resident_limit") before it moves anything.
-  run_on(st, [shared, res] {
-    const ResidentSlot slot(*res, res->enter([&] {
-      for (auto& op : *shared)
-        if (op.comm->aborted()) return true;
-      return false;
-    }));
-    run_ops(*shared);
-  });
+  run_on(st, [shared, res, kernel] { kernel(*res, *shared); });
 }
 
 }  // namespace fake

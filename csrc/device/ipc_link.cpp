@@ -134,14 +134,14 @@ void IpcLink::open_peer(const UniqueId& id) {
   // mapping, nor kept for an opener that will never come.
   const uint32_t k = w.slots;
   Runtime::IpcClaim claim;
-  claim.take = [k](uint32_t* f) {
+  claim.give_back = [k](uint32_t* f) { store(f + closed_flag(k), 1); };  // not mapped: the owner may free it
+  claim.take = [k, give_back = claim.give_back](uint32_t* f) {
     __atomic_store_n(f + opened_flag(k), 1, __ATOMIC_SEQ_CST);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     if (__atomic_load_n(f + owner_ended_flag(k), __ATOMIC_SEQ_CST) == 0) return true;
-    store(f + closed_flag(k), 1);  // ended: not mapped, so the owner may free it now
+    give_back(f);  // ended: it is not mapped here
     return false;
   };
-  claim.give_back = [k](uint32_t* f) { store(f + closed_flag(k), 1); };
   Runtime::IpcBlock b;
   peer_token_ = rt_.ipc_open(w.handle, &b, claim);
   theirs_ = b;
@@ -347,6 +347,7 @@ void IpcLinks::end(Comm c, EventPtr drained) {
 }
 
 bool IpcLinks::poll(const std::function<bool(int)>& peer_alive) {
+  if (closing_.empty()) return false;
   // After each link's end (IpcLink::abort) and before its claim word is read: a peer that has
   // not claimed the ring by now never maps it (IpcLink::open_peer).
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
