@@ -122,8 +122,10 @@ def main():
         t_us = max((r.get("torch_us_per_op", 0.0) for r in res), default=0.0)
         ratio = f"{t_us / fc_us:.1f}x" if t_us else "-"
         t_mwe = max((r.get("torch_mwe_s", 0.0) for r in res), default=0.0)
-        print(f"{p:>5} {fc_us:>9.2f} {t_us if t_us else '-':>12} {ratio:>7} {max(r['fc_mwe_s'] for r in res):>9.4f} "
-              f"{t_mwe if t_mwe else '-':>12} {min(r['ipc_links'] for r in res):>6}")
+        t_col = f"{t_us:>12.2f}" if t_us else f"{'-':>12}"
+        t_mwe_col = f"{t_mwe:>12.4f}" if t_mwe else f"{'-':>12}"
+        print(f"{p:>5} {fc_us:>9.2f} {t_col} {ratio:>7} {max(r['fc_mwe_s'] for r in res):>9.4f} "
+              f"{t_mwe_col} {min(r['ipc_links'] for r in res):>6}")
     if 1 in results:
         r0 = results[1][0]
         print(f"16 MB pair all_reduce: {min(r['fc_big_GBps'] for r in results[1]):.2f} GB/s algorithm bandwidth; "

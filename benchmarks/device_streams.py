@@ -6,8 +6,9 @@ them; all may share one GPU (each then gets its own NCCL_HOSTID, as torch's NCCL
 Per rank and backend:
 
 - run-ahead: a long kernel (torch.cuda._sleep) on the current stream, then N blocking pair
-  all_reduces: the host time for the N calls, and whether the last op had run when they
-  returned (it must not have: the host runs ahead of the GPU);
+  all_reduces: the host time for the N calls, whether the last op had run when they returned
+  (it must not have: the host runs ahead of the GPU), and how many of them returned while the
+  kernel still ran (its length timed by CUDA events);
 - host cost: CPU seconds (time.thread_time) per issued async pair all_reduce, N ops issued
   back to back, then one synchronize; and the process's CPU seconds (time.process_time: the
   engine thread, the threads NCCL starts) per op from the first issue to that synchronize;
@@ -21,7 +22,7 @@ tensors, no torch comparison, a "hold" kernel instead of _sleep): a check of thi
 the path's logic, not a measurement.
 
 Usage: python benchmarks/device_streams.py [--world 2] [--ops 1000] [--numel 100] [--groups 10000] [--fake]
-       [--launcher spawn|fork|torchrun]
+       [--sides torch,fc] [--launcher spawn|fork|torchrun]
 """
 from __future__ import annotations
 
@@ -59,18 +60,30 @@ def _rank(store, rank, world, args):
         for _ in range(50):
             allreduce(x, False)
         sync()
-        # run-ahead
+        # run-ahead: the host time of each blocking call, and how many returned while the long
+        # kernel still ran (its length timed by events around it; the GPU starts it at once)
+        if not fake:
+            k0, k1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            k0.record()
         long_kernel()
+        if not fake:
+            k1.record()
         t0 = time.perf_counter()
+        returned = []
         for _ in range(n):
             w = allreduce(x, True)
             w.wait()
-        out[f"{prefix}_ahead_host_s"] = time.perf_counter() - t0
+            returned.append(time.perf_counter())
+        out[f"{prefix}_ahead_host_s"] = returned[-1] - t0
         out[f"{prefix}_ahead_last_pending"] = not is_done(w)
         end_kernel()
         sync()
         t1 = time.perf_counter()
         out[f"{prefix}_ahead_total_s"] = t1 - t0
+        if not fake:
+            kernel_s = k0.elapsed_time(k1) / 1e3
+            out[f"{prefix}_kernel_s"] = kernel_s
+            out[f"{prefix}_ahead_during_kernel"] = sum(1 for r in returned if r - t0 < kernel_s)
         # host cost per issued async op: the caller's thread, and the whole process (the engine
         # thread's launches, and any thread NCCL starts per launch) until the ops have run
         c0, p0 = time.thread_time(), time.process_time()
@@ -87,7 +100,7 @@ def _rank(store, rank, world, args):
         sync()
         out[f"{prefix}_us_per_op"] = (time.perf_counter() - t0) / n * 1e6
 
-    if not fake:
+    if not fake and "torch" in args.sides:
         dist.init_process_group("nccl", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world,
                                 device_id=torch.device("cuda", torch.cuda.current_device()))
         tg = [dist.new_group([i, i + 1]) for i in range(0, world, 2)][rank // 2]
@@ -97,7 +110,8 @@ def _rank(store, rank, world, args):
 
     fc.init(store=dist.PrefixStore("fc/", store), rank=rank, world_size=world, timeout=timedelta(seconds=120))
     fg = fc.new_group(pair_ranks)
-    measure("fc", lambda x, a: fc.all_reduce(x, group=fg, async_op=a), lambda w: w.is_completed())
+    if "fc" in args.sides:
+        measure("fc", lambda x, a: fc.all_reduce(x, group=fg, async_op=a), lambda w: w.is_completed())
 
     # memory over changing pairs: every rank draws the same pairing each step
     if args.groups and world >= 2:
@@ -119,7 +133,7 @@ def _rank(store, rank, world, args):
                     used[step] = total - free
         out["mem_steps"] = used
     fc.shutdown()
-    if not fake:
+    if dist.is_initialized():
         dist.destroy_process_group()
     return out
 
@@ -130,18 +144,20 @@ def main():
     ap.add_argument("--ops", type=int, default=1000)
     ap.add_argument("--numel", type=int, default=100)
     ap.add_argument("--groups", type=int, default=10000)
+    ap.add_argument("--sides", default="torch,fc", help="which libraries to measure (comma-separated)")
     ap.add_argument("--sleep-cycles", type=float, default=2e9, help="torch.cuda._sleep cycles of the long kernel")
     add_device_args(ap, job_timeout=300)
     args = parse_device_args(ap)
     res = run_job(_rank, args.world, args, timeout=args.job_timeout)
-    sides = ["fc"] if args.fake else ["torch", "fc"]
+    sides = [s for s in ("torch", "fc") if s in args.sides.split(",") and not (args.fake and s == "torch")]
     print(f"{args.world} ranks, {args.ops} ops of {args.numel} float32 per pair, {'fake' if args.fake else 'GPU'}")
-    print(f"{'':>8} {'ahead host s':>13} {'last pending':>13} {'CPU us/issued':>14} {'proc CPU us/op':>15} "
-          f"{'us/op b2b':>10}")
+    print(f"{'':>8} {'ahead host s':>13} {'last pending':>13} {'during kernel':>14} {'CPU us/issued':>14} "
+          f"{'proc CPU us/op':>15} {'us/op b2b':>10}")
     for s in sides:
         worst = lambda k: max(r[f"{s}_{k}"] for r in res)  # noqa: E731
         pending = all(r[f"{s}_ahead_last_pending"] for r in res)
-        print(f"{s:>8} {worst('ahead_host_s'):>13.4f} {str(pending):>13} {worst('cpu_us_per_op'):>14.2f} "
+        during = "-" if args.fake else f"{min(r[f'{s}_ahead_during_kernel'] for r in res)}/{args.ops}"
+        print(f"{s:>8} {worst('ahead_host_s'):>13.4f} {str(pending):>13} {during:>14} {worst('cpu_us_per_op'):>14.2f} "
               f"{worst('proc_cpu_us_per_op'):>15.2f} {worst('us_per_op'):>10.2f}")
     if "mem_steps" in res[0]:
         unit = "live communicators" if args.fake else "bytes in use on the device"

@@ -130,17 +130,19 @@ def run(body, args, title, details=None):
     result on rank 0 (a dict with step_ms, comm_ms, loss_first, loss_final, and with --check
     check_max_abs_diff) is summarized there. ``details(result)`` adds an example-specific line.
     Returns the exit status."""
-    if getattr(args, "device", "cpu") == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: torch sees no CUDA device here", file=sys.stderr)
-        return 2
+    # The parent asks nothing of CUDA: torch refuses CUDA in a rank forked after the parent
+    # has queried it, so each rank checks for the device itself.
     if under_launcher():
-        _run_rank(body, args, title, details)
-        return 0
+        return _run_rank(body, args, title, details)
     return _spawn(body, args, title, details)
 
 
 def _run_rank(body, args, title, details):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if getattr(args, "device", "cpu") == "cuda" and not torch.cuda.is_available():
+        if rank == 0:
+            print("--device cuda: torch sees no CUDA device here", file=sys.stderr)
+        return 2
     names = ["torch", "fastcomm"] if args.compare else [args.backend]
     timeout = timedelta(seconds=args.timeout)
     device = getattr(args, "device", "cpu")
@@ -168,6 +170,7 @@ def _run_rank(body, args, title, details):
             dist.destroy_process_group()
     if rank == 0:
         _report(results, args, title(world), details)
+    return 0
 
 
 def _report(results, args, title, details):
@@ -226,7 +229,7 @@ def _child(body, args, title, details, rank, port):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # The ranks share this machine's cores: one rank per core's worth of torch threads.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc))
-    _run_rank(body, args, title, details)
+    sys.exit(_run_rank(body, args, title, details))
 
 
 def _spawn(body, args, title, details):
@@ -246,8 +249,9 @@ def _spawn(body, args, title, details):
     status = 0
     while True:
         alive = [p for p in procs if p.exitcode is None]
-        if any(p.exitcode not in (None, 0) for p in procs) and status == 0:
-            status = 1
+        failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+        if failed and status == 0:
+            status = 2 if failed[0] == 2 else 1  # 2: no CUDA device
             deadline = min(deadline, time.monotonic() + 10.0)
         if not alive:
             break

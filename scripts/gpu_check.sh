@@ -22,7 +22,9 @@
 # The module is built in build/gpu-check (or $FASTCOMM_GPU_BUILD_DIR) and staged with the
 # package in its pkg/ folder (the source tree's own module is left alone). The run keeps within
 # FASTCOMM_GPU_CHECK_BUDGET seconds (default 530): each step has its own timeout, cut to what is
-# left. A user-set NCCL_DEBUG reaches every rank unchanged.
+# left. FASTCOMM_GPU_CHECK_ONLY (comma-separated words) runs only the steps whose names contain
+# one of them, besides the machine's description and the build (a rerun of what one run left
+# out). A user-set NCCL_DEBUG reaches every rank unchanged.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -66,6 +68,18 @@ write_report() {
   } > "$REPORT.tmp" && mv "$REPORT.tmp" "$REPORT"
 }
 
+# selected KIND NAME: whether FASTCOMM_GPU_CHECK_ONLY lets the step run (env, info and the
+# build always run).
+selected() {
+  local word
+  [ -z "${FASTCOMM_GPU_CHECK_ONLY:-}" ] && return 0
+  case "$1:$2" in env:* | info:* | *"build the CUDA"*) return 0 ;; esac
+  for word in ${FASTCOMM_GPU_CHECK_ONLY//,/ }; do
+    case "$2" in *"$word"*) return 0 ;; esac
+  done
+  return 1
+}
+
 # step KIND NAME WANT_S COMMAND: runs COMMAND (a bash script) under `timeout`, at most WANT_S
 # seconds and never past the budget; KIND "test" failures fail the run.
 step() {
@@ -74,6 +88,11 @@ step() {
   local log=$LOGS/$N.log left limit rc wall result t0 t1
   left=$((BUDGET - ($(date +%s) - START) - 5))
   limit=$((want < left ? want : left))
+  if ! selected "$kind" "$name"; then
+    echo "== [$N] $name: not selected (FASTCOMM_GPU_CHECK_ONLY)" >&2
+    echo "| $N | $name | $kind | not selected | - | 0 |" >> "$LOGS/summary"
+    return 0
+  fi
   if [ "$limit" -lt 10 ]; then
     rc="-"
     wall=0
@@ -170,6 +189,7 @@ echo
 '$PY' -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available:\", torch.cuda.is_available(), \"devices:\", torch.cuda.device_count()); print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no GPU\")'
 '$PY' -c 'import pytest; print(\"pytest\", pytest.__version__)' || '$PY' -m pip install -q --disable-pip-version-check pytest pytest-timeout || true
 command -v nvcc && nvcc --version | tail -n 2
+echo \"MPS control: \$(command -v nvidia-cuda-mps-control || echo none)\"
 echo \"cores: \$(nproc)\"
 lscpu 2>/dev/null | grep -E '^(Model name|Socket|Core|Thread|NUMA node\\(s\\)|L2|L3|Hypervisor)' || true
 lscpu -e=CPU,CORE,SOCKET,NODE 2>/dev/null || true"
@@ -207,8 +227,12 @@ if [ "$BUILT" = 1 ]; then
     "$RUN; FASTCOMM_DEVICE_IPC=0 $PYTEST -k all_reduce_pairs_triples"
   step test "smoke: the same over CUDA IPC links (FASTCOMM_DEVICE_IPC=1), every process's streams on one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1)" 60 \
     "$RUN; FASTCOMM_DEVICE_IPC=1 CUDA_DEVICE_MAX_CONNECTIONS=1 $PYTEST -k all_reduce_pairs_triples"
-  step bench "benchmarks/device_streams.py: run-ahead, host cost and back-to-back vs torch NCCL, memory over 10,000 pair groups" 90 \
+  step bench "benchmarks/device_streams.py: run-ahead, host cost and back-to-back vs torch NCCL, memory over 10,000 pair groups" 150 \
     "$RUN; '$PY' '$ROOT/benchmarks/device_streams.py' --world 4 --ops 1000 --groups 10000 --json '$REPORT_DIR/device_streams.json'"
+  step bench "benchmarks/device_streams.py run-ahead, fastcomm alone: IPC links, NCCL channels (FASTCOMM_DEVICE_IPC=0), IPC with 32 hardware queues (CUDA_DEVICE_MAX_CONNECTIONS=32)" 90 \
+    "$RUN; for v in 'FASTCOMM_DEVICE_IPC=1' 'FASTCOMM_DEVICE_IPC=0' 'FASTCOMM_DEVICE_IPC=1 CUDA_DEVICE_MAX_CONNECTIONS=32'; do echo \"== \$v\"; env \$v '$PY' '$ROOT/benchmarks/device_streams.py' --world 2 --ops 1000 --groups 0 --sides fc --job-timeout 40; done"
+  step bench "benchmarks/device_ipc.py with a 64 MiB ring (FASTCOMM_DEVICE_IPC_RING_BYTES): 16 MB in one slot" 60 \
+    "$RUN; FASTCOMM_DEVICE_IPC_RING_BYTES=67108864 '$PY' '$ROOT/benchmarks/device_ipc.py' --pairs 1 --ops 300 --no-torch --json '$REPORT_DIR/device_ipc_ring64.json'"
   step bench "benchmarks/device_ipc.py: same-host channels over CUDA IPC vs torch NCCL, 1 and 8 pairs on one GPU (400 B back to back, the MWE shape, 16 MB vs a D2D copy, memory)" 90 \
     "$RUN; '$PY' '$ROOT/benchmarks/device_ipc.py' --pairs 1,8 --ops 1000 --json '$REPORT_DIR/device_ipc.json'"
   step bench "benchmarks/device_graphs.py: a plan of 64 pair all_reduces captured (p.capture()) and replayed 1,000 times vs the same plan started without a graph vs torch NCCL's captured ops" 60 \
