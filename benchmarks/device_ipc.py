@@ -75,6 +75,13 @@ def _rank(store, rank, world, args):
         dist.destroy_process_group()
         sync()
 
+    if not fake:
+        # Load the kernels a rank's first ops use (CUDA loads modules lazily, into device
+        # memory) before the first reading, so that the readings see fastcomm's memory alone.
+        w = torch.ones(args.numel, device=device)
+        (w + w).sum().item()
+        torch.empty_like(w).copy_(w)
+        del w
     mem0 = used("before")
     fc.init(store=dist.PrefixStore("fc/", store), rank=rank, world_size=world, timeout=timedelta(seconds=120))
     fg = fc.new_group(pair)
@@ -133,6 +140,10 @@ def main():
         print(f"device memory in use, both ranks together: +{r0['mem_link_up']} B with the link up (each rank's own "
               f"rings: {r0['ipc_ring_bytes']} B; the rest is scratch in torch's caching allocator), "
               f"{r0['mem_after_shutdown']:+d} B after fc.shutdown()")
+    for p, res in results.items():
+        if p != 1:
+            print(f"{p} pairs: device memory in use after fc.shutdown(), all {2 * p} ranks together: "
+                  f"{res[0]['mem_after_shutdown']:+d} B")
     if args.json:
         write_json(args.json, results)
 

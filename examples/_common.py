@@ -238,7 +238,7 @@ def _spawn(body, args, title, details):
     if args.nproc < 1:
         raise SystemExit("--nproc must be at least 1")
     # fork, not spawn: a spawned rank would import torch again (seconds per rank). The parent
-    # has made no threads or process groups, so forking it is safe.
+    # has made no threads or process groups and asked nothing of CUDA, so forking it is safe.
     ctx = mp.get_context("fork")
     port = _free_port()
     procs = [ctx.Process(target=_child, args=(body, args, title, details, r, port), daemon=True)

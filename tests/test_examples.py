@@ -96,3 +96,38 @@ def test_moe(path):
         # Every token reaches one expert, and the gate spreads them over all four.
         assert sum(r["expert_load"]) == 4 * r["tokens"] and min(r["expert_load"]) > 0
     assert fc_run["loss_curve"] == pytest.approx(torch_run["loss_curve"], rel=1e-6)
+
+
+_NO_CUDA_IN_PARENT = r"""
+import argparse, os, sys
+import torch
+sys.path.insert(0, os.path.join(sys.argv[1], "examples"))
+import _common
+
+parent = os.getpid()
+asked = []
+
+def ask(value):
+    def f(*a, **k):
+        if os.getpid() == parent:
+            asked.append(1)
+        return value
+    return f
+
+# A GPU build of torch refuses CUDA in a rank forked after the parent queried it.
+torch.cuda.is_available, torch.cuda.device_count = ask(False), ask(0)
+args = argparse.Namespace(device="cuda", nproc=2, timeout=60, compare=False, backend="fastcomm")
+status = _common.run(lambda *a: {}, args, lambda world: "")
+print(status, len(asked))
+"""
+
+
+def test_the_launcher_asks_nothing_of_cuda_before_it_forks_the_ranks():
+    """--device cuda on a machine without one: the ranks (not the parent, which would make
+    CUDA unusable in the ranks it forks) find no device and the run exits with status 2."""
+    proc = subprocess.run([sys.executable, "-c", _NO_CUDA_IN_PARENT, ROOT], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    status, parent_calls = proc.stdout.split()[-2:]
+    assert (status, parent_calls) == ("2", "0"), proc.stdout + proc.stderr[-2000:]
+    assert "torch sees no CUDA device here" in proc.stderr
