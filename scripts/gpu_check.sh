@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA/NCCL path on a GPU machine (one GPU is enough; no network needed): builds the CUDA
 # variant of fastcomm; a smoke test on NCCL channels and on CUDA IPC links apart; then
-# benchmarks/device_streams.py (stream semantics and host cost against torch NCCL) and
-# benchmarks/device_ipc.py (same-host channels over CUDA IPC against torch NCCL);
+# benchmarks/device_streams.py (stream semantics and host cost against torch NCCL; the run-ahead
+# of fastcomm alone on each channel kind and CUDA queue setting) and benchmarks/device_ipc.py
+# (same-host channels over CUDA IPC against torch NCCL; a 64 MiB ring; under MPS);
 # benchmarks/device_graphs.py (a captured plan replayed, against no graph and torch NCCL's graphs);
 # tests/test_device_collectives.py on CUDA tensors (FASTCOMM_DEVICE_TEST=cuda); the rest of
 # tests/test_nccl.py (several ranks share the GPU, each with its own NCCL_HOSTID; same-host pairs
@@ -233,6 +234,15 @@ if [ "$BUILT" = 1 ]; then
     "$RUN; for v in 'FASTCOMM_DEVICE_IPC=1' 'FASTCOMM_DEVICE_IPC=0' 'FASTCOMM_DEVICE_IPC=1 CUDA_DEVICE_MAX_CONNECTIONS=32' 'FASTCOMM_DEVICE_IPC=1 CUDA_SCALE_LAUNCH_QUEUES=4x'; do echo \"== \$v\"; env \$v '$PY' '$ROOT/benchmarks/device_streams.py' --world 2 --ops 1000 --groups 0 --sides fc --job-timeout 40; done"
   step bench "benchmarks/device_ipc.py with a 64 MiB ring (FASTCOMM_DEVICE_IPC_RING_BYTES): 16 MB in one slot" 60 \
     "$RUN; FASTCOMM_DEVICE_IPC_RING_BYTES=67108864 '$PY' '$ROOT/benchmarks/device_ipc.py' --pairs 1 --ops 300 --no-torch --json '$REPORT_DIR/device_ipc_ring64.json'"
+  # Processes that share a GPU without MPS take turns on it by time slices, and every IPC op
+  # hands the GPU from one to the other; under an MPS server of its own (private pipe and log
+  # folders, stopped at the end) their work runs side by side.
+  step bench "benchmarks/device_ipc.py under MPS (a control daemon of the step's own), 1 and 8 pairs" 90 \
+    "$RUN; MPS=\$(command -v nvidia-cuda-mps-control || ls /usr/local/nvidia/bin/nvidia-cuda-mps-control 2>/dev/null) || { echo 'no nvidia-cuda-mps-control here'; exit 1; }
+D=\$(mktemp -d); export CUDA_MPS_PIPE_DIRECTORY=\$D/pipe CUDA_MPS_LOG_DIRECTORY=\$D/log; mkdir -p \$CUDA_MPS_PIPE_DIRECTORY \$CUDA_MPS_LOG_DIRECTORY
+\"\$MPS\" -d
+trap 'echo quit | \"\$MPS\"; sleep 1; tail -n 5 \$CUDA_MPS_LOG_DIRECTORY/control.log; rm -rf \$D' EXIT
+'$PY' '$ROOT/benchmarks/device_ipc.py' --pairs 1,8 --ops 1000 --no-torch --job-timeout 70 --json '$REPORT_DIR/device_ipc_mps.json'"
   step bench "benchmarks/device_ipc.py: same-host channels over CUDA IPC vs torch NCCL, 1 and 8 pairs on one GPU (400 B back to back, the MWE shape, 16 MB vs a D2D copy, memory)" 90 \
     "$RUN; '$PY' '$ROOT/benchmarks/device_ipc.py' --pairs 1,8 --ops 1000 --json '$REPORT_DIR/device_ipc.json'"
   step bench "benchmarks/device_graphs.py: a plan of 64 pair all_reduces captured (p.capture()) and replayed 1,000 times vs the same plan started without a graph vs torch NCCL's captured ops" 60 \
