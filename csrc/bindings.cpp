@@ -10,6 +10,7 @@
 
 #include "algorithms/reduce.h"
 #include "backend/backend.h"
+#include "device/runtime.h"
 #include "bindings_batch.h"
 #include "bindings_entries.h"
 #include "bindings_work.h"
@@ -27,6 +28,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shared_empty", &shared_empty, py::arg("sizes"), py::arg("dtype"),
         "A contiguous CPU tensor in a new buffer that same-host ranks can map (fastcomm.empty)");
   m.attr("has_nccl") = device_engine_factory(c10::kCUDA) != nullptr;
+  m.def("_fake_process_capture", &device::fake_process_capture, py::arg("begin"), py::arg("global_mode") = true,
+        "Test hook of the CPU fake of CUDA: a capture under way in the process begins, or ends (1, or 0 where "
+        "it was invalidated)");
   py::dict kinds;
 #define FASTCOMM_OP_KIND_PY(kind, name, type) kinds[name] = (int)OpKind::kind;
   FASTCOMM_OP_KINDS(FASTCOMM_OP_KIND_PY)

@@ -13,7 +13,9 @@ on the streams) instead of a fake NCCL communicator.
   peer that shuts down takes its link with it; scratch outlives a stream whose waits an abort
   released; a ring is never freed under a late opener's mapping; links are released, and
   /dev/shm is left as it was (the autouse fixture);
-- FASTCOMM_DEVICE_IPC=0 keeps the channels on NCCL; a simulated second host does too.
+- FASTCOMM_DEVICE_IPC=0 keeps the channels on NCCL; a simulated second host does too; an engine
+  made while a user captures a graph in the global mode still takes links (its probe runs
+  relaxed) and leaves the capture intact.
 """
 from __future__ import annotations
 
@@ -429,3 +431,27 @@ def test_ipc_only_between_ranks_of_one_host_and_when_enabled(env, two_hosts, lin
     for t, n, comms in res:
         assert t == [3.0] * 9
         assert n == links and comms == 1
+
+
+def _made_under_capture_body(rank, world):
+    fc._C._fake_process_capture(True, True)  # a user's capture in CUDA's global mode, under way
+    try:
+        dbg("ipc_links")  # this process's device engine is made now, and probes for IPC links
+    finally:
+        intact = fc._C._fake_process_capture(False)
+    g = fc.new_group([0, 1])
+    t = torch.full((9,), float(rank + 1))
+    fc.all_reduce(t, group=g)
+    tfd.dsync()
+    return intact, t.tolist(), dbg("ipc_links")
+
+
+def test_a_device_engine_made_while_a_user_captures_still_takes_ipc_links():
+    """The first device op may come while the user captures a graph in the global mode; the
+    engine's probe for IPC links (an allocation and a host registration on CUDA, both refused
+    then from a thread not in the relaxed mode) must neither fail, which would keep this
+    process on NCCL while its peers use links, nor invalidate the user's capture."""
+    for intact, t, links in harness.run(_made_under_capture_body, 2, timeout=60, env=IPC):
+        assert intact == 1, "the engine's probe invalidated the user's capture"
+        assert t == [3.0] * 9
+        assert links == 1, "the probe failed under the capture: no IPC link"

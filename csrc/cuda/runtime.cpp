@@ -155,6 +155,13 @@ void CudaRuntime::relax_capture_mode() {
   FASTCOMM_GPU_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
 }
 
+int CudaRuntime::exchange_capture_mode(int mode) {
+  static_assert(Runtime::kCaptureRelaxed == (int)cudaStreamCaptureModeRelaxed, "the relaxed mode's value");
+  auto m = static_cast<cudaStreamCaptureMode>(mode);
+  FASTCOMM_GPU_CHECK(cudaThreadExchangeStreamCaptureMode(&m));
+  return static_cast<int>(m);
+}
+
 // CUDA graphs: captured in the thread-local mode, so the engine thread's event queries
 // (relaxed) and other threads' work never touch the capture.
 void CudaRuntime::begin_capture(Stream s) {

@@ -110,6 +110,7 @@ class CudaRuntime final : public Runtime {
   Stream current_stream() override;
   bool capturing(Stream s) override;
   void relax_capture_mode() override;
+  int exchange_capture_mode(int mode) override;
   void begin_capture(Stream s) override;
   void* end_capture(Stream s) override;
   void graph_launch(void* graph, Stream s) override;

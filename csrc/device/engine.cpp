@@ -9,6 +9,17 @@
 namespace fastcomm {
 namespace device {
 
+namespace {
+// The first device op may come while a user captures a graph in the global mode (from this
+// thread or another): the probe's allocation and registration then run relaxed, so they are
+// not refused (which would keep this process off IPC links while its peers use them, and
+// lower ops of 3+ otherwise than they do) and do not invalidate that capture.
+bool probe_ipc(Runtime& rt) {
+  RelaxedCapture relaxed(rt);
+  return rt.ipc_supported();
+}
+}  // namespace
+
 ChannelEngine::ChannelEngine(const EngineOptions& opts, HostLink& host, std::unique_ptr<Runtime> rt)
     : rank_(opts.rank),
       single_(opts.settings.device_single_stream),
@@ -16,7 +27,7 @@ ChannelEngine::ChannelEngine(const EngineOptions& opts, HostLink& host, std::uni
       rt_(std::move(rt)),
       ipc_on_(!single_ &&
               (opts.settings.device_ipc == 1 || (opts.settings.device_ipc < 0 && std::string(rt_->name()) != "fake")) &&
-              rt_->ipc_supported()),  // last: on CUDA it tries a link's calls once
+              probe_ipc(*rt_)),  // last: on CUDA it tries a link's calls once
       ipc_ring_bytes_(opts.settings.device_ipc_ring_bytes),
       ipc_group_max_(opts.settings.device_ipc_group_max),
       host_of_(opts.host_of),
@@ -27,6 +38,7 @@ ChannelEngine::ChannelEngine(const EngineOptions& opts, HostLink& host, std::uni
   events_ = std::make_shared<EventPool>(*rt_);
   ipc_ = std::make_unique<IpcLinks>(*rt_);
   ipc_->set_offload([this](std::function<void()> f) { aborter_.push(std::move(f)); });
+  RelaxedCapture relaxed(*rt_);
   alloc_ = rt_->new_stream();
   if (single_) shared_ = rt_->new_stream();
   thread_ = std::thread([this] { main(); });

@@ -113,6 +113,32 @@ int64_t FakeRuntime::debug(const std::string& what, int64_t arg) {
   return Runtime::debug(what, arg);
 }
 
+namespace {
+std::mutex process_capture_mu;
+std::shared_ptr<StreamCore> process_capture_stream;  // under process_capture_mu
+}  // namespace
+
 }  // namespace fake
+
+int64_t fake_process_capture(bool begin, bool global) {
+  using namespace fake;
+  std::lock_guard<std::mutex> lk(process_capture_mu);
+  if (begin) {
+    if (process_capture_stream) call_error("process_capture", "one is under way already");
+    auto st = std::make_shared<StreamCore>(false);
+    start_capture(st, global);
+    process_capture_stream = std::move(st);
+    return 1;
+  }
+  if (!process_capture_stream) call_error("process_capture", "none is under way");
+  auto st = std::move(process_capture_stream);
+  try {
+    finish_capture(st);
+  } catch (const std::exception&) {
+    return 0;  // invalidated
+  }
+  return 1;
+}
+
 }  // namespace device
 }  // namespace fastcomm

@@ -333,6 +333,18 @@ void FakeRuntime::keep(const at::Tensor& t, Stream s) {
   run_on(*st, [t] {});  // the reference goes once the work before it has run
 }
 
+bool FakeRuntime::ipc_supported() {
+  // CUDA's probe allocates and registers host pages: calls a capture in the global mode refuses
+  // from a thread not in the relaxed mode, and is invalidated by. So this one is.
+  try {
+    unsafe_call("ipc_supported (cudaMalloc, cudaHostRegister)");
+  } catch (const std::exception& e) {
+    TORCH_WARN("fastcomm: same-host device channels over IPC are off (device channels use NCCL): ", e.what());
+    return false;
+  }
+  return true;
+}
+
 void* FakeRuntime::ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b, bool host) {
   return fake::ipc_create(bytes, nflags, h, b, host);
 }

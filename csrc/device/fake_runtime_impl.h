@@ -59,6 +59,11 @@ class FakeRuntime final : public Runtime {
   void host_call(Stream s, void (*fn)(void*), void* arg) override;
   void graph_destroy(void* graph) override;
   void relax_capture_mode() override { tl_relaxed = true; }
+  int exchange_capture_mode(int mode) override {
+    const int prev = tl_relaxed ? kCaptureRelaxed : 0;
+    tl_relaxed = mode == kCaptureRelaxed;
+    return prev;
+  }
 
   // Test hooks: "spin" queues `arg` ms of busy work on the caller's stream (a long kernel),
   // "hold" one that runs until "release"; "abort_hold" makes comm_abort block until "abort_release";
@@ -81,7 +86,7 @@ class FakeRuntime final : public Runtime {
   void keep(const at::Tensor& t, Stream s) override;
 
   // Same-host blocks (fake_ipc.h): /dev/shm segments; a flag wait holds its stream's thread.
-  bool ipc_supported() override { return true; }
+  bool ipc_supported() override;
   void* ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b, bool host) override;
   bool ipc_readable(const IpcHandle& h) override { return fake::ipc_readable(h); }
   void* ipc_open(const IpcHandle& h, IpcBlock* b, const IpcClaim& claim) override {

@@ -78,6 +78,10 @@ class Runtime {
   // its event queries and syncs never invalidate a graph that another thread captures in the
   // global mode. The device engine's thread calls it once.
   virtual void relax_capture_mode() = 0;
+  // Sets the calling thread's capture mode (kCaptureRelaxed, or one this returned before) and
+  // returns the one it had: push-pop for a caller's thread (RelaxedCapture).
+  static constexpr int kCaptureRelaxed = 2;  // cudaStreamCaptureModeRelaxed
+  virtual int exchange_capture_mode(int mode) = 0;
   virtual Event new_event() = 0;
   virtual void destroy_event(Event e) = 0;
   virtual void record(Event e, Stream s) = 0;
@@ -188,11 +192,36 @@ class Runtime {
   virtual int64_t debug(const std::string& what, int64_t arg);
 };
 
+// The calling thread in the relaxed capture mode while it lives, then in its own again: for the
+// setup a caller's thread may do while a user captures (CUDA refuses allocations and host
+// registration then, and invalidates the user's capture with them).
+class RelaxedCapture {
+ public:
+  explicit RelaxedCapture(Runtime& rt) : rt_(rt), prev_(rt.exchange_capture_mode(Runtime::kCaptureRelaxed)) {}
+  ~RelaxedCapture() {
+    try {
+      rt_.exchange_capture_mode(prev_);
+    } catch (...) {
+    }
+  }
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+ private:
+  Runtime& rt_;
+  const int prev_;
+};
+
 // The fake (device/fake_runtime.cpp): "device" memory is host memory (CPU tensors), each
 // stream is a thread, communicators talk over local sockets, so ranks must share a host.
 // `blocking_pairs`: two-rank communicators launch on the calling thread (NCCL's blocking mode,
 // as the CUDA runtime makes them); others start a thread per launch (its non-blocking mode).
 std::unique_ptr<Runtime> make_fake_runtime(bool blocking_pairs = false);
+
+// A test hook of the fake: a capture under way in the process on a stream of no engine's (a
+// user's capture of a stream of their own; `global`: CUDA's global mode) begins, or ends; the
+// end returns 1, or 0 where something invalidated the capture.
+int64_t fake_process_capture(bool begin, bool global);
 
 }  // namespace device
 }  // namespace fastcomm
