@@ -10,10 +10,10 @@
 
 #include "algorithms/reduce.h"
 #include "backend/backend.h"
-#include "device/runtime.h"
 #include "bindings_batch.h"
 #include "bindings_entries.h"
 #include "bindings_work.h"
+#include "device/runtime.h"
 #include "engine/engine.h"
 #include "transport/shm/buffers.h"
 
