@@ -91,8 +91,9 @@ def _rank(store, rank, world, args):
     out["ipc_links"] = fc._state._engine.device_debug(device, "ipc_links", 0)
     out["ipc_ring_bytes"] = fc._state._engine.device_debug(device, "ipc_ring_bytes", 0)
     if one_pair:
-        big = torch.ones(args.big_bytes // 4, device=device)
+        # Before the 16 MB tensors exist: the link's memory (its rings) and the small ops' leftovers.
         out["mem_link_up"] = used("link_up") - mem0
+        big = torch.ones(args.big_bytes // 4, device=device)
         t = per_op(ar, big, args.big_ops)
         out["fc_big_GBps"] = big.numel() * 4 / (t * 1e-6) / 1e9
         src, dst = torch.ones_like(big), torch.empty_like(big)
@@ -138,7 +139,7 @@ def main():
         print(f"16 MB pair all_reduce: {min(r['fc_big_GBps'] for r in results[1]):.2f} GB/s algorithm bandwidth; "
               f"copy {r0['memcpy_GBps']:.2f} GB/s (ratio {min(r['fc_big_GBps'] for r in results[1]) / r0['memcpy_GBps']:.2f})")
         print(f"device memory in use, both ranks together: +{r0['mem_link_up']} B with the link up (each rank's own "
-              f"rings: {r0['ipc_ring_bytes']} B; the rest is scratch in torch's caching allocator), "
+              f"rings: {r0['ipc_ring_bytes']} B; the rest is torch's caching allocator's), "
               f"{r0['mem_after_shutdown']:+d} B after fc.shutdown()")
     for p, res in results.items():
         if p != 1:
