@@ -148,8 +148,14 @@ def main():
     ap.add_argument("--sleep-cycles", type=float, default=2e9, help="torch.cuda._sleep cycles of the long kernel")
     add_device_args(ap, job_timeout=300)
     args = parse_device_args(ap)
+    args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    unknown = sorted(set(args.sides) - {"torch", "fc"})
+    if unknown or not args.sides:
+        ap.error(f"--sides: torch and/or fc, comma-separated (got {unknown or 'none'})")
+    if args.ops < 1:
+        ap.error("--ops: at least 1")
     res = run_job(_rank, args.world, args, timeout=args.job_timeout)
-    sides = [s for s in ("torch", "fc") if s in args.sides.split(",") and not (args.fake and s == "torch")]
+    sides = [s for s in ("torch", "fc") if s in args.sides and not (args.fake and s == "torch")]
     print(f"{args.world} ranks, {args.ops} ops of {args.numel} float32 per pair, {'fake' if args.fake else 'GPU'}")
     print(f"{'':>8} {'ahead host s':>13} {'last pending':>13} {'during kernel':>14} {'CPU us/issued':>14} "
           f"{'proc CPU us/op':>15} {'us/op b2b':>10}")

@@ -217,6 +217,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
+_CHILD_NO_DEVICE = 75  # a forked rank's exit code when torch sees no CUDA device there
+
+
 def _child(body, args, title, details, rank, port):
     # A launcher killed outright (SIGKILL, a test's timeout) takes its ranks with it.
     try:
@@ -229,7 +232,9 @@ def _child(body, args, title, details, rank, port):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # The ranks share this machine's cores: one rank per core's worth of torch threads.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc))
-    sys.exit(_run_rank(body, args, title, details))
+    rc = _run_rank(body, args, title, details)
+    # A code of its own for "no CUDA device", so that no other exit with 2 reads as one.
+    sys.exit(_CHILD_NO_DEVICE if rc == 2 else rc)
 
 
 def _spawn(body, args, title, details):
@@ -251,7 +256,7 @@ def _spawn(body, args, title, details):
         alive = [p for p in procs if p.exitcode is None]
         failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
         if failed and status == 0:
-            status = 2 if failed[0] == 2 else 1  # 2: no CUDA device
+            status = 2 if failed[0] == _CHILD_NO_DEVICE else 1
             deadline = min(deadline, time.monotonic() + 10.0)
         if not alive:
             break

@@ -144,3 +144,18 @@ def test_device_benchmarks_run_on_the_fake_with_either_launcher(launcher_name, t
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(r["fc"] > 0 and r["fc_batch"] > 0 and r["fc_mem"] is None and "torch" not in r for r in ranks)
     _launch.assert_no_children()
+
+
+def test_the_launch_queue_probe_checks_its_arguments_and_needs_a_gpu():
+    """benchmarks/device_launch_queue.py measures CUDA itself (no ranks, no fastcomm): it refuses
+    an unknown kind, and where torch sees no GPU it says so and exits 2 rather than report."""
+    import subprocess
+
+    script = os.path.join(_BENCH, "device_launch_queue.py")
+    p = subprocess.run([sys.executable, script, "--kinds", "kernel,bogus"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and "bogus" in p.stderr
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: scripts/gpu_check.sh runs the probe itself")
+    p = subprocess.run([sys.executable, script, "--kinds", "kernel"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "no CUDA device" in p.stderr and p.stdout == ""
