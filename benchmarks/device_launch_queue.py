@@ -11,8 +11,11 @@ event record, a wait on an event not yet reached (recorded behind a long kernel 
 stream), a stream write and a stream wait of a 32-bit word in mapped host memory
 (cuStreamWriteValue32 / cuStreamWaitValue32, as fastcomm's IPC links order their chunks),
 "torch op": what torch's NCCL backend puts on its stream per op (an event wait, one kernel, an
-event record), and "ipc op": the eight entries fastcomm's IPC link puts on its stream per small pair all_reduce
-(event wait, value wait, copy, value write, value wait, kernel, value write, event record).
+event record), "ipc op": the eight entries fastcomm's IPC link put on its stream per small pair
+all_reduce with FASTCOMM_DEVICE_IPC_FUSE_BYTES=0 (event wait, value wait, copy, value write,
+value wait, kernel, value write, event record), and "ipc op fused": the six it puts there by
+default (event wait, value wait, kernel, value wait, kernel, event record; a small kernel stands
+in for the copy-and-flag and fold-and-flag kernels).
 
 Each CUDA setting in --settings (environment assignments; "default" for none), e.g.
 CUDA_SCALE_LAUNCH_QUEUES=4x, which grows the buffer, gets a process of its own; its kinds run
@@ -30,7 +33,8 @@ import subprocess
 import sys
 import time
 
-KINDS = ("kernel", "copy", "record", "wait_event", "write_value", "wait_value", "torch_op", "ipc_op")
+KINDS = ("kernel", "copy", "record", "wait_event", "write_value", "wait_value", "torch_op", "ipc_op",
+         "ipc_op_fused")
 
 
 def _driver():
@@ -63,7 +67,7 @@ def _probe(kind, n, sleep_cycles, block_ms):
     y = torch.zeros(100, device=dev)
     word = torch.zeros(16, dtype=torch.int32, pin_memory=True)  # mapped: UVA pinned memory
     wptr = word.data_ptr()
-    drv = _driver() if kind in ("write_value", "wait_value", "ipc_op") else None
+    drv = _driver() if kind in ("write_value", "wait_value", "ipc_op", "ipc_op_fused") else None
     events = [torch.cuda.Event() for _ in range(n + 1)]
     # Warm: the kernels, the copy and the driver calls loaded before timing.
     with torch.cuda.stream(s):
@@ -111,6 +115,13 @@ def _probe(kind, n, sleep_cycles, block_ms):
                 wait_value()
             elif kind == "torch_op":
                 s.wait_event(pending)
+                x.add_(1)
+                events[i].record(s)
+            elif kind == "ipc_op_fused":
+                s.wait_event(pending)
+                wait_value()
+                y.add_(1)
+                wait_value()
                 x.add_(1)
                 events[i].record(s)
             else:  # ipc_op

@@ -58,6 +58,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("device_pair_blocking", &Settings::device_pair_blocking)
       .def_readwrite("device_ipc", &Settings::device_ipc)
       .def_readwrite("device_ipc_ring_bytes", &Settings::device_ipc_ring_bytes)
+      .def_readwrite("device_ipc_fuse_bytes", &Settings::device_ipc_fuse_bytes)
       .def_readwrite("device_ipc_group_max", &Settings::device_ipc_group_max);
 
   py::class_<GroupHandle>(m, "GroupHandle")

@@ -455,3 +455,40 @@ def test_a_device_engine_made_while_a_user_captures_still_takes_ipc_links():
         assert intact == 1, "the engine's probe invalidated the user's capture"
         assert t == [3.0] * 9
         assert links == 1, "the probe failed under the capture: no IPC link"
+
+
+# ---------------------------------------------------------------------------------------------
+# What a small op puts on the link's stream
+
+
+def _entries_body(rank, world, n):
+    g = fc.new_group([0, 1])
+    fc.all_reduce(torch.ones(100), group=g)  # the link is up, slot 0 used once and consumed
+    tfd.dsync()
+    before = dbg("work_entries")
+    dbg("hold")  # nothing runs until every op below is enqueued: no wait is met yet
+    ts = [torch.full((100,), float(rank + i)) for i in range(n)]
+    for t in ts:
+        fc.all_reduce(t, group=g)  # returns once enqueued
+    entries = dbg("work_entries") - before
+    dbg("release")
+    tfd.dsync()
+    ok = all(torch.equal(t, torch.full((100,), float(2 * i + 1))) for i, t in enumerate(ts))
+    return entries, ok
+
+
+@pytest.mark.parametrize("fuse_bytes,per_op", [("65536", 4), ("0", 6)])
+def test_a_small_pair_op_puts_four_entries_on_the_links_stream(fuse_bytes, per_op):
+    """A CUDA stream takes only so many entries (copies, kernels, stream memory operations)
+    before the host blocks until the GPU catches up, so they bound how far the host runs ahead.
+    A small pair all_reduce over a link puts four there: the wait for ring room, one kernel that
+    copies the chunk in and sets its flag, the wait for the peer's chunk, one kernel that folds
+    it and sets the consumed flag (six with FASTCOMM_DEVICE_IPC_FUSE_BYTES=0: the copy, the fold
+    and their flag writes apart). The first op behind the warm-up finds its slot consumed and
+    leaves the room wait off (the host sees it met), as do the three before, which use fresh
+    slots; so n ops make per_op * n - 4, and give the right sums."""
+    n = 20
+    env = dict(IPC, FASTCOMM_DEVICE_IPC_FUSE_BYTES=fuse_bytes)
+    for entries, ok in harness.run(_entries_body, 2, n, timeout=60, env=env):
+        assert ok
+        assert entries == per_op * n - 4, (entries, per_op)

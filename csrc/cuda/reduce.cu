@@ -82,7 +82,43 @@ __global__ void fused_reduce(JobBatch b) {
   }
 }
 
+// Each thread fences its own stores system-wide, the block meets, then one thread stores the
+// flag: whoever sees the flag (the peer's stream waiting on it) sees every store before it.
+__device__ __forceinline__ void store_flag_after_block(uint32_t* flag, uint32_t value) {
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) *reinterpret_cast<volatile uint32_t*>(flag) = value;
+}
+
+__global__ void copy_then_flag(uint8_t* dst, const uint8_t* src, size_t n, uint32_t* flag, uint32_t value) {
+  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
+    const size_t n16 = n / 16;
+    for (size_t i = threadIdx.x; i < n16; i += blockDim.x)
+      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+    for (size_t i = n16 * 16 + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+  } else {
+    for (size_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+  }
+  store_flag_after_block(flag, value);
+}
+
+__global__ void fold_then_flag(ReduceJob j, uint32_t* flag, uint32_t value) {
+  switch (j.dtype) {
+    case DType::F16: fold<__half>(j); break;
+    case DType::BF16: fold<__nv_bfloat16>(j); break;
+    case DType::F32: fold<float>(j); break;
+    case DType::F64: fold<double>(j); break;
+    case DType::I8: fold<int8_t>(j); break;
+    case DType::U8: fold<uint8_t>(j); break;
+    case DType::I16: fold<int16_t>(j); break;
+    case DType::I32: fold<int32_t>(j); break;
+    case DType::I64: fold<int64_t>(j); break;
+  }
+  store_flag_after_block(flag, value);
+}
+
 constexpr int kThreads = 256;
+constexpr int kFlagThreads = 512;  // the one block of copy_then_flag / fold_then_flag
 
 // Enough blocks to cover `numel` once, capped: the kernels' loops stride over the rest.
 unsigned blocks_for(int64_t numel) {
@@ -110,6 +146,18 @@ cudaError_t launch_divide(void* p, int64_t numel, DType dtype, int32_t n, cudaSt
     case DType::F64: divide<<<blocks, kThreads, 0, stream>>>(static_cast<double*>(p), numel, n); break;
     default: return cudaErrorInvalidValue;  // AVG takes floating dtypes only
   }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_copy_flag(void* dst, const void* src, size_t bytes, uint32_t* flag, uint32_t value,
+                             cudaStream_t stream) {
+  copy_then_flag<<<1, kFlagThreads, 0, stream>>>(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), bytes,
+                                                 flag, value);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_fold_flag(const ReduceJob& job, uint32_t* flag, uint32_t value, cudaStream_t stream) {
+  fold_then_flag<<<1, kFlagThreads, 0, stream>>>(job, flag, value);
   return cudaGetLastError();
 }
 

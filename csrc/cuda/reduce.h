@@ -34,6 +34,14 @@ constexpr int kMaxJobsPerLaunch = 64;
 // Enqueues the fold of `count` jobs on `stream`; returns the launch's error.
 cudaError_t launch_fused_reduce(const ReduceJob* jobs, int count, cudaStream_t stream);
 
+// One block that copies `bytes` from src to dst (or folds one job), then stores `value` to
+// `*flag` (a word in mapped host memory: an IPC link's flag) once every thread's writes are
+// visible system-wide: a copy and cuStreamWriteValue32 in one entry on the stream, for the
+// small chunks of an IPC link (device/ipc_link.h). One block, so meant for small sizes.
+cudaError_t launch_copy_flag(void* dst, const void* src, size_t bytes, uint32_t* flag, uint32_t value,
+                             cudaStream_t stream);
+cudaError_t launch_fold_flag(const ReduceJob& job, uint32_t* flag, uint32_t value, cudaStream_t stream);
+
 // Enqueues p[i] /= n over `numel` elements of a floating `dtype` (half types in float): the end
 // of an AVG that NCCL summed.
 cudaError_t launch_divide(void* p, int64_t numel, DType dtype, int32_t n, cudaStream_t stream);

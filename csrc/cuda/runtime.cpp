@@ -326,6 +326,18 @@ void CudaRuntime::flag_wait(Stream s, const uint32_t* flag, uint32_t value) {
   c10::cuda::CUDAGuard g(dev());
   cuda::flag_wait(cs(s), flag, value);
 }
+void CudaRuntime::copy_flag(void* dst, const void* src, size_t bytes, uint32_t* flag, uint32_t value, Stream s) {
+  settle_stream(cs(s), "copy_flag");
+  c10::cuda::CUDAGuard g(dev());
+  FASTCOMM_GPU_CHECK(cuda::launch_copy_flag(dst, src, bytes, flag, value, cs(s)));
+}
+void CudaRuntime::fold_flag(const FoldJob& j, uint32_t* flag, uint32_t value, Stream s) {
+  TORCH_INTERNAL_ASSERT(j.n >= 1 && j.me >= 0 && j.me < j.n && j.numel >= 0, "fastcomm: bad fold job");
+  const cuda::ReduceJob rj{j.dst, j.own, j.scratch, j.numel, j.n, j.me, fold_dtype(j.dtype), fold_op(j.op, j.dtype)};
+  settle_stream(cs(s), "fold_flag");
+  c10::cuda::CUDAGuard g(dev());
+  FASTCOMM_GPU_CHECK(cuda::launch_fold_flag(rj, flag, value, cs(s)));
+}
 void CudaRuntime::flag_set(uint32_t* flag, uint32_t value) { __atomic_store_n(flag, value, __ATOMIC_RELEASE); }
 
 void CudaRuntime::record_stream(const at::Tensor& t, cudaStream_t s) {

@@ -134,6 +134,8 @@ class CudaRuntime final : public Runtime {
   void ipc_close_data(void* token) override;
   void flag_write(uint32_t* flag, uint32_t value, Stream s) override;
   void flag_wait(Stream s, const uint32_t* flag, uint32_t value) override;
+  void copy_flag(void* dst, const void* src, size_t bytes, uint32_t* flag, uint32_t value, Stream s) override;
+  void fold_flag(const FoldJob& job, uint32_t* flag, uint32_t value, Stream s) override;
   void flag_set(uint32_t* flag, uint32_t value) override;
 
   // ---- communicators (comms.cpp)

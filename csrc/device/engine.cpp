@@ -37,6 +37,7 @@ ChannelEngine::ChannelEngine(const EngineOptions& opts, HostLink& host, std::uni
       group_comm_bytes_(opts.settings.rsag_threshold) {
   events_ = std::make_shared<EventPool>(*rt_);
   ipc_ = std::make_unique<IpcLinks>(*rt_);
+  ipc_->set_fuse_bytes(opts.settings.device_ipc_fuse_bytes);
   ipc_->set_offload([this](std::function<void()> f) { aborter_.push(std::move(f)); });
   RelaxedCapture relaxed(*rt_);
   alloc_ = rt_->new_stream();

@@ -279,6 +279,7 @@ void FakeRuntime::copy(void* dst, const void* src, size_t bytes, Stream s) {
   auto st = stream_of(s, "copy");
   if (bytes == 0) return;
   if (!dst || !src) call_error("copy", "null pointer");
+  ++work_entries_;
   run_on(*st, [=] {
     quarantine().check(dst, bytes);
     std::memmove(dst, src, bytes);
@@ -296,6 +297,7 @@ void FakeRuntime::fold(const FoldJob* jobs, int count, Stream s) {
                              std::to_string(j.numel) + ")");
     if (j.numel > 0 && (!j.dst || !j.own || (j.n > 1 && !j.scratch))) call_error("fold", "null pointer");
   }
+  if (count > 0) ++work_entries_;
   run_on(*st, [js = std::move(js)] {
     for (const auto& j : js) {
       quarantine().check(j.dst, static_cast<size_t>(j.numel) * c10::elementSize(j.dtype));
@@ -351,12 +353,42 @@ void* FakeRuntime::ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* 
 
 void FakeRuntime::flag_write(uint32_t* flag, uint32_t value, Stream s) {
   note_write(flag, value);
+  ++work_entries_;
   run_on(*stream_of(s, "flag_write"), [flag, value] { flag_store(flag, value); });
 }
 
 void FakeRuntime::flag_wait(Stream s, const uint32_t* flag, uint32_t value) {
   note_wait(flag, value);
+  ++work_entries_;
   run_on(*stream_of(s, "flag_wait"), [flag, value] { flag_block(flag, value); });
+}
+
+void FakeRuntime::copy_flag(void* dst, const void* src, size_t bytes, uint32_t* flag, uint32_t value, Stream s) {
+  auto st = stream_of(s, "copy_flag");
+  if (bytes > 0 && (!dst || !src)) call_error("copy_flag", "null pointer");
+  note_write(flag, value);
+  ++work_entries_;
+  run_on(*st, [=] {
+    if (bytes > 0) {
+      quarantine().check(dst, bytes);
+      std::memmove(dst, src, bytes);
+    }
+    flag_store(flag, value);
+  });
+}
+
+void FakeRuntime::fold_flag(const FoldJob& j, uint32_t* flag, uint32_t value, Stream s) {
+  auto st = stream_of(s, "fold_flag");
+  check_reduction("fold_flag", j.dtype, j.op);
+  if (j.n < 1 || j.me < 0 || j.me >= j.n || j.numel < 0) call_error("fold_flag", "bad job");
+  if (j.numel > 0 && (!j.dst || !j.own || (j.n > 1 && !j.scratch))) call_error("fold_flag", "null pointer");
+  note_write(flag, value);
+  ++work_entries_;
+  run_on(*st, [j, flag, value] {
+    quarantine().check(j.dst, static_cast<size_t>(j.numel) * c10::elementSize(j.dtype));
+    fold_job(j);
+    flag_store(flag, value);
+  });
 }
 
 std::shared_ptr<StreamCore> FakeRuntime::stream_of(Stream s, const char* call) {

@@ -96,6 +96,8 @@ class FakeRuntime final : public Runtime {
   void ipc_close_data(void* token) override { fake::ipc_close_data(token); }
   void flag_write(uint32_t* flag, uint32_t value, Stream s) override;
   void flag_wait(Stream s, const uint32_t* flag, uint32_t value) override;
+  void copy_flag(void* dst, const void* src, size_t bytes, uint32_t* flag, uint32_t value, Stream s) override;
+  void fold_flag(const FoldJob& job, uint32_t* flag, uint32_t value, Stream s) override;
   void flag_set(uint32_t* flag, uint32_t value) override { flag_store(flag, value); }
 
   UniqueId new_id() override;
@@ -142,7 +144,10 @@ class FakeRuntime final : public Runtime {
   const std::shared_ptr<StreamCore> caller_;
   std::atomic<int64_t> enqueue_us_{kEnqueueMicros};
   std::atomic<int64_t> launch_threads_{0};  // threads non-blocking launches started (debug "launch_threads")
-  std::atomic<int64_t> captured_launches_{0};  // communicator launches kept by captures (debug "captured_launches")
+  std::atomic<int64_t> captured_launches_{0};
+  // Copies, folds and stream flag operations enqueued (debug "work_entries"): what fills a CUDA
+  // stream's bounded command buffer, where event records and waits are not counted.
+  std::atomic<int64_t> work_entries_{0};  // communicator launches kept by captures (debug "captured_launches")
   const bool blocking_pairs_;
   bool launches_inline(const CommImpl& c) const { return blocking_pairs_ && c.nranks() == 2; }
   const std::shared_ptr<Residency> residency_ = std::make_shared<Residency>();

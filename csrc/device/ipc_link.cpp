@@ -69,6 +69,14 @@ void Runtime::flag_write(uint32_t*, uint32_t, Stream) {
 void Runtime::flag_wait(Stream, const uint32_t*, uint32_t) {
   TORCH_CHECK(false, "fastcomm: the ", name(), " device runtime has no stream flags");
 }
+void Runtime::copy_flag(void* dst, const void* src, size_t bytes, uint32_t* flag, uint32_t value, Stream s) {
+  copy(dst, src, bytes, s);
+  flag_write(flag, value, s);
+}
+void Runtime::fold_flag(const FoldJob& job, uint32_t* flag, uint32_t value, Stream s) {
+  fold(&job, 1, s);
+  flag_write(flag, value, s);
+}
 void Runtime::flag_set(uint32_t*, uint32_t) {
   TORCH_CHECK(false, "fastcomm: the ", name(), " device runtime has no stream flags");
 }
@@ -241,31 +249,48 @@ void IpcLink::enqueue_tx(const Step& st) {
   const uint32_t k = (uint32_t)(tx_seq_ % slots_);
   const uint32_t use = (uint32_t)(tx_seq_ / slots_ + 1);
   ++tx_seq_;
+  // A wait the host sees met already is left off: the peer's stream wrote the flag once its
+  // read of the slot was done, and this side's copy is enqueued after that.
   if (use > 1) {
-    rt_.flag_wait(stream_, own_flag(slots_ + k), use - 1);
+    if ((int32_t)(load(own_flag(slots_ + k)) - (use - 1)) < 0) rt_.flag_wait(stream_, own_flag(slots_ + k), use - 1);
     tx_wait_[k] = use - 1;
   }
-  rt_.copy((uint8_t*)own_.data + (size_t)k * slot_bytes_, st.src, st.n, stream_);
-  rt_.flag_write(own_flag(k), use, stream_);
+  uint8_t* slot = (uint8_t*)own_.data + (size_t)k * slot_bytes_;
+  if (fused(st.n)) {
+    rt_.copy_flag(slot, st.src, st.n, own_flag(k), use, stream_);
+  } else {
+    rt_.copy(slot, st.src, st.n, stream_);
+    rt_.flag_write(own_flag(k), use, stream_);
+  }
 }
 
 void IpcLink::enqueue_rx(const Step& st) {
   const uint32_t k = (uint32_t)(rx_seq_ % peer_slots_);
   const uint32_t use = (uint32_t)(rx_seq_ / peer_slots_ + 1);
   ++rx_seq_;
+  // (Left off where the host sees the chunk there already: the peer's stream wrote the flag
+  // after the chunk's data was visible.)
   if (!skip_rx_waits) {
-    rt_.flag_wait(stream_, peer_flag(k), use);
+    if ((int32_t)(load(peer_flag(k)) - use) < 0) rt_.flag_wait(stream_, peer_flag(k), use);
     rx_wait_[k] = use;
   }
   const uint8_t* chunk = (const uint8_t*)theirs_.data + (size_t)k * peer_slot_bytes_;
+  uint32_t* consumed = peer_flag(peer_slots_ + k);
   if (st.in_ring) {
     FoldJob j = st.fold;
     j.scratch = chunk;
+    if (fused(st.n)) {
+      rt_.fold_flag(j, consumed, use, stream_);
+      return;
+    }
     rt_.fold(&j, 1, stream_);
+  } else if (fused(st.n)) {
+    rt_.copy_flag(st.dst, chunk, st.n, consumed, use, stream_);
+    return;
   } else {
     rt_.copy(st.dst, chunk, st.n, stream_);
   }
-  rt_.flag_write(peer_flag(peer_slots_ + k), use, stream_);
+  rt_.flag_write(consumed, use, stream_);
 }
 
 void IpcLink::abort() {
@@ -327,6 +352,7 @@ bool IpcLink::peer_done() const {
 Comm IpcLinks::add(std::unique_ptr<IpcLink> l) {
   Comm c = l.get();
   l->skip_rx_waits = skip_rx_waits_.load();
+  l->fuse_bytes = fuse_bytes_.load();
   ++blocks_;
   ++made_;
   bytes_ += (int64_t)l->ring_bytes();

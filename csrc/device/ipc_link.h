@@ -8,7 +8,9 @@
 // (u-1)-th use, copies the chunk in and writes filled[slot] = u; the receiver's stream waits for
 // filled[slot] >= u, copies the chunk out and writes consumed[slot] = u. Both sides number the
 // chunks alike, taking the parts in the channel's agreed order, send chunk i before receive
-// chunk i within a part.
+// chunk i within a part. A small chunk's copy (or fold) and flag write are one entry on the
+// stream (Runtime::copy_flag, fold_flag), and a wait the host sees met already is left off:
+// a stream takes only so many entries before the host blocks (docs/design.md).
 //
 // A stream waits only on work already enqueued: a receive chunk's wait goes onto the stream
 // once the peer's host has enqueued the matching send (its counter of sends enqueued, a host
@@ -104,6 +106,9 @@ class IpcLink {
   bool peer_opened() const;
 
   bool skip_rx_waits = false;  // test hook: the receive copies wait for nothing
+  // Chunks up to this many bytes go as one entry with their flag (Runtime::copy_flag,
+  // fold_flag) on device rings; 0: never (FASTCOMM_DEVICE_IPC_FUSE_BYTES).
+  size_t fuse_bytes = 0;
 
  private:
   // One chunk to enqueue: a send from `src`, or a receive into `dst` (or folded from the ring
@@ -117,6 +122,8 @@ class IpcLink {
     FoldJob fold{};
   };
   void enqueue_tx(const Step& st);
+  // One entry for a chunk and its flag: small chunks, rings in device memory.
+  bool fused(size_t n) const { return !host_ && n <= fuse_bytes; }
   void enqueue_rx(const Step& st);
   void make_own(bool host, uint16_t flags);
   uint32_t* own_flag(size_t i) const { return own_.flags + i; }
@@ -171,6 +178,7 @@ class IpcLinks {
   int64_t made() const { return made_.load(); }
   int64_t ring_bytes() const { return bytes_.load(); }
   void set_skip_rx_waits(bool on) { skip_rx_waits_ = on; }
+  void set_fuse_bytes(size_t n) { fuse_bytes_ = n; }
   // Rings made in host memory (debug "ipc_host_rings").
   void count_host_ring() { ++host_rings_; }
   int64_t host_rings() const { return host_rings_.load(); }
@@ -187,6 +195,7 @@ class IpcLinks {
   std::vector<Closing> closing_;
   std::atomic<int64_t> blocks_{0}, made_{0}, bytes_{0}, host_rings_{0};
   std::atomic<bool> skip_rx_waits_{false};
+  std::atomic<size_t> fuse_bytes_{0};
   void gone(const IpcLink& l) {
     --blocks_;
     bytes_ -= (int64_t)l.ring_bytes();

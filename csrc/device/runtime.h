@@ -167,6 +167,12 @@ class Runtime {
   virtual void flag_write(uint32_t* flag, uint32_t value, Stream s);
   // `s` waits until (int32_t)(*flag - value) >= 0 (cyclic, as CU_STREAM_WAIT_VALUE_GEQ).
   virtual void flag_wait(Stream s, const uint32_t* flag, uint32_t value);
+  // copy() then flag_write(), and fold() of one job then flag_write(), as ONE entry on `s` where
+  // the runtime can (a kernel that stores the flag once its data is visible): a stream holds
+  // only so many entries before the host blocks, and an IPC link's small op is mostly these.
+  // The default makes two entries.
+  virtual void copy_flag(void* dst, const void* src, size_t bytes, uint32_t* flag, uint32_t value, Stream s);
+  virtual void fold_flag(const FoldJob& job, uint32_t* flag, uint32_t value, Stream s);
   // From the host, now: *flag = value (releases the waits it satisfies).
   virtual void flag_set(uint32_t* flag, uint32_t value);
 

@@ -71,6 +71,7 @@ Settings Settings::from_env() {
     s.device_ipc = std::strcmp(v, "auto") == 0 ? -1 : std::atoi(v);
   }
   s.device_ipc_ring_bytes = (size_t)env_int("FASTCOMM_DEVICE_IPC_RING_BYTES", (int64_t)s.device_ipc_ring_bytes, 4096);
+  s.device_ipc_fuse_bytes = (size_t)env_int("FASTCOMM_DEVICE_IPC_FUSE_BYTES", (int64_t)s.device_ipc_fuse_bytes, 0);
   s.device_ipc_group_max = env_int("FASTCOMM_DEVICE_IPC_GROUP_MAX", s.device_ipc_group_max, 0);
   if (const char* v = env("FASTCOMM_DEVICE_SCHEME")) {
     TORCH_CHECK_VALUE(std::strcmp(v, "channels") == 0 || std::strcmp(v, "single-stream") == 0,
