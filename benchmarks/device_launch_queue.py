@@ -69,12 +69,6 @@ def _probe(kind, n, sleep_cycles, block_ms):
     wptr = word.data_ptr()
     drv = _driver() if kind in ("write_value", "wait_value", "ipc_op", "ipc_op_fused") else None
     events = [torch.cuda.Event() for _ in range(n + 1)]
-    # Warm: the kernels, the copy and the driver calls loaded before timing.
-    with torch.cuda.stream(s):
-        x.add_(1)
-        y.copy_(x)
-        torch.cuda._sleep(1000)
-    torch.cuda.synchronize()
 
     def write(v):
         rc = drv["cuStreamWriteValue32"](ctypes.c_void_p(s.cuda_stream), wptr, v, 0)
@@ -85,6 +79,19 @@ def _probe(kind, n, sleep_cycles, block_ms):
         rc = drv["cuStreamWaitValue32"](ctypes.c_void_p(s.cuda_stream), wptr, 0, 0)  # GEQ 0: met
         if rc != 0:
             raise RuntimeError(f"cuStreamWaitValue32: CUresult {rc}")
+
+    # Warm, before timing: the kernels, the copy, the driver's stream memory operations, and the
+    # events (torch makes a CUDA event at its first record).
+    with torch.cuda.stream(s):
+        x.add_(1)
+        y.copy_(x)
+        torch.cuda._sleep(1000)
+        if drv is not None:
+            write(0)
+            wait_value()
+    for e in events:
+        e.record(other)
+    torch.cuda.synchronize()
 
     pending = torch.cuda.Event()
     with torch.cuda.stream(other):
@@ -145,8 +152,8 @@ def _probe(kind, n, sleep_cycles, block_ms):
         "host_s": host_s,
         "first_block": first_block,  # calls that returned at once before it (None: never blocked)
         "block_ms": max(times) * 1e3,
-        "us_per_call_before_block": (sum(times[:first_block] if first_block else times)
-                                     / max(1, first_block or n) * 1e6),
+        "us_per_call_before_block": (sum(times if first_block is None else times[:first_block])
+                                     / max(1, n if first_block is None else first_block) * 1e6),
     }
 
 

@@ -224,29 +224,29 @@ if [ "$BUILT" = 1 ]; then
   # ---- 3. Ordered by what a session most needs to learn, each timeout about twice the step's
   # expected time (the build takes about a minute on 16 cores): first the smallest test on NCCL
   # channels and on IPC links apart, so a broken channel kind is named within a minute and the
-  # later steps can be read against it; the CUDA command-buffer probe and the main stream
-  # figures; the tests on CUDA tensors (ahead of the diagnostic benchmarks, so the default
-  # budget reaches them); the other figures of the open issues and the variants that explain
-  # them; the CPU-only MWE last.
+  # later steps can be read against it; the tests on CUDA tensors and the examples (so the
+  # default budget reaches them: a test step not run counts as failed); the CUDA command-buffer
+  # probe and fastcomm's run-ahead per channel kind and setting; the figures against torch; the
+  # variants that explain #35's; the CPU-only MWE last.
   step test "smoke: pair/triple/quad all_reduce on NCCL channels (FASTCOMM_DEVICE_IPC=0)" 60 \
     "$RUN; FASTCOMM_DEVICE_IPC=0 $PYTEST -k all_reduce_pairs_triples"
   step test "smoke: the same over CUDA IPC links (FASTCOMM_DEVICE_IPC=1), every process's streams on one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1)" 60 \
     "$RUN; FASTCOMM_DEVICE_IPC=1 CUDA_DEVICE_MAX_CONNECTIONS=1 $PYTEST -k all_reduce_pairs_triples"
-  step bench "benchmarks/device_launch_queue.py: how many entries of each kind one stream takes behind a long kernel before the host blocks (CUDA's command buffer), by default and with CUDA_SCALE_LAUNCH_QUEUES=4x" 60 \
-    "$RUN; '$PY' '$ROOT/benchmarks/device_launch_queue.py' --n 3000 --timeout 25 --json '$REPORT_DIR/device_launch_queue.json'"
-  step bench "benchmarks/device_streams.py: run-ahead, host cost and back-to-back vs torch NCCL, memory over 10,000 pair groups" 150 \
-    "$RUN; '$PY' '$ROOT/benchmarks/device_streams.py' --world 4 --ops 1000 --groups 10000 --json '$REPORT_DIR/device_streams.json'"
   step test "tests/test_device_collectives.py, test_device_any_source.py, test_device_graphs.py and test_device_user_graphs.py on CUDA tensors (reduce, gather, scatter, all_to_all(_single), flat and coalesced forms, batch, plan, backend, recv from any source, plan graphs, plan graphs inside torch.cuda.graph)" 120 \
     "$RUN; FASTCOMM_DEVICE_TEST=cuda '$PY' -m pytest -q -s -rA -p no:cacheprovider --rootdir='$ROOT' '$ROOT/tests/test_device_collectives.py' '$ROOT/tests/test_device_any_source.py' '$ROOT/tests/test_device_graphs.py' '$ROOT/tests/test_device_user_graphs.py'"
   step test "tests/test_nccl.py (the rest; cyclic order first)" 150 "$RUN; $PYTEST -k cyclic; $PYTEST -k 'not cyclic and not all_reduce_pairs_triples'"
   step test "examples/moe.py and examples/pipeline.py --device cuda --compare --check (ranks share the GPU)" 90 \
     "$RUN; '$PY' '$ROOT/examples/moe.py' --device cuda --compare --check --steps 20 --timeout 80; '$PY' '$ROOT/examples/pipeline.py' --device cuda --compare --check --steps 20 --timeout 80"
+  step bench "benchmarks/device_launch_queue.py: how many entries of each kind one stream takes behind a long kernel before the host blocks (CUDA's command buffer), by default and with CUDA_SCALE_LAUNCH_QUEUES=4x" 60 \
+    "$RUN; '$PY' '$ROOT/benchmarks/device_launch_queue.py' --n 3000 --timeout 25 --json '$REPORT_DIR/device_launch_queue.json'"
+  step bench "benchmarks/device_streams.py run-ahead, fastcomm alone: IPC links, NCCL channels (FASTCOMM_DEVICE_IPC=0), IPC with 32 hardware queues (CUDA_DEVICE_MAX_CONNECTIONS=32), IPC with a 4x command buffer (CUDA_SCALE_LAUNCH_QUEUES=4x), IPC without fused chunk kernels (FASTCOMM_DEVICE_IPC_FUSE_BYTES=0)" 180 \
+    "$RUN; fails=0; for v in 'FASTCOMM_DEVICE_IPC=1' 'FASTCOMM_DEVICE_IPC=0' 'FASTCOMM_DEVICE_IPC=1 CUDA_DEVICE_MAX_CONNECTIONS=32' 'FASTCOMM_DEVICE_IPC=1 CUDA_SCALE_LAUNCH_QUEUES=4x' 'FASTCOMM_DEVICE_IPC=1 FASTCOMM_DEVICE_IPC_FUSE_BYTES=0'; do echo \"== \$v\"; env \$v '$PY' '$ROOT/benchmarks/device_streams.py' --world 2 --ops 1000 --groups 0 --sides fc --job-timeout 30 || { echo \"== \$v failed (exit \$?)\"; fails=\$((fails + 1)); }; done; [ \$fails -eq 0 ]"
+  step bench "benchmarks/device_streams.py: run-ahead, host cost and back-to-back vs torch NCCL, memory over 10,000 pair groups" 150 \
+    "$RUN; '$PY' '$ROOT/benchmarks/device_streams.py' --world 4 --ops 1000 --groups 10000 --json '$REPORT_DIR/device_streams.json'"
   step bench "benchmarks/device_ipc.py: same-host channels over CUDA IPC vs torch NCCL, 1 and 8 pairs on one GPU (400 B back to back, the MWE shape, 16 MB vs a D2D copy, memory)" 90 \
     "$RUN; '$PY' '$ROOT/benchmarks/device_ipc.py' --pairs 1,8 --ops 1000 --json '$REPORT_DIR/device_ipc.json'"
   step bench "benchmarks/device_graphs.py: a plan of 64 pair all_reduces captured (p.capture()) and replayed 1,000 times vs the same plan started without a graph vs torch NCCL's captured ops" 60 \
     "$RUN; '$PY' '$ROOT/benchmarks/device_graphs.py' --world 2 --ops 64 --replays 1000 --plain-iters 100 --job-timeout 55 --json '$REPORT_DIR/device_graphs.json'"
-  step bench "benchmarks/device_streams.py run-ahead, fastcomm alone: IPC links, NCCL channels (FASTCOMM_DEVICE_IPC=0), IPC with 32 hardware queues (CUDA_DEVICE_MAX_CONNECTIONS=32), IPC with a 4x command buffer (CUDA_SCALE_LAUNCH_QUEUES=4x), IPC without fused chunk kernels (FASTCOMM_DEVICE_IPC_FUSE_BYTES=0)" 150 \
-    "$RUN; fails=0; for v in 'FASTCOMM_DEVICE_IPC=1' 'FASTCOMM_DEVICE_IPC=0' 'FASTCOMM_DEVICE_IPC=1 CUDA_DEVICE_MAX_CONNECTIONS=32' 'FASTCOMM_DEVICE_IPC=1 CUDA_SCALE_LAUNCH_QUEUES=4x' 'FASTCOMM_DEVICE_IPC=1 FASTCOMM_DEVICE_IPC_FUSE_BYTES=0'; do echo \"== \$v\"; env \$v '$PY' '$ROOT/benchmarks/device_streams.py' --world 2 --ops 1000 --groups 0 --sides fc --job-timeout 40 || { echo \"== \$v failed (exit \$?)\"; fails=\$((fails + 1)); }; done; [ \$fails -eq 0 ]"
   step bench "benchmarks/device_ipc.py with a 64 MiB ring (FASTCOMM_DEVICE_IPC_RING_BYTES): 16 MB in one slot" 60 \
     "$RUN; FASTCOMM_DEVICE_IPC_RING_BYTES=67108864 '$PY' '$ROOT/benchmarks/device_ipc.py' --pairs 1 --ops 300 --no-torch --json '$REPORT_DIR/device_ipc_ring64.json'"
   # Processes that share a GPU without MPS take turns on it by time slices, and every IPC op

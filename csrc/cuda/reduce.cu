@@ -82,12 +82,16 @@ __global__ void fused_reduce(JobBatch b) {
   }
 }
 
-// Each thread fences its own stores system-wide, the block meets, then one thread stores the
-// flag: whoever sees the flag (the peer's stream waiting on it) sees every store before it.
+// The block meets (every thread's loads and stores of the chunk done), then one thread fences at
+// system scope, cumulatively over what the barrier ordered before it, and stores the flag:
+// whoever sees the flag (the peer's stream waiting on it) sees every store before it, and no
+// load of the chunk comes after it.
 __device__ __forceinline__ void store_flag_after_block(uint32_t* flag, uint32_t value) {
-  __threadfence_system();
   __syncthreads();
-  if (threadIdx.x == 0) *reinterpret_cast<volatile uint32_t*>(flag) = value;
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    *reinterpret_cast<volatile uint32_t*>(flag) = value;
+  }
 }
 
 __global__ void copy_then_flag(uint8_t* dst, const uint8_t* src, size_t n, uint32_t* flag, uint32_t value) {

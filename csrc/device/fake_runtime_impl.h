@@ -144,10 +144,10 @@ class FakeRuntime final : public Runtime {
   const std::shared_ptr<StreamCore> caller_;
   std::atomic<int64_t> enqueue_us_{kEnqueueMicros};
   std::atomic<int64_t> launch_threads_{0};  // threads non-blocking launches started (debug "launch_threads")
-  std::atomic<int64_t> captured_launches_{0};
+  std::atomic<int64_t> captured_launches_{0};  // communicator launches kept by captures (debug "captured_launches")
   // Copies, folds and stream flag operations enqueued (debug "work_entries"): what fills a CUDA
   // stream's bounded command buffer, where event records and waits are not counted.
-  std::atomic<int64_t> work_entries_{0};  // communicator launches kept by captures (debug "captured_launches")
+  std::atomic<int64_t> work_entries_{0};
   const bool blocking_pairs_;
   bool launches_inline(const CommImpl& c) const { return blocking_pairs_ && c.nranks() == 2; }
   const std::shared_ptr<Residency> residency_ = std::make_shared<Residency>();
