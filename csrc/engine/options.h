@@ -45,7 +45,7 @@ struct Settings {
                                    // (1), over NCCL (0), or auto (-1: IPC on a GPU, NCCL on the fake)
   size_t device_ipc_ring_bytes = size_t(2) << 20;  // FASTCOMM_DEVICE_IPC_RING_BYTES: an IPC
                                                    // channel's staging ring, per direction
-  size_t device_ipc_fuse_bytes = size_t(64) << 10;  // FASTCOMM_DEVICE_IPC_FUSE_BYTES: IPC chunks up
+  size_t device_ipc_fuse_bytes = size_t(16) << 10;  // FASTCOMM_DEVICE_IPC_FUSE_BYTES: IPC chunks up
                                                     // to this size go as one kernel with their
                                                     // flag (0: a copy or fold, then a flag write)
   int64_t device_ipc_group_max = 8;  // FASTCOMM_DEVICE_IPC_GROUP_MAX: groups of 3 up to this many
