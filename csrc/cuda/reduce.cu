@@ -66,9 +66,7 @@ __device__ void fold(const ReduceJob& j) {
   }
 }
 
-__global__ void fused_reduce(JobBatch b) {
-  const ReduceJob& j = b.jobs[blockIdx.y];
-  if ((int64_t)blockIdx.x * blockDim.x >= j.numel) return;
+__device__ void fold_any(const ReduceJob& j) {
   switch (j.dtype) {
     case DType::F16: fold<__half>(j); break;
     case DType::BF16: fold<__nv_bfloat16>(j); break;
@@ -80,6 +78,12 @@ __global__ void fused_reduce(JobBatch b) {
     case DType::I32: fold<int32_t>(j); break;
     case DType::I64: fold<int64_t>(j); break;
   }
+}
+
+__global__ void fused_reduce(JobBatch b) {
+  const ReduceJob& j = b.jobs[blockIdx.y];
+  if ((int64_t)blockIdx.x * blockDim.x >= j.numel) return;
+  fold_any(j);
 }
 
 // The block meets (every thread's loads and stores of the chunk done), then one thread fences at
@@ -107,17 +111,7 @@ __global__ void copy_then_flag(uint8_t* dst, const uint8_t* src, size_t n, uint3
 }
 
 __global__ void fold_then_flag(ReduceJob j, uint32_t* flag, uint32_t value) {
-  switch (j.dtype) {
-    case DType::F16: fold<__half>(j); break;
-    case DType::BF16: fold<__nv_bfloat16>(j); break;
-    case DType::F32: fold<float>(j); break;
-    case DType::F64: fold<double>(j); break;
-    case DType::I8: fold<int8_t>(j); break;
-    case DType::U8: fold<uint8_t>(j); break;
-    case DType::I16: fold<int16_t>(j); break;
-    case DType::I32: fold<int32_t>(j); break;
-    case DType::I64: fold<int64_t>(j); break;
-  }
+  fold_any(j);
   store_flag_after_block(flag, value);
 }
 

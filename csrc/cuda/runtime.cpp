@@ -268,15 +268,17 @@ void CudaRuntime::copy(void* dst, const void* src, size_t bytes, Stream s) {
   FASTCOMM_GPU_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cs(s)));
 }
 
+namespace {
+cuda::ReduceJob reduce_job(const FoldJob& j) {
+  TORCH_INTERNAL_ASSERT(j.n >= 1 && j.me >= 0 && j.me < j.n && j.numel >= 0, "fastcomm: bad fold job");
+  return cuda::ReduceJob{j.dst, j.own, j.scratch, j.numel, j.n, j.me, fold_dtype(j.dtype), fold_op(j.op, j.dtype)};
+}
+}  // namespace
+
 void CudaRuntime::fold(const FoldJob* jobs, int count, Stream s) {
   if (count <= 0) return;
   std::vector<cuda::ReduceJob> rj((size_t)count);
-  for (int i = 0; i < count; ++i) {
-    const FoldJob& j = jobs[i];
-    TORCH_INTERNAL_ASSERT(j.n >= 1 && j.me >= 0 && j.me < j.n && j.numel >= 0, "fastcomm: bad fold job");
-    rj[(size_t)i] = cuda::ReduceJob{j.dst, j.own, j.scratch, j.numel, j.n, j.me, fold_dtype(j.dtype),
-                                    fold_op(j.op, j.dtype)};
-  }
+  for (int i = 0; i < count; ++i) rj[(size_t)i] = reduce_job(jobs[i]);
   settle_stream(cs(s), "fold");
   c10::cuda::CUDAGuard g(dev());
   FASTCOMM_GPU_CHECK(cuda::launch_fused_reduce(rj.data(), count, cs(s)));
@@ -332,8 +334,7 @@ void CudaRuntime::copy_flag(void* dst, const void* src, size_t bytes, uint32_t* 
   FASTCOMM_GPU_CHECK(cuda::launch_copy_flag(dst, src, bytes, flag, value, cs(s)));
 }
 void CudaRuntime::fold_flag(const FoldJob& j, uint32_t* flag, uint32_t value, Stream s) {
-  TORCH_INTERNAL_ASSERT(j.n >= 1 && j.me >= 0 && j.me < j.n && j.numel >= 0, "fastcomm: bad fold job");
-  const cuda::ReduceJob rj{j.dst, j.own, j.scratch, j.numel, j.n, j.me, fold_dtype(j.dtype), fold_op(j.op, j.dtype)};
+  const cuda::ReduceJob rj = reduce_job(j);
   settle_stream(cs(s), "fold_flag");
   c10::cuda::CUDAGuard g(dev());
   FASTCOMM_GPU_CHECK(cuda::launch_fold_flag(rj, flag, value, cs(s)));

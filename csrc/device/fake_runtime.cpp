@@ -286,17 +286,21 @@ void FakeRuntime::copy(void* dst, const void* src, size_t bytes, Stream s) {
   });
 }
 
+namespace {
+void check_fold_job(const char* call, const FoldJob& j) {
+  check_reduction(call, j.dtype, j.op);
+  if (j.n < 1 || j.me < 0 || j.me >= j.n || j.numel < 0)
+    call_error(call, "bad job (n " + std::to_string(j.n) + ", me " + std::to_string(j.me) + ", numel " +
+                         std::to_string(j.numel) + ")");
+  if (j.numel > 0 && (!j.dst || !j.own || (j.n > 1 && !j.scratch))) call_error(call, "null pointer");
+}
+}  // namespace
+
 void FakeRuntime::fold(const FoldJob* jobs, int count, Stream s) {
   auto st = stream_of(s, "fold");
   if (count < 0 || (count > 0 && !jobs)) call_error("fold", "bad job list");
   std::vector<FoldJob> js(jobs, jobs + count);
-  for (const auto& j : js) {
-    check_reduction("fold", j.dtype, j.op);
-    if (j.n < 1 || j.me < 0 || j.me >= j.n || j.numel < 0)
-      call_error("fold", "bad job (n " + std::to_string(j.n) + ", me " + std::to_string(j.me) + ", numel " +
-                             std::to_string(j.numel) + ")");
-    if (j.numel > 0 && (!j.dst || !j.own || (j.n > 1 && !j.scratch))) call_error("fold", "null pointer");
-  }
+  for (const auto& j : js) check_fold_job("fold", j);
   if (count > 0) ++work_entries_;
   run_on(*st, [js = std::move(js)] {
     for (const auto& j : js) {
@@ -379,9 +383,7 @@ void FakeRuntime::copy_flag(void* dst, const void* src, size_t bytes, uint32_t* 
 
 void FakeRuntime::fold_flag(const FoldJob& j, uint32_t* flag, uint32_t value, Stream s) {
   auto st = stream_of(s, "fold_flag");
-  check_reduction("fold_flag", j.dtype, j.op);
-  if (j.n < 1 || j.me < 0 || j.me >= j.n || j.numel < 0) call_error("fold_flag", "bad job");
-  if (j.numel > 0 && (!j.dst || !j.own || (j.n > 1 && !j.scratch))) call_error("fold_flag", "null pointer");
+  check_fold_job("fold_flag", j);
   note_write(flag, value);
   ++work_entries_;
   run_on(*st, [j, flag, value] {

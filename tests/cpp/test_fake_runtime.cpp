@@ -497,6 +497,40 @@ TEST(fake_runtime_event_wait_orders_streams) {
   CHECK_EQ(v, 1);
 }
 
+// copy_flag and fold_flag: the copy (or fold) and then the flag store, as ONE entry on the stream
+// (copy then flag_write takes two): neither the data nor the flag moves before the work ahead of
+// them has run, and a waiter on the flag sees the data.
+TEST(fake_runtime_copy_flag_and_fold_flag) {
+  auto rt = fake();
+  Gate gate(*rt);
+  Stream s = rt->new_stream();
+  rt->wait(s, gate.e);
+  const std::vector<float> src(1000, 1.5f);
+  std::vector<float> dst(1000, 0.0f), own(1000, 2.0f), sum(1000, 0.0f);
+  uint32_t filled = 0, consumed = 0;
+  const int64_t before = rt->debug("work_entries", 0);
+  rt->copy_flag(dst.data(), src.data(), src.size() * sizeof(float), &filled, 3, s);
+  FoldJob j{sum.data(), own.data(), dst.data(), 1000, 2, 1, c10::ScalarType::Float, RedOp::SUM};
+  rt->fold_flag(j, &consumed, 3, s);
+  CHECK_EQ(rt->debug("work_entries", 0) - before, 2);
+  Event after = mark(*rt, s);
+  CHECK(stays([&] { return __atomic_load_n(&filled, __ATOMIC_ACQUIRE) == 0 && dst[0] == 0.0f; }));
+  gate.open();
+  CHECK(done(*rt, after));
+  CHECK_EQ(filled, 3u);
+  CHECK_EQ(consumed, 3u);
+  CHECK(dst == src);
+  CHECK_EQ(sum[0], 3.5f);  // the peer's 1.5 (folded first: group rank 0) + own 2.0
+  CHECK_EQ(sum[999], 3.5f);
+  // The defaults' two entries each, for comparison.
+  const int64_t mid = rt->debug("work_entries", 0);
+  rt->copy(dst.data(), src.data(), src.size() * sizeof(float), s);
+  rt->flag_write(&filled, 4, s);
+  CHECK_EQ(rt->debug("work_entries", 0) - mid, 2);
+  CHECK(done(*rt, mark(*rt, s)));
+  CHECK_EQ(filled, 4u);
+}
+
 // The caller's stream runs ahead of nothing: a send there returns at once, and an event behind
 // it completes only once the peer's receive has run (an event recorded behind queued work is
 // not complete).
