@@ -275,15 +275,26 @@ void FakeRuntime::synchronize(Event e) {
   if (m) m->wait();
 }
 
+namespace {
+// What a copy and a fold do when their stream reaches them (copy_flag and fold_flag then store
+// their flag).
+void run_copy(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  quarantine().check(dst, bytes);
+  std::memmove(dst, src, bytes);
+}
+void run_fold(const FoldJob& j) {
+  quarantine().check(j.dst, static_cast<size_t>(j.numel) * c10::elementSize(j.dtype));
+  fold_job(j);
+}
+}  // namespace
+
 void FakeRuntime::copy(void* dst, const void* src, size_t bytes, Stream s) {
   auto st = stream_of(s, "copy");
   if (bytes == 0) return;
   if (!dst || !src) call_error("copy", "null pointer");
   ++work_entries_;
-  run_on(*st, [=] {
-    quarantine().check(dst, bytes);
-    std::memmove(dst, src, bytes);
-  });
+  run_on(*st, [=] { run_copy(dst, src, bytes); });
 }
 
 namespace {
@@ -303,10 +314,7 @@ void FakeRuntime::fold(const FoldJob* jobs, int count, Stream s) {
   for (const auto& j : js) check_fold_job("fold", j);
   if (count > 0) ++work_entries_;
   run_on(*st, [js = std::move(js)] {
-    for (const auto& j : js) {
-      quarantine().check(j.dst, static_cast<size_t>(j.numel) * c10::elementSize(j.dtype));
-      fold_job(j);
-    }
+    for (const auto& j : js) run_fold(j);
   });
 }
 
@@ -373,10 +381,7 @@ void FakeRuntime::copy_flag(void* dst, const void* src, size_t bytes, uint32_t* 
   note_write(flag, value);
   ++work_entries_;
   run_on(*st, [=] {
-    if (bytes > 0) {
-      quarantine().check(dst, bytes);
-      std::memmove(dst, src, bytes);
-    }
+    run_copy(dst, src, bytes);
     flag_store(flag, value);
   });
 }
@@ -387,8 +392,7 @@ void FakeRuntime::fold_flag(const FoldJob& j, uint32_t* flag, uint32_t value, St
   note_write(flag, value);
   ++work_entries_;
   run_on(*st, [j, flag, value] {
-    quarantine().check(j.dst, static_cast<size_t>(j.numel) * c10::elementSize(j.dtype));
-    fold_job(j);
+    run_fold(j);
     flag_store(flag, value);
   });
 }

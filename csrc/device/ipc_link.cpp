@@ -252,7 +252,7 @@ void IpcLink::enqueue_tx(const Step& st) {
   // A wait the host sees met already is left off: the peer's stream wrote the flag once its
   // read of the slot was done, and this side's copy is enqueued after that.
   if (use > 1) {
-    if ((int32_t)(load(own_flag(slots_ + k)) - (use - 1)) < 0) rt_.flag_wait(stream_, own_flag(slots_ + k), use - 1);
+    if (!reached(load(own_flag(slots_ + k)), use - 1)) rt_.flag_wait(stream_, own_flag(slots_ + k), use - 1);
     tx_wait_[k] = use - 1;
   }
   uint8_t* slot = (uint8_t*)own_.data + (size_t)k * slot_bytes_;
@@ -271,25 +271,20 @@ void IpcLink::enqueue_rx(const Step& st) {
   // (Left off where the host sees the chunk there already: the peer's stream wrote the flag
   // after the chunk's data was visible.)
   if (!skip_rx_waits) {
-    if ((int32_t)(load(peer_flag(k)) - use) < 0) rt_.flag_wait(stream_, peer_flag(k), use);
+    if (!reached(load(peer_flag(k)), use)) rt_.flag_wait(stream_, peer_flag(k), use);
     rx_wait_[k] = use;
   }
   const uint8_t* chunk = (const uint8_t*)theirs_.data + (size_t)k * peer_slot_bytes_;
   uint32_t* consumed = peer_flag(peer_slots_ + k);
-  if (st.in_ring) {
-    FoldJob j = st.fold;
-    j.scratch = chunk;
-    if (fused(st.n)) {
-      rt_.fold_flag(j, consumed, use, stream_);
-      return;
-    }
-    rt_.fold(&j, 1, stream_);
-  } else if (fused(st.n)) {
-    rt_.copy_flag(st.dst, chunk, st.n, consumed, use, stream_);
+  FoldJob j = st.fold;
+  j.scratch = chunk;
+  if (fused(st.n)) {
+    if (st.in_ring) rt_.fold_flag(j, consumed, use, stream_);
+    else rt_.copy_flag(st.dst, chunk, st.n, consumed, use, stream_);
     return;
-  } else {
-    rt_.copy(st.dst, chunk, st.n, stream_);
   }
+  if (st.in_ring) rt_.fold(&j, 1, stream_);
+  else rt_.copy(st.dst, chunk, st.n, stream_);
   rt_.flag_write(consumed, use, stream_);
 }
 
