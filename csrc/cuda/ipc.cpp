@@ -122,6 +122,50 @@ bool ipc_supported(int device) {
   return true;
 }
 
+bool ipc_graphs(int device) {
+  static std::once_flag once;
+  static bool ok = false;
+  std::call_once(once, [device] {
+    c10::cuda::CUDAGuard g((c10::DeviceIndex)device);
+    void* token = nullptr;
+    cudaStream_t s = nullptr;
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    try {
+      IpcHandle h;
+      IpcBlock b;
+      token = ipc_create(device, 256, 2, &h, &b, /*host=*/false);
+      FASTCOMM_GPU_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+      FASTCOMM_GPU_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+      bool captured = true;
+      try {
+        flag_wait(s, b.flags, 1);
+        flag_write(b.flags + 1, 7, s);
+      } catch (const std::exception&) {
+        captured = false;  // the capture is invalidated: ended below
+      }
+      const cudaError_t end = cudaStreamEndCapture(s, &graph);
+      if (captured && end == cudaSuccess && graph != nullptr &&
+          cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
+        __atomic_store_n(b.flags, 1, __ATOMIC_RELEASE);  // the captured wait is met at once
+        if (cudaGraphLaunch(exec, s) == cudaSuccess && cudaStreamSynchronize(s) == cudaSuccess)
+          ok = __atomic_load_n(b.flags + 1, __ATOMIC_ACQUIRE) == 7;
+      }
+    } catch (const std::exception&) {
+    }
+    if (exec) (void)cudaGraphExecDestroy(exec);
+    if (graph) (void)cudaGraphDestroy(graph);
+    if (s) (void)cudaStreamDestroy(s);
+    (void)cudaGetLastError();
+    try {
+      if (token) ipc_close(device, token);
+    } catch (const std::exception&) {
+    }
+    if (!ok) TORCH_WARN("fastcomm: stream flag operations cannot be captured into CUDA graphs here; plans' graphs use NCCL");
+  });
+  return ok;
+}
+
 bool ipc_readable(int device, const IpcHandle& h) {
   Wire w;
   std::memcpy(&w, h.bytes.data(), sizeof(w));

@@ -23,6 +23,9 @@ using IpcClaim = device::Runtime::IpcClaim;
 // Stream memory operations are available and the device reads registered host memory at the
 // host's addresses.
 bool ipc_supported(int device);
+// Whether stream flag waits and writes can be captured into a graph and run at its launch
+// (tried once per process: a capture of both on a stream of its own, launched once).
+bool ipc_graphs(int device);
 // `host`: the data after the flags in the /dev/shm segment (pinned and registered in both
 // processes), for a peer whose device cannot read this device's memory.
 void* ipc_create(int device, size_t bytes, int nflags, IpcHandle* h, IpcBlock* b, bool host);

@@ -309,6 +309,7 @@ void CudaRuntime::keep(const at::Tensor& t, Stream s) {
 // ---- same-host blocks (cuda/ipc.h)
 
 bool CudaRuntime::ipc_supported() { return cuda::ipc_supported(device_); }
+bool CudaRuntime::ipc_graphs() { return cuda::ipc_graphs(device_); }
 void* CudaRuntime::ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b, bool host) {
   return cuda::ipc_create(device_, bytes, nflags, h, b, host);
 }

@@ -127,6 +127,7 @@ class CudaRuntime final : public Runtime {
   at::Tensor scratch(int64_t numel, const at::Tensor& like, Stream s) override;
   void keep(const at::Tensor& t, Stream s) override;
   bool ipc_supported() override;
+  bool ipc_graphs() override;
   void* ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b, bool host) override;
   bool ipc_readable(const IpcHandle& h) override;
   void* ipc_open(const IpcHandle& h, IpcBlock* b, const IpcClaim& claim) override;

@@ -277,6 +277,8 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   bool check_health();
   std::string waited_for(const Part& p, Channel& c, Clock::time_point now);
   void teardown();
+  // A plan's ended link, from any thread: the engine thread frees its ring in time (IpcLinks).
+  void retire_link(std::unique_ptr<IpcLink> l);
 
   const int rank_;
   // The scheme this engine replaced, kept to show the fake runtime is faithful (tests): every
@@ -290,6 +292,7 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   std::unique_ptr<IpcLinks> ipc_;  // same-host channels' links, live and ending
   const bool ipc_on_;              // FASTCOMM_DEVICE_IPC, and the runtime can
   const size_t ipc_ring_bytes_;
+  const size_t ipc_fuse_bytes_;
   const int64_t ipc_group_max_;    // FASTCOMM_DEVICE_IPC_GROUP_MAX
   std::unordered_set<int> host_rings_;  // peers whose links' rings are in host memory (engine thread)
   const std::vector<int> host_of_;
@@ -307,6 +310,7 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   std::unordered_set<int> failed_peers_;  // peers whose channel was aborted (test hook)
   bool stop_ = false;
   bool woken_ = false;
+  std::vector<std::unique_ptr<IpcLink>> retired_links_;  // plans' links, for ipc_ to free
   std::thread thread_;
 
   // The engine thread's own state.
@@ -342,6 +346,7 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   Publisher publisher_;
   Aborter aborter_;  // joined in teardown, before the runtime goes
   Clock::time_point last_health_ = Clock::now();
+  std::atomic<int64_t> plan_links_{0};  // plans' links made (debug "plan_ipc_links")
   std::mutex graphs_mu_;
   std::vector<std::weak_ptr<PlanGraph>> graphs_;  // aborted at shutdown
 };

@@ -29,6 +29,7 @@ ChannelEngine::ChannelEngine(const EngineOptions& opts, HostLink& host, std::uni
               (opts.settings.device_ipc == 1 || (opts.settings.device_ipc < 0 && std::string(rt_->name()) != "fake")) &&
               probe_ipc(*rt_)),  // last: on CUDA it tries a link's calls once
       ipc_ring_bytes_(opts.settings.device_ipc_ring_bytes),
+      ipc_fuse_bytes_(opts.settings.device_ipc_fuse_bytes),
       ipc_group_max_(opts.settings.device_ipc_group_max),
       host_of_(opts.host_of),
       idle_release_(opts.settings.device_idle_ms),
@@ -37,7 +38,7 @@ ChannelEngine::ChannelEngine(const EngineOptions& opts, HostLink& host, std::uni
       group_comm_bytes_(opts.settings.rsag_threshold) {
   events_ = std::make_shared<EventPool>(*rt_);
   ipc_ = std::make_unique<IpcLinks>(*rt_);
-  ipc_->set_fuse_bytes(opts.settings.device_ipc_fuse_bytes);
+  ipc_->set_fuse_bytes(ipc_fuse_bytes_);
   ipc_->set_offload([this](std::function<void()> f) { aborter_.push(std::move(f)); });
   RelaxedCapture relaxed(*rt_);
   alloc_ = rt_->new_stream();
@@ -154,12 +155,39 @@ std::shared_ptr<DeviceGraph> ChannelEngine::capture(std::vector<DeviceOp> dops, 
     std::lock_guard<std::mutex> lk(mu_);
     if (broken_) std::rethrow_exception(broken_);
   }
-  auto g = std::make_shared<PlanGraph>(shared_from_this(), *rt_, host_, rank_, alloc_, std::move(dops), naive, max_kernels_);
+  GraphLinks links;
+  if (ipc_on_) {
+    RelaxedCapture relaxed(*rt_);  // the probe captures a stream of its own
+    links.on = rt_->ipc_graphs();
+  }
+  links.same_host = [this](int peer) { return use_ipc(peer); };
+  links.ring_bytes = ipc_ring_bytes_;
+  links.fuse_bytes = ipc_fuse_bytes_;
+  links.made = &plan_links_;
+  std::weak_ptr<ChannelEngine> self = std::static_pointer_cast<ChannelEngine>(shared_from_this());
+  links.retire = [self](std::unique_ptr<IpcLink> l) {
+    if (auto e = self.lock()) e->retire_link(std::move(l));
+  };
+  auto g = std::make_shared<PlanGraph>(shared_from_this(), *rt_, host_, rank_, alloc_, std::move(dops), naive, max_kernels_,
+                                       std::move(links));
   std::lock_guard<std::mutex> lk(graphs_mu_);
   graphs_.erase(std::remove_if(graphs_.begin(), graphs_.end(), [](const auto& w) { return w.expired(); }),
                 graphs_.end());
   graphs_.push_back(g);
   return g;
+}
+
+void ChannelEngine::retire_link(std::unique_ptr<IpcLink> l) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (stop_) {
+    lk.unlock();
+    l.reset();  // the engine is gone or going: its rings go with it (teardown)
+    return;
+  }
+  retired_links_.push_back(std::move(l));
+  woken_ = true;
+  lk.unlock();
+  cv_.notify_all();
 }
 
 void ChannelEngine::wait_until(Work& w, bool launched_enough, std::chrono::milliseconds timeout) {
@@ -191,6 +219,7 @@ int64_t ChannelEngine::debug(const std::string& what, int64_t arg) {
   if (what == "ipc_ring_bytes") return ipc_->ring_bytes();
   if (what == "ipc_host_rings") return ipc_->host_rings();
   if (what == "ipc_ring_fold_bytes") return ring_fold_bytes_.load();
+  if (what == "plan_ipc_links") return plan_links_.load();
   if (what == "ipc_skip_waits") {  // links made from now on
     ipc_->set_skip_rx_waits(arg != 0);
     return 0;

@@ -25,9 +25,12 @@ void ChannelEngine::main() {
   while (!stop_) {
     std::vector<std::unique_ptr<DevOp>> in;
     in.swap(incoming_);
+    std::vector<std::unique_ptr<IpcLink>> retired;
+    retired.swap(retired_links_);
     lk.unlock();
     bool moved = false;
     try {
+      for (auto& l : retired) ipc_->retire(std::move(l));
       for (auto& op : in) admit(std::move(op));
       moved = pass();
     } catch (const std::exception& e) {

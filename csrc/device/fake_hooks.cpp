@@ -78,6 +78,10 @@ int64_t FakeRuntime::debug(const std::string& what, int64_t arg) {
     return 0;
   }
   if (what == "ipc_early_waits") return fake::early_waits();
+  if (what == "ipc_graphs") {  // plans captured from now on
+    ipc_graphs_ = arg != 0;
+    return 0;
+  }
   if (what == "fake_device" || what == "peer_access") {  // links made from now on (fake_ipc.h)
     if (what == "fake_device") fake::set_device((int)arg);
     else fake::set_peer_access(arg != 0);

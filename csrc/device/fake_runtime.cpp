@@ -363,14 +363,16 @@ void* FakeRuntime::ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* 
   return fake::ipc_create(bytes, nflags, h, b, host);
 }
 
+// Under capture the early-wait check is off: a graph's waits point at the peer's run, which it
+// launches when it replays its own graph (the member contract, docs/design.md "CUDA graphs").
 void FakeRuntime::flag_write(uint32_t* flag, uint32_t value, Stream s) {
-  note_write(flag, value);
+  if (!capturing(s)) note_write(flag, value);
   ++work_entries_;
   run_on(*stream_of(s, "flag_write"), [flag, value] { flag_store(flag, value); });
 }
 
 void FakeRuntime::flag_wait(Stream s, const uint32_t* flag, uint32_t value) {
-  note_wait(flag, value);
+  if (!capturing(s)) note_wait(flag, value);
   ++work_entries_;
   run_on(*stream_of(s, "flag_wait"), [flag, value] { flag_block(flag, value); });
 }
@@ -378,7 +380,7 @@ void FakeRuntime::flag_wait(Stream s, const uint32_t* flag, uint32_t value) {
 void FakeRuntime::copy_flag(void* dst, const void* src, size_t bytes, uint32_t* flag, uint32_t value, Stream s) {
   auto st = stream_of(s, "copy_flag");
   if (bytes > 0 && (!dst || !src)) call_error("copy_flag", "null pointer");
-  note_write(flag, value);
+  if (!capturing(s)) note_write(flag, value);
   ++work_entries_;
   run_on(*st, [=] {
     run_copy(dst, src, bytes);
@@ -389,7 +391,7 @@ void FakeRuntime::copy_flag(void* dst, const void* src, size_t bytes, uint32_t* 
 void FakeRuntime::fold_flag(const FoldJob& j, uint32_t* flag, uint32_t value, Stream s) {
   auto st = stream_of(s, "fold_flag");
   check_fold_job("fold_flag", j);
-  note_write(flag, value);
+  if (!capturing(s)) note_write(flag, value);
   ++work_entries_;
   run_on(*st, [j, flag, value] {
     run_fold(j);

@@ -87,6 +87,7 @@ class FakeRuntime final : public Runtime {
 
   // Same-host blocks (fake_ipc.h): /dev/shm segments; a flag wait holds its stream's thread.
   bool ipc_supported() override;
+  bool ipc_graphs() override { return ipc_graphs_.load(); }
   void* ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b, bool host) override;
   bool ipc_readable(const IpcHandle& h) override { return fake::ipc_readable(h); }
   void* ipc_open(const IpcHandle& h, IpcBlock* b, const IpcClaim& claim) override {
@@ -158,6 +159,7 @@ class FakeRuntime final : public Runtime {
   std::unordered_map<void*, std::shared_ptr<CommImpl>> comms_;
   std::unordered_map<std::thread::id, Group> groups_;  // open groups, per calling thread
   std::unordered_map<void*, std::shared_ptr<FakeGraph>> graphs_;
+  std::atomic<bool> ipc_graphs_{true};  // debug("ipc_graphs", 0): as a runtime that cannot capture flag ops
   std::vector<std::shared_ptr<FakeGraph>> user_graphs_;  // kept by debug("end_capture", 1)
 };
 

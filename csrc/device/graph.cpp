@@ -30,14 +30,27 @@ void Runtime::host_call(Stream, void (*)(void*), void*) {
 namespace {
 
 constexpr uint32_t kGraphMagic = 0x70636667;  // "gfcp"
+constexpr uint32_t kVerdictMagic = 0x76636667;  // "gfcv"
 
 // What one side of a pair sends the other before the capture: its parts in the canonical order
-// (entries follow in a second message), and, from the leader, the plan communicator's id.
+// (entries follow in a second message), and either the plan communicator's id (leader) or a
+// link's ring (the leader's offer, the follower's acceptance). The follower sends its hello
+// once it has the leader's.
 struct Hello {
   uint32_t magic = kGraphMagic;
   uint32_t count = 0;
   uint32_t has_id = 0;
-  uint32_t pad = 0;
+  uint32_t link = 0;  // `ring` is this side's link ring
+  UniqueId id;
+  UniqueId ring;
+};
+
+// The leader's answer to a follower's reply to its offer of a link: the link stands, or the
+// pair goes over a communicator of this id.
+struct Verdict {
+  uint32_t magic = kVerdictMagic;
+  uint32_t link = 0;
+  uint32_t pad[2] = {0, 0};
   UniqueId id;
 };
 
@@ -50,8 +63,14 @@ at::Tensor bytes_of(const void* p, size_t n) {
 }  // namespace
 
 PlanGraph::PlanGraph(std::shared_ptr<void> owner, Runtime& rt, HostLink& host, int rank, Stream alloc,
-                     std::vector<DeviceOp> dops, bool naive, int64_t max_kernels)
-    : owner_(std::move(owner)), rt_(rt), host_(host), rank_(rank), naive_(naive), max_kernels_(max_kernels) {
+                     std::vector<DeviceOp> dops, bool naive, int64_t max_kernels, GraphLinks links)
+    : owner_(std::move(owner)),
+      rt_(rt),
+      host_(host),
+      rank_(rank),
+      naive_(naive),
+      max_kernels_(max_kernels),
+      links_(std::move(links)) {
   try {
     origin_ = rt_.new_stream();
     // A careless design agrees and allocates with the capture already begun (tests show the
@@ -78,10 +97,11 @@ PlanGraph::PlanGraph(std::shared_ptr<void> owner, Runtime& rt, HostLink& host, i
     });
     for (auto& op : ops_)
       for (auto& p : op->parts) pair(p->peer).parts.push_back(p.get());
-    // An op's parts are no more than the plan's peers: within the bound, the pairs' streams keep
-    // the kernels in flight within it too.
-    windowed_ = max_kernels_ > 0 && (int64_t)pairs_.size() > max_kernels_;
     agree();
+    // An op's parts are no more than the plan's peers: within the bound, the pairs' streams keep
+    // the kernels in flight within it too. Links launch no kernel that waits.
+    const auto kernel_pairs = std::count_if(pairs_.begin(), pairs_.end(), [](const Pair& q) { return !q.link; });
+    windowed_ = max_kernels_ > 0 && (int64_t)kernel_pairs > max_kernels_;
     connect();
     record_graph();
   } catch (...) {
@@ -102,11 +122,24 @@ PlanGraph::Pair& PlanGraph::pair(int peer) {
   return p;
 }
 
+bool PlanGraph::accepts(int peer, const UniqueId& ring) const {
+  return links_.on && links_.same_host && links_.same_host(peer) && IpcLink::is_ipc(ring) && !IpcLink::is_host(ring) &&
+         IpcLink::readable(rt_, ring);
+}
+
+std::unique_ptr<IpcLink> PlanGraph::new_link(int peer) {
+  auto l = std::make_unique<IpcLink>(rt_, peer, /*epoch=*/0, links_.ring_bytes, links_.slots, /*host=*/false,
+                                     /*fixed=*/true);
+  l->fuse_bytes = links_.fuse_bytes;
+  if (links_.made) ++*links_.made;
+  return l;
+}
+
 void PlanGraph::agree() {
   const std::string who = "fastcomm.plan.capture: rank " + std::to_string(rank_) + ", groups " + label_;
   struct Io {
-    c10::intrusive_ptr<Work> send_hello, send_entries, recv_hello, recv_entries;
-    at::Tensor in_hello, in_entries;
+    c10::intrusive_ptr<Work> send_hello, send_entries, send_verdict, recv_hello, recv_entries, recv_verdict;
+    at::Tensor in_hello, in_entries, in_verdict;
     std::vector<Entry> mine;
   };
   std::vector<Io> io(pairs_.size());
@@ -118,33 +151,96 @@ void PlanGraph::agree() {
                        "); every member of the plan's groups must capture the same plan");
     }
   };
-  for (size_t i = 0; i < pairs_.size(); ++i) {
+  auto bad = [&](int peer) {
+    throw_comm_error(who + ": a bad agreement message from rank " + std::to_string(peer));
+  };
+  auto send_mine = [&](size_t i, const Hello& h) {
     Pair& q = pairs_[i];
-    Hello h;
-    h.count = (uint32_t)q.parts.size();
-    if (q.leader) {
-      q.id = rt_.new_id();
-      h.has_id = 1;
-      h.id = q.id;
-    }
-    for (Part* p : q.parts) io[i].mine.push_back(Entry{p->op->key, p->sig});
     io[i].send_hello = host_.control_send(q.peer, bytes_of(&h, sizeof h), 1);
     if (!io[i].mine.empty())
       io[i].send_entries = host_.control_send(q.peer, bytes_of(io[i].mine.data(), io[i].mine.size() * sizeof(Entry)), 1);
-    io[i].in_hello = at::empty({(int64_t)sizeof(Hello)}, at::TensorOptions().dtype(at::kByte));
-    io[i].recv_hello = host_.control_recv(q.peer, io[i].in_hello, 1);
-  }
-  for (size_t i = 0; i < pairs_.size(); ++i) {
+  };
+  auto read_hello = [&](size_t i) {
     Pair& q = pairs_[i];
     wait_for(io[i].recv_hello, q.peer);
     Hello h;
     std::memcpy(&h, io[i].in_hello.data_ptr(), sizeof h);
-    if (h.magic != kGraphMagic || (bool)h.has_id == q.leader)
-      throw_comm_error(who + ": a bad agreement message from rank " + std::to_string(q.peer));
-    if (!q.leader) q.id = h.id;
+    if (h.magic != kGraphMagic || (q.leader && h.has_id != 0) || (!q.leader && (h.has_id != 0) == (h.link != 0)))
+      bad(q.peer);
     if (h.count > 0) {
       io[i].in_entries = at::empty({(int64_t)(h.count * sizeof(Entry))}, at::TensorOptions().dtype(at::kByte));
       io[i].recv_entries = host_.control_recv(q.peer, io[i].in_entries, 1);
+    }
+    return h;
+  };
+  // Leaders send first; a follower answers once it has the leader's hello, and a leader whose
+  // offer of a link was answered confirms. Each round waits only on messages the one before it
+  // sent, so no member waits on another in a cycle.
+  for (size_t i = 0; i < pairs_.size(); ++i) {
+    Pair& q = pairs_[i];
+    for (Part* p : q.parts) io[i].mine.push_back(Entry{p->op->key, p->sig});
+    io[i].in_hello = at::empty({(int64_t)sizeof(Hello)}, at::TensorOptions().dtype(at::kByte));
+    io[i].recv_hello = host_.control_recv(q.peer, io[i].in_hello, 1);
+    if (!q.leader) continue;
+    Hello h;
+    h.count = (uint32_t)q.parts.size();
+    if (links_.on && links_.same_host && links_.same_host(q.peer)) {
+      q.link = new_link(q.peer);
+      h.link = 1;
+      h.ring = q.link->id();
+    } else {
+      q.id = rt_.new_id();
+      h.has_id = 1;
+      h.id = q.id;
+    }
+    send_mine(i, h);
+  }
+  for (size_t i = 0; i < pairs_.size(); ++i) {  // followers answer
+    Pair& q = pairs_[i];
+    if (q.leader) continue;
+    const Hello theirs = read_hello(i);
+    Hello h;
+    h.count = (uint32_t)q.parts.size();
+    if (theirs.link) {
+      if (accepts(q.peer, theirs.ring)) {
+        q.link = new_link(q.peer);
+        q.peer_ring = theirs.ring;
+        h.link = 1;
+        h.ring = q.link->id();
+      }
+      io[i].in_verdict = at::empty({(int64_t)sizeof(Verdict)}, at::TensorOptions().dtype(at::kByte));
+      io[i].recv_verdict = host_.control_recv(q.peer, io[i].in_verdict, 1);
+    } else {
+      q.id = theirs.id;
+    }
+    send_mine(i, h);
+  }
+  for (size_t i = 0; i < pairs_.size(); ++i) {  // leaders confirm their offers
+    Pair& q = pairs_[i];
+    if (!q.leader) continue;
+    const Hello theirs = read_hello(i);
+    if (!q.link) continue;
+    Verdict v;
+    if (theirs.link && accepts(q.peer, theirs.ring)) {
+      v.link = 1;
+      q.peer_ring = theirs.ring;
+    } else {
+      q.link.reset();  // nobody mapped its ring: it goes at once
+      q.id = rt_.new_id();
+      v.id = q.id;
+    }
+    io[i].send_verdict = host_.control_send(q.peer, bytes_of(&v, sizeof v), 1);
+  }
+  for (size_t i = 0; i < pairs_.size(); ++i) {  // followers learn whether their link stands
+    Pair& q = pairs_[i];
+    if (!io[i].recv_verdict) continue;
+    wait_for(io[i].recv_verdict, q.peer);
+    Verdict v;
+    std::memcpy(&v, io[i].in_verdict.data_ptr(), sizeof v);
+    if (v.magic != kVerdictMagic || (v.link != 0 && !q.link)) bad(q.peer);
+    if (v.link == 0) {
+      q.link.reset();
+      q.id = v.id;
     }
   }
   for (size_t i = 0; i < pairs_.size(); ++i) {
@@ -155,8 +251,8 @@ void PlanGraph::agree() {
       theirs.resize((size_t)io[i].in_entries.numel() / sizeof(Entry));
       std::memcpy(theirs.data(), io[i].in_entries.data_ptr(), theirs.size() * sizeof(Entry));
     }
-    if (io[i].send_hello) wait_for(io[i].send_hello, q.peer);
-    if (io[i].send_entries) wait_for(io[i].send_entries, q.peer);
+    for (auto* w : {&io[i].send_hello, &io[i].send_entries, &io[i].send_verdict})
+      if (*w) wait_for(*w, q.peer);
     const auto& mine = io[i].mine;
     const std::string peer = "rank " + std::to_string(q.peer);
     if (theirs.size() != mine.size())
@@ -177,6 +273,12 @@ void PlanGraph::agree() {
 
 void PlanGraph::connect() {
   for (auto& q : pairs_) {
+    if (q.link) {
+      q.link->open_peer(q.peer_ring);
+      if (!links_stream_) links_stream_ = rt_.new_stream();
+      q.stream = links_stream_;
+      continue;
+    }
     q.comm = rt_.comm_init(q.id, 2, q.leader ? 0 : 1);
     q.stream = rt_.new_stream();
   }
@@ -184,6 +286,7 @@ void PlanGraph::connect() {
   for (;;) {
     bool all = true;
     for (auto& q : pairs_) {
+      if (q.link) continue;
       std::string why;
       const State s = rt_.comm_state(q.comm, &why);
       if (s == State::kFailed)
@@ -342,11 +445,57 @@ int64_t PlanGraph::user_runs() const {
 std::string PlanGraph::fault_locked() {
   for (auto& q : pairs_) {
     std::string why;
-    if (rt_.comm_state(q.comm, &why) == State::kFailed)
+    if (q.link) {
+      if (q.link->peer_ended()) return "rank " + std::to_string(q.peer) + " ended its side of the plan's link";
+    } else if (rt_.comm_state(q.comm, &why) == State::kFailed) {
       return "the plan's channel to rank " + std::to_string(q.peer) + " failed: " + why;
+    }
     if (!host_.peer_alive(q.peer)) return "rank " + std::to_string(q.peer) + " is gone";
   }
   return "";
+}
+
+std::string PlanGraph::garbage_locked() {
+  for (auto& q : pairs_)
+    if (q.link && q.link->peer_garbage())
+      return "rank " + std::to_string(q.peer) + "'s side of the plan failed with runs in flight";
+  return "";
+}
+
+void PlanGraph::start_drain() {
+  if (drain_.joinable()) return;
+  std::vector<IpcLink*> links;
+  for (auto& q : pairs_)
+    if (q.link) links.push_back(q.link.get());
+  if (links.empty()) return;
+  // The links live until release() has joined this thread.
+  drain_ = std::thread([this, links] {
+    while (!drain_stop_.load()) {
+      for (IpcLink* l : links) l->release_fixed();
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  });
+}
+
+void PlanGraph::end_links() {
+  drain_stop_ = true;
+  if (drain_.joinable()) drain_.join();
+  for (auto& q : pairs_) {
+    if (!q.link) continue;
+    std::unique_ptr<IpcLink> l = std::move(q.link);
+    q.stream = nullptr;  // the links stream goes on its own
+    try {
+      l->end_fixed(/*failed=*/false);  // a failed one told the peer before
+      l->close_peer();
+    } catch (...) {
+    }
+    if (links_.retire) {
+      try {
+        links_.retire(std::move(l));
+      } catch (...) {
+      }
+    }
+  }
 }
 
 void PlanGraph::check_locked(Check how, std::chrono::milliseconds timeout, Event until) {
@@ -374,6 +523,8 @@ void PlanGraph::check_locked(Check how, std::chrono::milliseconds timeout, Event
     return t;
   };
   for (int spins = 0;; ++spins) {
+    const std::string garbage = garbage_locked();
+    if (!garbage.empty()) fail_locked(garbage);
     const bool done = settled();
     if (done && how != Check::kLaunch) return;
     // A fault matters while runs are in flight or one is about to be launched (a replay
@@ -422,6 +573,11 @@ void PlanGraph::fail_locked(const std::string& why) {
     graph_ = nullptr;
   }
   abort_comms();  // the runs in flight return without moving data
+  // A link's runs in flight here go on to their end once their waits are released; the peer is
+  // told first that what they write is garbage.
+  for (auto& q : pairs_)
+    if (q.link) q.link->end_fixed(/*failed=*/true);
+  start_drain();
   std::rethrow_exception(broken_);
 }
 
@@ -525,6 +681,12 @@ void PlanGraph::release() {
     spare_.push_back(r.end);
   }
   runs_.clear();
+  // A failed plan's links drain the user graphs' runs in flight too (the drain releases them).
+  if (broken_ && drain_.joinable() && watch_) {
+    const auto until = Clock::now() + timeout_;
+    while (watch_->in_flight() > 0 && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  end_links();
   auto quietly = [](auto f) {
     try {
       f();
@@ -540,10 +702,12 @@ void PlanGraph::release() {
   if (recorded_ > 0) abort_comms();
   for (auto& q : pairs_) {
     if (q.comm) quietly([&] { rt_.comm_destroy(q.comm); });
-    if (q.stream) quietly([&] { rt_.destroy_stream(q.stream); });
+    if (q.stream && q.stream != links_stream_) quietly([&] { rt_.destroy_stream(q.stream); });
     q.comm = nullptr;
     q.stream = nullptr;
   }
+  if (links_stream_) quietly([&] { rt_.destroy_stream(links_stream_); });
+  links_stream_ = nullptr;
   if (join_) quietly([&] { rt_.destroy_stream(join_); });
   if (retire_) quietly([&] { rt_.destroy_stream(retire_); });
   retire_ = nullptr;

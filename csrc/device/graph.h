@@ -10,6 +10,14 @@
 // folds and copies right behind them (ops of 3+ on a join stream); forked from and joined back
 // into one origin stream by events.
 //
+// A pair of one host whose device can read the other's memory goes over a fixed IPC link of
+// the plan's own instead (device/ipc_link.h: flag waits and writes of fixed values, so the
+// graph replays them as captured), where both engines use IPC links and the runtime can capture
+// stream flag operations: the leader offers its ring, the follower accepts with its own (or
+// declines), and the leader confirms (or sends a communicator id after all). Every link pair's
+// work goes onto one stream of the plan's own, in the canonical order, which both sides of
+// every pair follow (docs/design.md, "CUDA graphs", has why this cannot deadlock).
+//
 // A replay launches the graph on the caller's stream and records an event behind it; each
 // replay and wait() looks at the runs in flight: a plan communicator's asynchronous error, a
 // peer the host knows is gone, or a run not done within the timeout aborts the plan's
@@ -20,8 +28,10 @@
 // into that capture instead, forked from and joined back into the caller's stream, between two
 // host calls that count the run's start and end at each replay of the user's graph; a watcher
 // thread fails the graph as above while such a run is in flight, so the user's graph drains.
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -29,11 +39,25 @@
 #include <thread>
 #include <vector>
 
+#include "device/ipc_link.h"
 #include "device/ops.h"
 #include "engine/device.h"
 
 namespace fastcomm {
 namespace device {
+
+// What a plan needs to link pairs over IPC (from its engine).
+struct GraphLinks {
+  bool on = false;                   // offer links: IPC on, and the runtime captures flag operations
+  std::function<bool(int)> same_host;  // whether a peer shares this host
+  size_t ring_bytes = 0;
+  uint32_t slots = 4;
+  size_t fuse_bytes = 0;
+  // Takes an ended link whose streams here have drained, and frees its ring once the peer has
+  // unmapped it (or is gone).
+  std::function<void(std::unique_ptr<IpcLink>)> retire;
+  std::atomic<int64_t>* made = nullptr;  // links made (debug "plan_ipc_links")
+};
 
 class PlanGraph final : public DeviceGraph {
  public:
@@ -42,7 +66,7 @@ class PlanGraph final : public DeviceGraph {
   // `max_kernels`: FASTCOMM_DEVICE_MAX_KERNELS (0: unbounded); a plan with more peers than that
   // runs its launches in a window (docs/design.md, "Kernels in flight").
   PlanGraph(std::shared_ptr<void> owner, Runtime& rt, HostLink& host, int rank, Stream alloc,
-            std::vector<DeviceOp> ops, bool naive, int64_t max_kernels = 0);
+            std::vector<DeviceOp> ops, bool naive, int64_t max_kernels = 0, GraphLinks links = {});
   ~PlanGraph() override;
 
   void replay() override;
@@ -58,9 +82,11 @@ class PlanGraph final : public DeviceGraph {
     int peer = -1;
     bool leader = false;  // the lower rank: makes the communicator's id
     Comm comm = nullptr;
-    Stream stream = nullptr;
+    Stream stream = nullptr;  // a link pair's: the plan's one links stream (not its own)
     std::vector<Part*> parts;  // in the canonical order
     UniqueId id;
+    std::unique_ptr<IpcLink> link;  // over IPC (then no comm)
+    UniqueId peer_ring;             // ... the peer's ring
   };
   struct Run {
     Event end;
@@ -83,6 +109,9 @@ class PlanGraph final : public DeviceGraph {
   enum class Check { kLaunch, kWait, kWatch };
 
   void agree();         // the host exchange with every peer: order, matching, ids
+  // Whether this side takes the leader's offer of a link (its ring's id).
+  bool accepts(int peer, const UniqueId& ring) const;
+  std::unique_ptr<IpcLink> new_link(int peer);
   void connect();       // the plan's communicators, up
   void record_graph();  // the capture itself
   // The plan's device work, forked from `origin` and joined back into it (captured).
@@ -94,6 +123,11 @@ class PlanGraph final : public DeviceGraph {
   // every run so far has run (and `until`, where given).
   void check_locked(Check how, std::chrono::milliseconds timeout, Event until = nullptr);
   std::string fault_locked();  // a plan channel failed or a peer gone: why ("" if none)
+  // A peer failed its side of a link while its runs were in flight: what they wrote may be
+  // garbage, so even runs seen done fail ("" if none).
+  std::string garbage_locked();
+  void start_drain();  // a failed plan's links: their waits released until release() ends it
+  void end_links();    // release(): every link ended, unmapped and retired
   [[noreturn]] void fail_locked(const std::string& why);
   // The plan's communicators aborted and destroyed on a detached thread, which then frees ops_.
   void abort_comms();
@@ -105,6 +139,10 @@ class PlanGraph final : public DeviceGraph {
   const int rank_;
   const bool naive_;
   const int64_t max_kernels_;
+  GraphLinks links_;
+  Stream links_stream_ = nullptr;  // every link pair's work, in the canonical order
+  std::thread drain_;
+  std::atomic<bool> drain_stop_{false};
   // More peers than max_kernels_: launches go in canonical order, at most max_kernels_ kernels
   // of them in flight, each admitted once every launch too far back has retired (on retire_).
   bool windowed_ = false;

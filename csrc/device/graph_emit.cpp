@@ -43,6 +43,10 @@ void PlanGraph::emit(Stream origin) {
       std::this_thread::yield();
     }
   };
+  // Every run maps the links' chunks to their slots alike (the peer's run may be of the other
+  // graph: the plan's own or a user's).
+  for (auto& q : pairs_)
+    if (q.link) q.link->restart_fixed();
   const Event fork = ev();
   rt_.record(fork, origin);
   for (auto& q : pairs_) rt_.wait(q.stream, fork);
@@ -65,6 +69,12 @@ void PlanGraph::emit(Stream origin) {
   // Transfers of parts on one pair go as one NCCL group (one kernel at each replay, not one per
   // part); `ops` then have their copies and folds (one fold launch) on the pair's stream.
   auto transfer = [&](Pair& q, const std::vector<DevOp*>& ops) {
+    if (q.link) {
+      for (DevOp* op : ops)
+        for (auto& p : op->parts)
+          if (p->peer == q.peer) q.link->emit_fixed(*p, q.stream);
+      return;
+    }
     const int peer_rank = q.leader ? 1 : 0;
     rt_.group_start();
     try {
@@ -174,6 +184,9 @@ void PlanGraph::emit(Stream origin) {
       open_on[op.key.id] = q.peer;
       o.acc.reads.insert(o.acc.reads.end(), a.reads.begin(), a.reads.end());
       o.acc.writes.insert(o.acc.writes.end(), a.writes.begin(), a.writes.end());
+      // A link pair's op goes at once: the links stream holds every link pair's work in the
+      // canonical order.
+      if (q.link) flush(q);
       continue;
     }
     // An op of 3+ (or of none): its parts on several pairs, its end work on the join stream. In
@@ -185,7 +198,9 @@ void PlanGraph::emit(Stream origin) {
     const Event pred_end = pred != last.end() ? pred->second.second : nullptr;
     std::vector<Part*> parts;
     for (auto& p : op.parts) parts.push_back(p.get());
-    if (windowed_) std::sort(parts.begin(), parts.end(), [](Part* a, Part* b) { return a->peer < b->peer; });
+    // In peer order, so the pairs (lo, hi) go in the same order on every rank: the window's
+    // launches, and the links stream's parts (its order is canonical).
+    std::sort(parts.begin(), parts.end(), [](Part* a, Part* b) { return a->peer < b->peer; });
     for (Part* p : parts) {
       Pair& q = pair(p->peer);
       if (pred_end && pred_stream != q.stream) rt_.wait(q.stream, pred_end);

@@ -121,10 +121,13 @@ void ChannelEngine::teardown() {
   std::exception_ptr why = broken();
   // Ops posted before the engine stopped, not yet taken in: they fail with the rest.
   std::vector<std::unique_ptr<DevOp>> in;
+  std::vector<std::unique_ptr<IpcLink>> retired;
   {
     std::lock_guard<std::mutex> lk(mu_);
     in.swap(incoming_);
+    retired.swap(retired_links_);  // stop_ is set: no more come (retire_link frees them itself)
   }
+  for (auto& l : retired) ipc_->retire(std::move(l));
   for (auto& op : in) {
     DevOp* o = op.get();
     live_.push_back(std::move(op));

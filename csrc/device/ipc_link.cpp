@@ -81,12 +81,15 @@ void Runtime::flag_set(uint32_t*, uint32_t) {
   TORCH_CHECK(false, "fastcomm: the ", name(), " device runtime has no stream flags");
 }
 
-IpcLink::IpcLink(Runtime& rt, int peer, uint32_t epoch, size_t ring_bytes, uint32_t slots, bool host)
-    : rt_(rt), peer_(peer), epoch_(epoch), slots_(std::min<uint32_t>(std::max<uint32_t>(slots, 1), 0xffff)) {
+IpcLink::IpcLink(Runtime& rt, int peer, uint32_t epoch, size_t ring_bytes, uint32_t slots, bool host, bool fixed)
+    : rt_(rt), peer_(peer), epoch_(epoch), fixed_(fixed), slots_(std::min<uint32_t>(std::max<uint32_t>(slots, 1), 0xffff)) {
   // Slots of whole 256-byte lines, so every chunk of a tensor stays aligned for the copies.
   slot_bytes_ = std::max<size_t>(256, (ring_bytes / slots_) & ~size_t(255));
   make_own(host, 0);
   tx_wait_.assign(slots_, 0);
+  // Every slot free before the peer can see the ring (its id is not out yet).
+  if (fixed_)
+    for (uint32_t k = 0; k < slots_; ++k) rt_.flag_set(own_flag(slots_ + k), 1);
 }
 
 void IpcLink::make_own(bool host, uint16_t flags) {
@@ -288,7 +291,71 @@ void IpcLink::enqueue_rx(const Step& st) {
   rt_.flag_write(consumed, use, stream_);
 }
 
+void IpcLink::emit_fixed(const Part& p, Stream s) {
+  TORCH_INTERNAL_ASSERT(fixed_ && ready(), "emit_fixed on a link that is not a ready fixed one");
+  // Both directions are cut alike, chunk i of the sends then chunk i of the receives, as add()
+  // does: the order the graph's no-deadlock argument needs (docs/design.md, "CUDA graphs").
+  const auto& tx = p.sends;
+  const auto& rx = p.recvs;
+  size_t ti = 0, toff = 0, ri = 0, roff = 0;
+  for (;;) {
+    while (ti < tx.size() && toff >= tx[ti].second) ++ti, toff = 0;
+    while (ri < rx.size() && roff >= rx[ri].second) ++ri, roff = 0;
+    if (ti == tx.size() && ri == rx.size()) break;
+    if (ti < tx.size()) {
+      const size_t n = std::min(slot_bytes_, tx[ti].second - toff);
+      const uint32_t k = (uint32_t)(tx_seq_++ % slots_);
+      uint32_t* free_flag = own_flag(slots_ + k);
+      rt_.flag_wait(s, free_flag, 1);
+      rt_.flag_write(free_flag, 0, s);
+      uint8_t* slot = (uint8_t*)own_.data + (size_t)k * slot_bytes_;
+      const uint8_t* src = (const uint8_t*)tx[ti].first + toff;
+      if (fused(n)) {
+        rt_.copy_flag(slot, src, n, own_flag(k), 1, s);
+      } else {
+        rt_.copy(slot, src, n, s);
+        rt_.flag_write(own_flag(k), 1, s);
+      }
+      toff += n;
+    }
+    if (ri < rx.size()) {
+      const size_t n = std::min(peer_slot_bytes_, rx[ri].second - roff);
+      const uint32_t k = (uint32_t)(rx_seq_++ % peer_slots_);
+      uint32_t* full_flag = peer_flag(k);
+      rt_.flag_wait(s, full_flag, 1);
+      rt_.flag_write(full_flag, 0, s);
+      const uint8_t* chunk = (const uint8_t*)theirs_.data + (size_t)k * peer_slot_bytes_;
+      uint8_t* dst = (uint8_t*)rx[ri].first + roff;
+      if (fused(n)) {
+        rt_.copy_flag(dst, chunk, n, peer_flag(peer_slots_ + k), 1, s);
+      } else {
+        rt_.copy(dst, chunk, n, s);
+        rt_.flag_write(peer_flag(peer_slots_ + k), 1, s);
+      }
+      roff += n;
+    }
+  }
+}
+
+void IpcLink::release_fixed() {
+  // The flags this side's streams wait on: its sends' free flags, its receives' full flags.
+  if (own_token_ != nullptr)
+    for (uint32_t k = 0; k < slots_; ++k) rt_.flag_set(own_flag(slots_ + k), 1);
+  if (peer_token_ != nullptr)
+    for (uint32_t k = 0; k < peer_slots_; ++k) rt_.flag_set(peer_flag(k), 1);
+}
+
+void IpcLink::end_fixed(bool failed) {
+  if (own_token_ != nullptr) {
+    if (failed) store(own_flag(garbage_flag(slots_)), 1);
+    __atomic_store_n(own_flag(owner_ended_flag(slots_)), 1, __ATOMIC_SEQ_CST);  // the claim's other half
+  }
+  if (peer_token_ != nullptr) store(peer_flag(opener_ended_flag(peer_slots_)), 1);
+  if (failed) release_fixed();
+}
+
 void IpcLink::abort() {
+  if (fixed_) return end_fixed(/*failed=*/false);
   // First the peer is told: data its receives get from here on may be garbage (this side's
   // sends stop waiting for room), so it trusts none it sees complete after this.
   if (own_token_ != nullptr) {
@@ -364,6 +431,14 @@ void IpcLinks::end(Comm c, EventPtr drained) {
   live_.erase(it);
   x.link->abort();
   x.drained = std::move(drained);
+  closing_.push_back(std::move(x));
+}
+
+void IpcLinks::retire(std::unique_ptr<IpcLink> l) {
+  ++blocks_;  // counted until poll() lets it go, as a channel's
+  bytes_ += (int64_t)l->ring_bytes();
+  Closing x;
+  x.link = std::move(l);
   closing_.push_back(std::move(x));
 }
 

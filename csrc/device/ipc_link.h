@@ -51,8 +51,8 @@ namespace device {
 class IpcLink {
  public:
   // This side's ring: `ring_bytes` in `slots` slots, in device memory or (`host`) in host
-  // memory both processes map (Runtime::ipc_create).
-  IpcLink(Runtime& rt, int peer, uint32_t epoch, size_t ring_bytes, uint32_t slots, bool host);
+  // memory both processes map (Runtime::ipc_create). `fixed`: a link for CUDA graphs (below).
+  IpcLink(Runtime& rt, int peer, uint32_t epoch, size_t ring_bytes, uint32_t slots, bool host, bool fixed = false);
   ~IpcLink();
   IpcLink(const IpcLink&) = delete;
   IpcLink& operator=(const IpcLink&) = delete;
@@ -105,6 +105,27 @@ class IpcLink {
   // Whether the peer claimed this side's ring (it maps it, or did; open_peer's claim).
   bool peer_opened() const;
 
+  // ---- A link for CUDA graphs (`fixed`; device/graph.h). A graph replays the same stream
+  // work each time, so its flag waits and writes must hold fixed values: each slot's two flags
+  // are consumed and cleared. Per chunk, the sender's stream waits free[slot] >= 1, clears it,
+  // copies the chunk in and sets full[slot] = 1; the receiver's waits full[slot] >= 1, clears it,
+  // copies the chunk out and sets free[slot] = 1. Each flag is set by one side and cleared by the
+  // other only after it saw it set, so sets and clears alternate, and a run ends with every flag
+  // as it began (full 0, free 1): every chunk sent in a run is received in it. Nothing is held
+  // back on the host: all of a part's chunks go onto the stream at once (a graph's waits point
+  // at the peer's run, which the member contract says comes).
+  // Starts a new run: chunk i of each direction uses slot i % K in every run alike.
+  void restart_fixed() { tx_seq_ = rx_seq_ = 0; }
+  // Enqueues the part's transfers on `s` (the same for every part of the link).
+  void emit_fixed(const Part& p, Stream s);
+  // The end of a fixed link: tells the peer (`failed`: what this side's runs in flight write
+  // from now on may be garbage, so it fails its runs), and releases this side's waits.
+  void end_fixed(bool failed);
+  // Releases every wait this side's runs may hold; the runs' own clears can block a later wait
+  // again, so a failed link's owner repeats this until its runs have drained.
+  void release_fixed();
+  bool fixed() const { return fixed_; }
+
   bool skip_rx_waits = false;  // test hook: the receive copies wait for nothing
   // Chunks up to this many bytes go as one entry with their flag (Runtime::copy_flag,
   // fold_flag) on device rings; 0: never (FASTCOMM_DEVICE_IPC_FUSE_BYTES).
@@ -132,6 +153,7 @@ class IpcLink {
   Runtime& rt_;
   const int peer_;
   const uint32_t epoch_;
+  const bool fixed_;
   uint32_t slots_ = 0;
   size_t slot_bytes_ = 0;
   bool host_ = false;
@@ -167,6 +189,9 @@ class IpcLinks {
   // The link's epoch is over: its waits are released now; `drained` (recorded behind its work,
   // or null) tells when its stream is done with it.
   void end(Comm c, EventPtr drained);
+  // A link of no channel (a plan's, device/graph.h), ended, its streams drained: its ring goes
+  // once the peer has unmapped it (or is gone).
+  void retire(std::unique_ptr<IpcLink> l);
   // Releases what can go; true while some ended link still holds memory.
   bool poll(const std::function<bool(int)>& peer_alive);
   // Teardown: the streams have drained; everything goes.

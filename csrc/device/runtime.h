@@ -175,6 +175,9 @@ class Runtime {
   virtual void fold_flag(const FoldJob& job, uint32_t* flag, uint32_t value, Stream s);
   // From the host, now: *flag = value (releases the waits it satisfies).
   virtual void flag_set(uint32_t* flag, uint32_t value);
+  // Whether flag_wait and flag_write can be captured into a CUDA graph and run at its launches
+  // (tried once; false: plans' graphs keep to communicators). Not under a capture.
+  virtual bool ipc_graphs() { return false; }
 
   // ---- CUDA graphs (device/graph.h)
   // Begins capturing `s` in the thread-local mode: work enqueued on it, and on streams that
