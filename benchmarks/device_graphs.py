@@ -9,16 +9,18 @@ float32 each on its pair group, then, per rank:
 - torch graph: the same ops on a torch NCCL pair group captured with torch.cuda.graph, replayed
   --replays times.
 Reported per side: wall microseconds per op (the loop's time over runs x ops; runs are waited
-for in chunks of 50, and stop early past --side-budget seconds, so a slow transport shortens the
-run instead of overrunning the step), the runs done, and whether the results match the
-reference (the pair's average). A side that fails is reported as such; the others still run,
+for in chunks of 50, and stop early past --side-budget seconds, --torch-budget for torch's, so a
+slow transport shortens the run instead of overrunning the step), the runs done, whether the
+results match the reference (the pair's average), and what the graph's pairs go over: a link of
+the plan's own where the ranks share a host and IPC links are on, else a communicator. A side that fails is reported as such; the others still run,
 and each rank prints its figures as soon as it has them.
 
 --fake runs the fastcomm sides on the CPU fake of CUDA/NCCL (FASTCOMM_FAKE_DEVICE=1): a check of
 the script, not a measurement.
 
 Usage: python benchmarks/device_graphs.py [--world 2] [--ops 64] [--replays 1000] [--plain-iters 200]
-       [--numel 16] [--fake] [--json F] [--launcher spawn|fork|torchrun]
+       [--numel 16] [--side-budget S] [--torch-budget S] [--fake] [--json F]
+       [--launcher spawn|fork|torchrun]
 """
 from __future__ import annotations
 
@@ -59,9 +61,10 @@ def _rank(store, rank, world, args):
             out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
             traceback.print_exc()
 
-    def timed(run_once, wait_all, total):
-        """Runs in chunks, each waited for, until `total` runs or --side-budget seconds: a slow
+    def timed(run_once, wait_all, total, budget=None):
+        """Runs in chunks, each waited for, until `total` runs or `budget` seconds: a slow
         transport (ranks sharing a GPU over NCCL's sockets) shortens the run, never the step."""
+        budget = args.side_budget if budget is None else budget
         done, t0 = 0, time.perf_counter()
         while done < total:
             k = min(50, total - done)
@@ -69,7 +72,7 @@ def _rank(store, rank, world, args):
                 run_once()
             wait_all()
             done += k
-            if time.perf_counter() - t0 > args.side_budget:
+            if time.perf_counter() - t0 > budget:
                 break
         return (time.perf_counter() - t0) / (done * args.ops) * 1e6, done
 
@@ -82,7 +85,10 @@ def _rank(store, rank, world, args):
         with fc.plan() as p:
             for t in ts:
                 fc.all_reduce(t, op=avg, group=fg)
+        links = fc._state._engine.device_debug(device, "plan_ipc_links", 0)
         g = p.capture()
+        linked = fc._state._engine.device_debug(device, "plan_ipc_links", 0) > links
+        out["fc_graph_over"] = "IPC link" if linked else "communicator"
         g.replay()  # warm up
         g.wait()
         sync()
@@ -127,7 +133,7 @@ def _rank(store, rank, world, args):
                     dist.all_reduce(t, op=avg, group=tg)
             graph.replay()
             sync()
-            us, runs = timed(graph.replay, sync, args.replays)
+            us, runs = timed(graph.replay, sync, args.replays, args.torch_budget)
             return us, runs, check(ts)
 
         side("torch_graph", torch_graph)
@@ -145,7 +151,8 @@ def main():
     ap.add_argument("--replays", type=int, default=1000)
     ap.add_argument("--plain-iters", type=int, default=200)
     ap.add_argument("--numel", type=int, default=16)
-    ap.add_argument("--side-budget", type=float, default=10, help="seconds per side before its runs stop early")
+    ap.add_argument("--side-budget", type=float, default=10, help="seconds per fastcomm side before its runs stop early")
+    ap.add_argument("--torch-budget", type=float, default=10, help="seconds for torch's side before its runs stop early")
     add_device_args(ap, job_timeout=120)
     args = parse_device_args(ap)
     res = run_job(_rank, args.world, args, timeout=args.job_timeout)
@@ -162,8 +169,9 @@ def main():
             continue
         ok = all(r[f"{s}_ok"] for r in res)
         bad = bad or not ok
+        over = res[0].get(f"{s}_over", "")
         print(f"{s:>12} {max(r[f'{s}_us_per_op'] for r in res):>19.2f} {min(r[f'{s}_runs'] for r in res):>6} "
-              f"{str(ok):>11}")
+              f"{str(ok):>11}  {over}")
     if args.json:
         write_json(args.json, res)
     sys.exit(1 if bad else 0)

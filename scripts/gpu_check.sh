@@ -6,7 +6,9 @@
 # against torch NCCL; the run-ahead of fastcomm alone on each channel kind and CUDA queue
 # setting) and benchmarks/device_ipc.py
 # (same-host channels over CUDA IPC against torch NCCL; a 64 MiB ring; under MPS);
-# benchmarks/device_graphs.py (a captured plan replayed, against no graph and torch NCCL's graphs);
+# benchmarks/device_graphs.py (a captured plan replayed, against no graph and torch NCCL's graphs;
+# same-host pairs of a plan's graph go over IPC links of its own, so test_device_graphs.py and
+# test_device_user_graphs.py below run them too);
 # tests/test_device_collectives.py on CUDA tensors (FASTCOMM_DEVICE_TEST=cuda); the rest of
 # tests/test_nccl.py (several ranks share the GPU, each with its own NCCL_HOSTID; same-host pairs
 # go over IPC unless FASTCOMM_DEVICE_IPC=0); the MoE and pipeline examples on CUDA against torch
@@ -245,8 +247,8 @@ if [ "$BUILT" = 1 ]; then
     "$RUN; '$PY' '$ROOT/benchmarks/device_streams.py' --world 4 --ops 1000 --groups 10000 --json '$REPORT_DIR/device_streams.json'"
   step bench "benchmarks/device_ipc.py: same-host channels over CUDA IPC vs torch NCCL, 1 and 8 pairs on one GPU (400 B back to back, the MWE shape, 16 MB vs a D2D copy, memory)" 90 \
     "$RUN; '$PY' '$ROOT/benchmarks/device_ipc.py' --pairs 1,8 --ops 1000 --json '$REPORT_DIR/device_ipc.json'"
-  step bench "benchmarks/device_graphs.py: a plan of 64 pair all_reduces captured (p.capture()) and replayed 1,000 times vs the same plan started without a graph vs torch NCCL's captured ops" 60 \
-    "$RUN; '$PY' '$ROOT/benchmarks/device_graphs.py' --world 2 --ops 64 --replays 1000 --plain-iters 100 --job-timeout 55 --json '$REPORT_DIR/device_graphs.json'"
+  step bench "benchmarks/device_graphs.py: a plan of 64 pair all_reduces captured (p.capture(), over the plan's IPC link) and replayed 1,000 times vs the same plan started without a graph vs torch NCCL's captured ops (at most 10 s of them)" 90 \
+    "$RUN; '$PY' '$ROOT/benchmarks/device_graphs.py' --world 2 --ops 64 --replays 1000 --plain-iters 100 --side-budget 30 --torch-budget 10 --job-timeout 85 --json '$REPORT_DIR/device_graphs.json'"
   step bench "benchmarks/device_ipc.py with a 64 MiB ring (FASTCOMM_DEVICE_IPC_RING_BYTES): 16 MB in one slot" 60 \
     "$RUN; FASTCOMM_DEVICE_IPC_RING_BYTES=67108864 '$PY' '$ROOT/benchmarks/device_ipc.py' --pairs 1 --ops 300 --no-torch --json '$REPORT_DIR/device_ipc_ring64.json'"
   # Processes that share a GPU without MPS take turns on it by time slices, and every IPC op

@@ -129,9 +129,7 @@ def _fallback_body(rank, world, who):
 def test_a_pair_where_one_side_cannot_link_goes_over_a_communicator_on_both(who):
     res = harness.run(_fallback_body, 2, who, timeout=60, env=LINKS, init_timeout=30)
     for out, links in res:
-        assert out == [[3.0 + 2 * r] * 5 for r in range(3)], res
-    # The leader's offer is made (and dropped) only where it can link.
-    assert res[1][1] == 0 and res[0][1] == (0 if who == (0,) else 1), res
+        assert out == [[3.0 + 2 * r] * 5 for r in range(3)] and links == 0, res
 
 
 # ---------------------------------------------------------------------------------------------

@@ -131,7 +131,6 @@ std::unique_ptr<IpcLink> PlanGraph::new_link(int peer) {
   auto l = std::make_unique<IpcLink>(rt_, peer, /*epoch=*/0, links_.ring_bytes, links_.slots, /*host=*/false,
                                      /*fixed=*/true);
   l->fuse_bytes = links_.fuse_bytes;
-  if (links_.made) ++*links_.made;
   return l;
 }
 
@@ -275,6 +274,7 @@ void PlanGraph::connect() {
   for (auto& q : pairs_) {
     if (q.link) {
       q.link->open_peer(q.peer_ring);
+      if (links_.made) ++*links_.made;
       if (!links_stream_) links_stream_ = rt_.new_stream();
       q.stream = links_stream_;
       continue;

@@ -56,7 +56,7 @@ struct GraphLinks {
   // Takes an ended link whose streams here have drained, and frees its ring once the peer has
   // unmapped it (or is gone).
   std::function<void(std::unique_ptr<IpcLink>)> retire;
-  std::atomic<int64_t>* made = nullptr;  // links made (debug "plan_ipc_links")
+  std::atomic<int64_t>* made = nullptr;  // links that both sides took (debug "plan_ipc_links")
 };
 
 class PlanGraph final : public DeviceGraph {
