@@ -162,7 +162,6 @@ std::shared_ptr<DeviceGraph> ChannelEngine::capture(std::vector<DeviceOp> dops, 
   }
   links.same_host = [this](int peer) { return use_ipc(peer); };
   links.ring_bytes = ipc_ring_bytes_;
-  links.fuse_bytes = ipc_fuse_bytes_;
   links.made = &plan_links_;
   std::weak_ptr<ChannelEngine> self = std::static_pointer_cast<ChannelEngine>(shared_from_this());
   links.retire = [self](std::unique_ptr<IpcLink> l) {
@@ -181,7 +180,11 @@ void ChannelEngine::retire_link(std::unique_ptr<IpcLink> l) {
   std::unique_lock<std::mutex> lk(mu_);
   if (stop_) {
     lk.unlock();
-    l.reset();  // the engine is gone or going: its rings go with it (teardown)
+    // The engine thread is gone: a short wait for the peer to unmap the ring, as teardown's.
+    const auto until = Clock::now() + std::chrono::milliseconds(500);
+    while (l->peer_opened() && !l->peer_done() && Clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    l.reset();
     return;
   }
   retired_links_.push_back(std::move(l));

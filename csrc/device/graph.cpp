@@ -130,7 +130,9 @@ bool PlanGraph::accepts(int peer, const UniqueId& ring) const {
 std::unique_ptr<IpcLink> PlanGraph::new_link(int peer) {
   auto l = std::make_unique<IpcLink>(rt_, peer, /*epoch=*/0, links_.ring_bytes, links_.slots, /*host=*/false,
                                      /*fixed=*/true);
-  l->fuse_bytes = links_.fuse_bytes;
+  // Unfused: a fused kernel's flag store is not known to be ordered after the clear the
+  // stream wrote before it, and a set overtaken by a clear loses a wake-up.
+  l->fuse_bytes = 0;
   return l;
 }
 
@@ -522,10 +524,15 @@ void PlanGraph::check_locked(Check how, std::chrono::milliseconds timeout, Event
     }
     return t;
   };
-  for (int spins = 0;; ++spins) {
+  // Garbage is looked at after each harvest: the failed side sets it before releasing its
+  // waits, so a run seen done after that may have read what the release let through.
+  auto no_garbage = [&] {
     const std::string garbage = garbage_locked();
     if (!garbage.empty()) fail_locked(garbage);
+  };
+  for (int spins = 0;; ++spins) {
     const bool done = settled();
+    no_garbage();
     if (done && how != Check::kLaunch) return;
     // A fault matters while runs are in flight or one is about to be launched (a replay
     // against a dead peer would never finish).
@@ -537,6 +544,7 @@ void PlanGraph::check_locked(Check how, std::chrono::milliseconds timeout, Event
       const auto grace = Clock::now() + std::chrono::seconds(1);
       while (!settled() && Clock::now() < grace) std::this_thread::sleep_for(std::chrono::milliseconds(1));
       if (!settled()) fail_locked(fault);
+      no_garbage();
       return;
     }
     const auto now = Clock::now();

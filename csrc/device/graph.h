@@ -52,7 +52,6 @@ struct GraphLinks {
   std::function<bool(int)> same_host;  // whether a peer shares this host
   size_t ring_bytes = 0;
   uint32_t slots = 4;
-  size_t fuse_bytes = 0;
   // Takes an ended link whose streams here have drained, and frees its ring once the peer has
   // unmapped it (or is gone).
   std::function<void(std::unique_ptr<IpcLink>)> retire;

@@ -308,14 +308,8 @@ void IpcLink::emit_fixed(const Part& p, Stream s) {
       uint32_t* free_flag = own_flag(slots_ + k);
       rt_.flag_wait(s, free_flag, 1);
       rt_.flag_write(free_flag, 0, s);
-      uint8_t* slot = (uint8_t*)own_.data + (size_t)k * slot_bytes_;
-      const uint8_t* src = (const uint8_t*)tx[ti].first + toff;
-      if (fused(n)) {
-        rt_.copy_flag(slot, src, n, own_flag(k), 1, s);
-      } else {
-        rt_.copy(slot, src, n, s);
-        rt_.flag_write(own_flag(k), 1, s);
-      }
+      rt_.copy((uint8_t*)own_.data + (size_t)k * slot_bytes_, (const uint8_t*)tx[ti].first + toff, n, s);
+      rt_.flag_write(own_flag(k), 1, s);
       toff += n;
     }
     if (ri < rx.size()) {
@@ -324,14 +318,8 @@ void IpcLink::emit_fixed(const Part& p, Stream s) {
       uint32_t* full_flag = peer_flag(k);
       rt_.flag_wait(s, full_flag, 1);
       rt_.flag_write(full_flag, 0, s);
-      const uint8_t* chunk = (const uint8_t*)theirs_.data + (size_t)k * peer_slot_bytes_;
-      uint8_t* dst = (uint8_t*)rx[ri].first + roff;
-      if (fused(n)) {
-        rt_.copy_flag(dst, chunk, n, peer_flag(peer_slots_ + k), 1, s);
-      } else {
-        rt_.copy(dst, chunk, n, s);
-        rt_.flag_write(peer_flag(peer_slots_ + k), 1, s);
-      }
+      rt_.copy((uint8_t*)rx[ri].first + roff, (const uint8_t*)theirs_.data + (size_t)k * peer_slot_bytes_, n, s);
+      rt_.flag_write(peer_flag(peer_slots_ + k), 1, s);
       roff += n;
     }
   }

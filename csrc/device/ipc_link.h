@@ -116,7 +116,8 @@ class IpcLink {
   // at the peer's run, which the member contract says comes).
   // Starts a new run: chunk i of each direction uses slot i % K in every run alike.
   void restart_fixed() { tx_seq_ = rx_seq_ = 0; }
-  // Enqueues the part's transfers on `s` (the same for every part of the link).
+  // Enqueues the part's transfers on `s` (the same for every part of the link). Never fused:
+  // every flag write is a stream write, whose memory barrier orders it after the clear before it.
   void emit_fixed(const Part& p, Stream s);
   // The end of a fixed link: tells the peer (`failed`: what this side's runs in flight write
   // from now on may be garbage, so it fails its runs), and releases this side's waits.
