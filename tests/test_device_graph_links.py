@@ -11,19 +11,23 @@ whose flag waits and writes hold fixed values, so the graph replays them as capt
   drain (their waits are released until the plan goes).
 - Where one side cannot link (its runtime cannot capture flag operations, or IPC is off for it),
   the pair goes over a communicator on both sides, with the same results.
-- The plan's rings go once both sides dropped it (the suite's /dev/shm check covers crashes)."""
+- The plan's rings go once both sides dropped it (the suite's /dev/shm check covers crashes), or,
+  where a user's graph recorded it, once that graph goes too; a run of that graph after the plan
+  is dropped ends instead of hanging."""
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
 import torch
 
 import harness
-from _device import DEV, fake_only, setup
+from _device import DEV, dsync, fake_only, setup
 from test_device_graphs import (_dead_peer_body, _large_body, _opposite_order_body, _pairs_body, _replay_body,
                                 _timeout_body, _two_silent_peers_body)
-from test_device_user_graphs import _results_body
+from _plan_cases import pair_plan
+from test_device_user_graphs import UserGraph, _results_body
 
 import fastcomm as fc
 
@@ -158,3 +162,38 @@ def _rings_body(rank, world):
 def test_a_dropped_plans_rings_are_freed_once_both_sides_dropped_it():
     for during, after, links in harness.run(_rings_body, 2, timeout=60, env=LINKS, init_timeout=30):
         assert (during, after, links) == (2, 0, 1)
+
+
+def _late_user_run_body(rank, world):
+    """A user's graph that recorded a plan over a link runs again after both sides dropped the
+    plan (which the rules forbid): the run ends, moving garbage, instead of hanging or touching
+    unmapped memory; the rings stay while the user's graph does, and go with it."""
+    setup(rank)
+    pair = fc.new_group([0, 1])
+    host = fc.new_group([0, 1])
+    t = torch.full((300,), float(rank + 1), device=DEV)
+    g = pair_plan(t, pair)
+    user = UserGraph()
+    user.capture(g.replay)
+    user.replay()
+    g.wait()
+    dsync()
+    first = t[:2].tolist()
+    during = dbg("ipc_blocks")
+    del g
+    gc.collect()
+    fc.barrier(group=host)
+    kept = dbg("ipc_blocks")
+    user.replay()  # after the plan is gone, on both sides
+    dsync()
+    fc.barrier(group=host)
+    user.drop()
+    deadline = time.monotonic() + 10
+    while dbg("ipc_blocks") > 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return first, during, kept, dbg("ipc_blocks")
+
+
+def test_a_user_graph_run_after_its_linked_plan_is_dropped_ends_and_the_rings_go_with_it():
+    for first, during, kept, after in harness.run(_late_user_run_body, 2, timeout=60, env=LINKS, init_timeout=30):
+        assert (first, during, kept, after) == ([3.0, 3.0], 2, 2, 0)

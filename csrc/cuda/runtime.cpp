@@ -188,6 +188,27 @@ void CudaRuntime::graph_launch(void* graph, Stream s) {
   FASTCOMM_GPU_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph), cs(s)));
 }
 
+void CudaRuntime::capture_keep(Stream s, std::shared_ptr<void> ref) {
+  c10::cuda::CUDAGuard g(dev());
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  cudaGraph_t graph = nullptr;
+  FASTCOMM_GPU_CHECK(cudaStreamGetCaptureInfo(cs(s), &st, nullptr, &graph, nullptr, nullptr, nullptr));
+  TORCH_CHECK(st == cudaStreamCaptureStatusActive && graph != nullptr, "fastcomm: capture_keep on a stream not being captured");
+  auto* held = new std::shared_ptr<void>(std::move(ref));
+  cudaUserObject_t obj = nullptr;
+  const cudaError_t r = cudaUserObjectCreate(
+      &obj, held, [](void* p) { delete static_cast<std::shared_ptr<void>*>(p); }, 1, cudaUserObjectNoDestructorSync);
+  if (r != cudaSuccess) {
+    delete held;
+    cuda::check(r, nullptr, "cudaUserObjectCreate", __FILE__, __LINE__);
+  }
+  const cudaError_t moved = cudaGraphRetainUserObject(graph, obj, 1, cudaGraphUserObjectMove);  // the graph owns it now
+  if (moved != cudaSuccess) {
+    (void)cudaUserObjectRelease(obj, 1);  // drops `held`
+    cuda::check(moved, nullptr, "cudaGraphRetainUserObject", __FILE__, __LINE__);
+  }
+}
+
 void CudaRuntime::graph_destroy(void* graph) {
   c10::cuda::CUDAGuard g(dev());
   FASTCOMM_GPU_CHECK(cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(graph)));

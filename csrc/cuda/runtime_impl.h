@@ -128,6 +128,7 @@ class CudaRuntime final : public Runtime {
   void keep(const at::Tensor& t, Stream s) override;
   bool ipc_supported() override;
   bool ipc_graphs() override;
+  void capture_keep(Stream s, std::shared_ptr<void> ref) override;
   void* ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b, bool host) override;
   bool ipc_readable(const IpcHandle& h) override;
   void* ipc_open(const IpcHandle& h, IpcBlock* b, const IpcClaim& claim) override;

@@ -277,8 +277,9 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   bool check_health();
   std::string waited_for(const Part& p, Channel& c, Clock::time_point now);
   void teardown();
-  // A plan's ended link, from any thread: the engine thread frees its ring in time (IpcLinks).
-  void retire_link(std::unique_ptr<IpcLink> l);
+  // A plan's ended links and the memory their runs used, from any thread (no runtime call):
+  // the engine thread frees the rings in time (IpcLinks) and drops `rest`.
+  void retire_links(std::vector<std::unique_ptr<IpcLink>> links, std::shared_ptr<void> rest);
 
   const int rank_;
   // The scheme this engine replaced, kept to show the fake runtime is faithful (tests): every
@@ -311,6 +312,7 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   bool stop_ = false;
   bool woken_ = false;
   std::vector<std::unique_ptr<IpcLink>> retired_links_;  // plans' links, for ipc_ to free
+  std::vector<std::shared_ptr<void>> retired_rest_;       // ... and what their runs used
   std::thread thread_;
 
   // The engine thread's own state.

@@ -164,8 +164,8 @@ std::shared_ptr<DeviceGraph> ChannelEngine::capture(std::vector<DeviceOp> dops, 
   links.ring_bytes = ipc_ring_bytes_;
   links.made = &plan_links_;
   std::weak_ptr<ChannelEngine> self = std::static_pointer_cast<ChannelEngine>(shared_from_this());
-  links.retire = [self](std::unique_ptr<IpcLink> l) {
-    if (auto e = self.lock()) e->retire_link(std::move(l));
+  links.retire = [self](std::vector<std::unique_ptr<IpcLink>> ls, std::shared_ptr<void> rest) {
+    if (auto e = self.lock()) e->retire_links(std::move(ls), std::move(rest));
   };
   auto g = std::make_shared<PlanGraph>(shared_from_this(), *rt_, host_, rank_, alloc_, std::move(dops), naive, max_kernels_,
                                        std::move(links));
@@ -176,18 +176,25 @@ std::shared_ptr<DeviceGraph> ChannelEngine::capture(std::vector<DeviceOp> dops, 
   return g;
 }
 
-void ChannelEngine::retire_link(std::unique_ptr<IpcLink> l) {
+void ChannelEngine::retire_links(std::vector<std::unique_ptr<IpcLink>> links, std::shared_ptr<void> rest) {
   std::unique_lock<std::mutex> lk(mu_);
   if (stop_) {
     lk.unlock();
-    // The engine thread is gone: a short wait for the peer to unmap the ring, as teardown's.
+    // The engine thread is gone: a short wait for the peers to unmap the rings, as teardown's,
+    // then they go here (after fastcomm.shutdown(), a user's graph dropped late may bring them
+    // on a CUDA thread: a teardown's last resort).
     const auto until = Clock::now() + std::chrono::milliseconds(500);
-    while (l->peer_opened() && !l->peer_done() && Clock::now() < until)
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    l.reset();
+    for (auto& l : links) {
+      l->close_peer();
+      while (l->peer_opened() && !l->peer_done() && Clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    links.clear();
+    rest.reset();
     return;
   }
-  retired_links_.push_back(std::move(l));
+  for (auto& l : links) retired_links_.push_back(std::move(l));
+  if (rest) retired_rest_.push_back(std::move(rest));
   woken_ = true;
   lk.unlock();
   cv_.notify_all();

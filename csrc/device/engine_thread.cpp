@@ -27,7 +27,10 @@ void ChannelEngine::main() {
     in.swap(incoming_);
     std::vector<std::unique_ptr<IpcLink>> retired;
     retired.swap(retired_links_);
+    std::vector<std::shared_ptr<void>> rest;
+    rest.swap(retired_rest_);
     lk.unlock();
+    rest.clear();
     bool moved = false;
     try {
       for (auto& l : retired) ipc_->retire(std::move(l));

@@ -185,6 +185,12 @@ bool FakeRuntime::capturing(Stream s) {
   return c.lane_of(s) >= 0;
 }
 
+void FakeRuntime::capture_keep(Stream s, std::shared_ptr<void> ref) {
+  auto st = stream_of(s, "capture_keep");
+  if (!capturing(s)) call_error("capture_keep", "the stream is not being captured");
+  capture_hold(st.get(), std::move(ref));
+}
+
 void* FakeRuntime::end_capture(Stream s) {
   auto g = finish_capture(stream_of(s, "end_capture"));
   FakeGraph* p = g.get();

@@ -88,6 +88,7 @@ class FakeRuntime final : public Runtime {
   // Same-host blocks (fake_ipc.h): /dev/shm segments; a flag wait holds its stream's thread.
   bool ipc_supported() override;
   bool ipc_graphs() override { return ipc_graphs_.load(); }
+  void capture_keep(Stream s, std::shared_ptr<void> ref) override;
   void* ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b, bool host) override;
   bool ipc_readable(const IpcHandle& h) override { return fake::ipc_readable(h); }
   void* ipc_open(const IpcHandle& h, IpcBlock* b, const IpcClaim& claim) override {

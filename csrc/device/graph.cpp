@@ -23,6 +23,9 @@ void Runtime::graph_launch(void*, Stream) {
   TORCH_CHECK(false, "fastcomm: the ", name(), " device runtime cannot launch CUDA graphs");
 }
 void Runtime::graph_destroy(void*) {}
+void Runtime::capture_keep(Stream, std::shared_ptr<void>) {
+  TORCH_CHECK(false, "fastcomm: the ", name(), " device runtime cannot keep objects with a graph");
+}
 void Runtime::host_call(Stream, void (*)(void*), void*) {
   TORCH_CHECK(false, "fastcomm: the ", name(), " device runtime cannot enqueue host calls");
 }
@@ -61,6 +64,58 @@ at::Tensor bytes_of(const void* p, size_t n) {
 }
 
 }  // namespace
+
+// A user's graph that recorded the plan may run after the plan is gone (the rule is that it
+// must not, docs/design.md): its links then stay mapped, and a run of it found starting is
+// treated as a run of a failed plan (the peer is told its data is garbage; the waits are
+// released until it has ended), so it ends instead of hanging. Dropped by the last holder,
+// maybe on a CUDA thread: it hands everything to `retire` and makes no runtime call.
+struct PlanGraph::LinkKeep {
+  std::function<void(std::vector<std::unique_ptr<IpcLink>>, std::shared_ptr<void>)> retire;
+  std::shared_ptr<Watch> watch;
+  std::vector<std::unique_ptr<IpcLink>> links;
+  std::shared_ptr<void> rest;
+  std::thread late;
+  std::atomic<bool> stop{false};
+
+  void adopt(std::vector<std::unique_ptr<IpcLink>> ls, std::shared_ptr<void> r, bool failed) {
+    links = std::move(ls);
+    rest = std::move(r);
+    std::vector<IpcLink*> raw;
+    for (auto& l : links) {
+      if (!failed) l->end_fixed(/*failed=*/false);
+      raw.push_back(l.get());
+    }
+    late = std::thread([this, raw, failed] {
+      bool tainted = failed;
+      for (;;) {
+        {
+          std::unique_lock<std::mutex> wl(watch->mu);
+          watch->cv.wait_for(wl, std::chrono::milliseconds(50), [&] { return stop.load() || watch->started > watch->ended; });
+          if (stop) return;
+          if (watch->started <= watch->ended) continue;
+        }
+        for (IpcLink* l : raw) {
+          if (!tainted) l->end_fixed(/*failed=*/true);
+          l->release_fixed();
+        }
+        tainted = true;
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+    });
+  }
+
+  ~LinkKeep() {
+    stop = true;
+    if (watch) watch->cv.notify_all();
+    if (late.joinable()) late.join();
+    if ((links.empty() && !rest) || !retire) return;
+    try {
+      retire(std::move(links), std::move(rest));
+    } catch (...) {
+    }
+  }
+};
 
 PlanGraph::PlanGraph(std::shared_ptr<void> owner, Runtime& rt, HostLink& host, int rank, Stream alloc,
                      std::vector<DeviceOp> dops, bool naive, int64_t max_kernels, GraphLinks links)
@@ -339,6 +394,14 @@ void PlanGraph::record_into(Stream caller) {
     watch_ = std::make_shared<Watch>();
     watcher_ = std::thread([this] { watch_loop(); });
   }
+  if (std::any_of(pairs_.begin(), pairs_.end(), [](const Pair& q) { return q.link != nullptr; })) {
+    if (!keep_) {
+      keep_ = std::make_shared<LinkKeep>();
+      keep_->retire = links_.retire;
+      keep_->watch = watch_;
+    }
+    rt_.capture_keep(caller, keep_);
+  }
   rt_.host_call(caller, &Watch::on_start, watch_.get());
   emit(caller);
   rt_.host_call(caller, &Watch::on_end, watch_.get());
@@ -482,20 +545,34 @@ void PlanGraph::start_drain() {
 void PlanGraph::end_links() {
   drain_stop_ = true;
   if (drain_.joinable()) drain_.join();
+  std::vector<std::unique_ptr<IpcLink>> links;
   for (auto& q : pairs_) {
     if (!q.link) continue;
-    std::unique_ptr<IpcLink> l = std::move(q.link);
+    links.push_back(std::move(q.link));
     q.stream = nullptr;  // the links stream goes on its own
+  }
+  if (links.empty()) return;
+  if (keep_) {
+    // Held by user graphs: ended and unmapped when the last of them goes. The plan's memory goes
+    // with them unless a communicator's aborter holds it (abort_comms).
+    const bool comms = std::any_of(pairs_.begin(), pairs_.end(), [](const Pair& q) { return q.comm != nullptr; });
+    std::shared_ptr<void> rest;
+    if (!comms) rest = std::make_shared<std::vector<std::unique_ptr<DevOp>>>(std::move(ops_));
+    keep_->adopt(std::move(links), std::move(rest), broken_ != nullptr);
+    keep_.reset();
+    return;
+  }
+  for (auto& l : links) {
     try {
       l->end_fixed(/*failed=*/false);  // a failed one told the peer before
       l->close_peer();
     } catch (...) {
     }
-    if (links_.retire) {
-      try {
-        links_.retire(std::move(l));
-      } catch (...) {
-      }
+  }
+  if (links_.retire) {
+    try {
+      links_.retire(std::move(links), nullptr);
+    } catch (...) {
     }
   }
 }

@@ -52,9 +52,10 @@ struct GraphLinks {
   std::function<bool(int)> same_host;  // whether a peer shares this host
   size_t ring_bytes = 0;
   uint32_t slots = 4;
-  // Takes an ended link whose streams here have drained, and frees its ring once the peer has
-  // unmapped it (or is gone).
-  std::function<void(std::unique_ptr<IpcLink>)> retire;
+  // Takes ended links whose streams here have drained, and frees their rings once the peer has
+  // unmapped them (or is gone), and `rest` (memory their runs used) on the engine's thread. Any
+  // thread may call it (a CUDA thread dropping a user's graph too): it makes no runtime call.
+  std::function<void(std::vector<std::unique_ptr<IpcLink>>, std::shared_ptr<void> rest)> retire;
   std::atomic<int64_t>* made = nullptr;  // links that both sides took (debug "plan_ipc_links")
 };
 
@@ -127,6 +128,10 @@ class PlanGraph final : public DeviceGraph {
   std::string garbage_locked();
   void start_drain();  // a failed plan's links: their waits released until release() ends it
   void end_links();    // release(): every link ended, unmapped and retired
+  // What user graphs that recorded a plan over links hold (Runtime::capture_keep): the plan's
+  // links and memory, from the plan's release until the last of those graphs is destroyed.
+  struct LinkKeep;
+  std::shared_ptr<LinkKeep> keep_;  // made at the first record_into of a plan with links
   [[noreturn]] void fail_locked(const std::string& why);
   // The plan's communicators aborted and destroyed on a detached thread, which then frees ops_.
   void abort_comms();

@@ -122,11 +122,14 @@ void ChannelEngine::teardown() {
   // Ops posted before the engine stopped, not yet taken in: they fail with the rest.
   std::vector<std::unique_ptr<DevOp>> in;
   std::vector<std::unique_ptr<IpcLink>> retired;
+  std::vector<std::shared_ptr<void>> rest;
   {
     std::lock_guard<std::mutex> lk(mu_);
     in.swap(incoming_);
-    retired.swap(retired_links_);  // stop_ is set: no more come (retire_link frees them itself)
+    retired.swap(retired_links_);  // stop_ is set: no more come (retire_links frees them itself)
+    rest.swap(retired_rest_);
   }
+  rest.clear();
   for (auto& l : retired) ipc_->retire(std::move(l));
   for (auto& op : in) {
     DevOp* o = op.get();

@@ -192,6 +192,10 @@ class Runtime {
   virtual void graph_launch(void* graph, Stream s);
   // Frees the graph (a launch still enqueued completes first).
   virtual void graph_destroy(void* graph);
+  // Makes the graph being captured on `s` (a user's) hold `ref` until that graph and every
+  // instance of it are destroyed (a CUDA user object). `ref` may then be dropped on a thread of
+  // the runtime's own: its destructor must make no runtime call.
+  virtual void capture_keep(Stream s, std::shared_ptr<void> ref);
   // Enqueues `fn(arg)` on `s` (cudaLaunchHostFunc): it runs on a host thread once the work
   // before it has, and the work after it waits for it; under capture it becomes a host node that
   // runs at every replay. `fn` must make no runtime call and return soon.
