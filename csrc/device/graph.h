@@ -132,6 +132,7 @@ class PlanGraph final : public DeviceGraph {
   // links and memory, from the plan's release until the last of those graphs is destroyed.
   struct LinkKeep;
   std::shared_ptr<LinkKeep> keep_;  // made at the first record_into of a plan with links
+  void keep_links_with(Stream caller);  // record_into: the user's capture holds keep_
   [[noreturn]] void fail_locked(const std::string& why);
   // The plan's communicators aborted and destroyed on a detached thread, which then frees ops_.
   void abort_comms();

@@ -1,0 +1,131 @@
+// A plan graph's IPC links at their end (device/graph.h): a failed plan's drain, the links'
+// retirement, and what user graphs that recorded the plan hold of them.
+#include <algorithm>
+#include <thread>
+
+#include "device/graph.h"
+
+namespace fastcomm {
+namespace device {
+
+// A user's graph that recorded the plan may run after the plan is gone (the rule is that it
+// must not, docs/design.md): its links then stay mapped, and a run of it found starting is
+// treated as a run of a failed plan (the peer is told its data is garbage; the waits are
+// released until it has ended), so it ends instead of hanging. Dropped by the last holder,
+// maybe on a CUDA thread: it hands everything to `retire` and makes no runtime call.
+struct PlanGraph::LinkKeep {
+  std::function<void(std::vector<std::unique_ptr<IpcLink>>, std::shared_ptr<void>)> retire;
+  std::shared_ptr<Watch> watch;
+  std::vector<std::unique_ptr<IpcLink>> links;
+  std::shared_ptr<void> rest;
+  std::thread late;
+  std::atomic<bool> stop{false};
+
+  void adopt(std::vector<std::unique_ptr<IpcLink>> ls, std::shared_ptr<void> r, bool failed) {
+    links = std::move(ls);
+    rest = std::move(r);
+    std::vector<IpcLink*> raw;
+    for (auto& l : links) {
+      if (!failed) l->end_fixed(/*failed=*/false);
+      raw.push_back(l.get());
+    }
+    late = std::thread([this, raw, failed] {
+      bool tainted = failed;
+      for (;;) {
+        {
+          std::unique_lock<std::mutex> wl(watch->mu);
+          watch->cv.wait_for(wl, std::chrono::milliseconds(50), [&] { return stop.load() || watch->started > watch->ended; });
+          if (stop) return;
+          if (watch->started <= watch->ended) continue;
+        }
+        for (IpcLink* l : raw) {
+          if (!tainted) l->end_fixed(/*failed=*/true);
+          l->release_fixed();
+        }
+        tainted = true;
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+    });
+  }
+
+  ~LinkKeep() {
+    stop = true;
+    if (watch) watch->cv.notify_all();
+    if (late.joinable()) late.join();
+    if ((links.empty() && !rest) || !retire) return;
+    try {
+      retire(std::move(links), std::move(rest));
+    } catch (...) {
+    }
+  }
+};
+
+void PlanGraph::keep_links_with(Stream caller) {
+  if (!std::any_of(pairs_.begin(), pairs_.end(), [](const Pair& q) { return q.link != nullptr; })) return;
+  if (!keep_) {
+    keep_ = std::make_shared<LinkKeep>();
+    keep_->retire = links_.retire;
+    keep_->watch = watch_;
+  }
+  rt_.capture_keep(caller, keep_);
+}
+
+std::string PlanGraph::garbage_locked() {
+  for (auto& q : pairs_)
+    if (q.link && q.link->peer_garbage())
+      return "rank " + std::to_string(q.peer) + "'s side of the plan failed with runs in flight";
+  return "";
+}
+
+void PlanGraph::start_drain() {
+  if (drain_.joinable()) return;
+  std::vector<IpcLink*> links;
+  for (auto& q : pairs_)
+    if (q.link) links.push_back(q.link.get());
+  if (links.empty()) return;
+  // The links live until release() has joined this thread.
+  drain_ = std::thread([this, links] {
+    while (!drain_stop_.load()) {
+      for (IpcLink* l : links) l->release_fixed();
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  });
+}
+
+void PlanGraph::end_links() {
+  drain_stop_ = true;
+  if (drain_.joinable()) drain_.join();
+  std::vector<std::unique_ptr<IpcLink>> links;
+  for (auto& q : pairs_) {
+    if (!q.link) continue;
+    links.push_back(std::move(q.link));
+    q.stream = nullptr;  // the links stream goes on its own
+  }
+  if (links.empty()) return;
+  if (keep_) {
+    // Held by user graphs: ended and unmapped when the last of them goes. The plan's memory goes
+    // with them unless a communicator's aborter holds it (abort_comms).
+    const bool comms = std::any_of(pairs_.begin(), pairs_.end(), [](const Pair& q) { return q.comm != nullptr; });
+    std::shared_ptr<void> rest;
+    if (!comms) rest = std::make_shared<std::vector<std::unique_ptr<DevOp>>>(std::move(ops_));
+    keep_->adopt(std::move(links), std::move(rest), broken_ != nullptr);
+    keep_.reset();
+    return;
+  }
+  for (auto& l : links) {
+    try {
+      l->end_fixed(/*failed=*/false);  // a failed one told the peer before
+      l->close_peer();
+    } catch (...) {
+    }
+  }
+  if (links_.retire) {
+    try {
+      links_.retire(std::move(links), nullptr);
+    } catch (...) {
+    }
+  }
+}
+
+}  // namespace device
+}  // namespace fastcomm
