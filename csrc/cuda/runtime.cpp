@@ -193,7 +193,8 @@ void CudaRuntime::capture_keep(Stream s, std::shared_ptr<void> ref) {
   cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
   cudaGraph_t graph = nullptr;
   FASTCOMM_GPU_CHECK(cudaStreamGetCaptureInfo(cs(s), &st, nullptr, &graph, nullptr, nullptr, nullptr));
-  TORCH_CHECK(st == cudaStreamCaptureStatusActive && graph != nullptr, "fastcomm: capture_keep on a stream not being captured");
+  TORCH_CHECK(st == cudaStreamCaptureStatusActive && graph != nullptr, "fastcomm: capture_keep: the stream's capture is ",
+              st == cudaStreamCaptureStatusInvalidated ? "invalidated" : "not active");
   auto* held = new std::shared_ptr<void>(std::move(ref));
   cudaUserObject_t obj = nullptr;
   const cudaError_t r = cudaUserObjectCreate(

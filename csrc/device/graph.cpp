@@ -436,6 +436,9 @@ void PlanGraph::release() {
     const auto until = Clock::now() + timeout_;
     while (watch_->in_flight() > 0 && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+  // A user's capture holds the plan's links (keep_) once it was given them, even where the
+  // recording failed after: its communicators then go as for a recorded plan's.
+  const bool held = recorded_ > 0 || keep_ != nullptr;
   end_links();
   auto quietly = [](auto f) {
     try {
@@ -449,7 +452,7 @@ void PlanGraph::release() {
   graph_ = nullptr;
   // A user's graph that recorded a replay holds work of the communicators, and NCCL destroys
   // them only once it is gone: those are aborted on a thread that waits for it.
-  if (recorded_ > 0) abort_comms();
+  if (held) abort_comms();
   for (auto& q : pairs_) {
     if (q.comm) quietly([&] { rt_.comm_destroy(q.comm); });
     if (q.stream && q.stream != links_stream_) quietly([&] { rt_.destroy_stream(q.stream); });

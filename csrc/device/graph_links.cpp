@@ -12,9 +12,11 @@ namespace device {
 // must not, docs/design.md): its links then stay mapped, and a run of it found starting is
 // treated as a run of a failed plan (the peer is told its data is garbage; the waits are
 // released until it has ended), so it ends instead of hanging. Dropped by the last holder,
-// maybe on a CUDA thread: it hands everything to `retire` and makes no runtime call.
+// maybe on a CUDA thread (a user object's destructor, which may make no CUDA call nor block):
+// a thread of its own hands everything to `retire`, keeping the engine alive meanwhile.
 struct PlanGraph::LinkKeep {
   std::function<void(std::vector<std::unique_ptr<IpcLink>>, std::shared_ptr<void>)> retire;
+  std::shared_ptr<void> owner;  // the engine, and so the runtime the links need
   std::shared_ptr<Watch> watch;
   std::vector<std::unique_ptr<IpcLink>> links;
   std::shared_ptr<void> rest;
@@ -29,33 +31,58 @@ struct PlanGraph::LinkKeep {
       if (!failed) l->end_fixed(/*failed=*/false);
       raw.push_back(l.get());
     }
-    late = std::thread([this, raw, failed] {
-      bool tainted = failed;
-      for (;;) {
-        {
-          std::unique_lock<std::mutex> wl(watch->mu);
-          watch->cv.wait_for(wl, std::chrono::milliseconds(50), [&] { return stop.load() || watch->started > watch->ended; });
-          if (stop) return;
-          if (watch->started <= watch->ended) continue;
-        }
-        for (IpcLink* l : raw) {
-          if (!tainted) l->end_fixed(/*failed=*/true);
-          l->release_fixed();
-        }
-        tainted = true;
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
+    try {
+      late = std::thread([this, raw, failed] { drain_late(raw, failed); });
+    } catch (...) {
+      // No thread to be had: a late run of a user's graph would wait for good, but nothing else.
+    }
+  }
+
+  // While a run of a user's graph is in flight (the host nodes' counts): the first one taints
+  // the links (the peer is told), and their waits are released every 200 us until it ends.
+  void drain_late(const std::vector<IpcLink*>& raw, bool failed) {
+    bool tainted = failed;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> wl(watch->mu);
+        watch->cv.wait_for(wl, std::chrono::milliseconds(50), [&] { return stop.load() || watch->started > watch->ended; });
+        if (stop) return;
+        if (watch->started <= watch->ended) continue;
       }
-    });
+      for (IpcLink* l : raw) {
+        if (!tainted) l->end_fixed(/*failed=*/true);
+        l->release_fixed();
+      }
+      tainted = true;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
   }
 
   ~LinkKeep() {
-    stop = true;
-    if (watch) watch->cv.notify_all();
+    if (watch) {
+      {
+        std::lock_guard<std::mutex> wl(watch->mu);
+        stop = true;
+      }
+      watch->cv.notify_all();
+    }
     if (late.joinable()) late.join();
     if ((links.empty() && !rest) || !retire) return;
+    struct Handoff {
+      std::function<void(std::vector<std::unique_ptr<IpcLink>>, std::shared_ptr<void>)> retire;
+      std::vector<std::unique_ptr<IpcLink>> links;
+      std::shared_ptr<void> rest, owner;
+    };
+    auto h = std::make_shared<Handoff>(Handoff{std::move(retire), std::move(links), std::move(rest), std::move(owner)});
     try {
-      retire(std::move(links), std::move(rest));
+      std::thread([h] {
+        try {
+          h->retire(std::move(h->links), std::move(h->rest));
+        } catch (...) {
+        }
+      }).detach();
     } catch (...) {
+      new std::shared_ptr<Handoff>(h);  // no thread to be had: kept for good (freeing here may call CUDA)
     }
   }
 };
@@ -65,6 +92,7 @@ void PlanGraph::keep_links_with(Stream caller) {
   if (!keep_) {
     keep_ = std::make_shared<LinkKeep>();
     keep_->retire = links_.retire;
+    keep_->owner = owner_;
     keep_->watch = watch_;
   }
   rt_.capture_keep(caller, keep_);
