@@ -54,7 +54,7 @@ struct GraphLinks {
   uint32_t slots = 4;
   // Takes ended links whose streams here have drained, and frees their rings once the peer has
   // unmapped them (or is gone), and `rest` (memory their runs used) on the engine's thread. Any
-  // thread may call it (a CUDA thread dropping a user's graph too): it makes no runtime call.
+  // thread but CUDA's callback thread may call it (after the engine stopped, it frees them there).
   std::function<void(std::vector<std::unique_ptr<IpcLink>>, std::shared_ptr<void> rest)> retire;
   std::atomic<int64_t>* made = nullptr;  // links that both sides took (debug "plan_ipc_links")
 };

@@ -119,13 +119,12 @@ class IpcLink {
   // Enqueues the part's transfers on `s` (the same for every part of the link). Never fused:
   // every flag write is a stream write, whose memory barrier orders it after the clear before it.
   void emit_fixed(const Part& p, Stream s);
-  // The end of a fixed link: tells the peer (`failed`: what this side's runs in flight write
-  // from now on may be garbage, so it fails its runs), and releases this side's waits.
+  // The end of a fixed link: tells the peer it ended; `failed`: also that what this side's runs
+  // in flight write from now on may be garbage (it fails its runs), and releases this side's waits.
   void end_fixed(bool failed);
   // Releases every wait this side's runs may hold; the runs' own clears can block a later wait
   // again, so a failed link's owner repeats this until its runs have drained.
   void release_fixed();
-  bool fixed() const { return fixed_; }
 
   bool skip_rx_waits = false;  // test hook: the receive copies wait for nothing
   // Chunks up to this many bytes go as one entry with their flag (Runtime::copy_flag,
