@@ -114,17 +114,14 @@ def _fallback_body(rank, world, who):
     setup(rank)
     if rank in who:
         dbg("ipc_graphs", 0)  # as a runtime that cannot capture stream flag operations
-    pair = fc.new_group([0, 1])
     t = torch.zeros(5, device=DEV)
-    with fc.plan() as p:
-        fc.all_reduce(t, group=pair)
-    g = p.capture()
+    g = pair_plan(t, fc.new_group([0, 1]))
     out = []
     for r in range(3):
         t.fill_(float(rank + 1 + r))
         g.replay()
         g.wait()
-        fc._state._engine.device_synchronize("cpu")
+        dsync()
         out.append(t.tolist())
     return out, dbg("plan_ipc_links")
 
@@ -145,13 +142,11 @@ def _rings_body(rank, world):
     pair = fc.new_group([0, 1])
     host = fc.new_group([0, 1])
     t = torch.ones(300, device=DEV)
-    with fc.plan() as p:
-        fc.all_reduce(t, group=pair)
-    g = p.capture()
+    g = pair_plan(t, pair)
     g.replay()
     g.wait()
     during = dbg("ipc_blocks")  # this process's own ring and its mapping of the peer's
-    del g, p
+    del g
     fc.barrier(group=host)  # both sides dropped the plan
     deadline = time.monotonic() + 10
     while dbg("ipc_blocks") > 0 and time.monotonic() < deadline:

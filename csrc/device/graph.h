@@ -109,6 +109,7 @@ class PlanGraph final : public DeviceGraph {
   enum class Check { kLaunch, kWait, kWatch };
 
   void agree();         // the host exchange with every peer: order, matching, ids
+  bool can_link(int peer) const;  // IPC links offered or taken with this peer
   // Whether this side takes the leader's offer of a link (its ring's id).
   bool accepts(int peer, const UniqueId& ring) const;
   std::unique_ptr<IpcLink> new_link(int peer);

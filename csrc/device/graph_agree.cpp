@@ -47,9 +47,10 @@ at::Tensor bytes_of(const void* p, size_t n) {
 
 }  // namespace
 
+bool PlanGraph::can_link(int peer) const { return links_.on && links_.same_host && links_.same_host(peer); }
+
 bool PlanGraph::accepts(int peer, const UniqueId& ring) const {
-  return links_.on && links_.same_host && links_.same_host(peer) && IpcLink::is_ipc(ring) && !IpcLink::is_host(ring) &&
-         IpcLink::readable(rt_, ring);
+  return can_link(peer) && IpcLink::is_ipc(ring) && !IpcLink::is_host(ring) && IpcLink::readable(rt_, ring);
 }
 
 std::unique_ptr<IpcLink> PlanGraph::new_link(int peer) {
@@ -110,7 +111,7 @@ void PlanGraph::agree() {
     if (!q.leader) continue;
     Hello h;
     h.count = (uint32_t)q.parts.size();
-    if (links_.on && links_.same_host && links_.same_host(q.peer)) {
+    if (can_link(q.peer)) {
       q.link = new_link(q.peer);
       h.link = 1;
       h.ring = q.link->id();

@@ -1,5 +1,6 @@
 #pragma once
-// What the unit tests of the fake device runtime share (test_fake_runtime, test_fake_graphs).
+// What the unit tests of the fake device runtime share (test_fake_runtime, test_fake_graphs,
+// test_graph_links).
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -19,6 +20,15 @@ inline bool eventually(const std::function<bool()>& pred,
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
 }
+
+// An event recorded on `s` now.
+inline Event mark(Runtime& rt, Stream s) {
+  Event e = rt.new_event();
+  rt.record(e, s);
+  return e;
+}
+
+inline bool ready(Runtime& rt, Event e) { return rt.query(e) == State::kReady; }
 
 // A fake whose launches leave their communicators usable at once (the ncclInProgress window
 // has a test of its own).

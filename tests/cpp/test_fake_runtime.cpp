@@ -43,14 +43,6 @@ bool stays(const std::function<bool()>& pred, milliseconds span = milliseconds(6
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
-// An event recorded on `s` now.
-Event mark(Runtime& rt, Stream s) {
-  Event e = rt.new_event();
-  rt.record(e, s);
-  return e;
-}
-
-bool ready(Runtime& rt, Event e) { return rt.query(e) == State::kReady; }
 bool done(Runtime& rt, Event e) {
   return eventually([&] { return ready(rt, e); });
 }

@@ -22,14 +22,6 @@ namespace {
 using namespace fastcomm::device;
 using namespace fastcomm::device::testing;
 
-Event mark(Runtime& rt, Stream s) {
-  Event e = rt.new_event();
-  rt.record(e, s);
-  return e;
-}
-
-bool ran(Runtime& rt, Event e) { return rt.query(e) == State::kReady; }
-
 void fill(std::vector<uint8_t>& v, int seed) {
   for (size_t i = 0; i < v.size(); ++i) v[i] = (uint8_t)((seed * 31 + i * 7) & 0xff);
 }
@@ -73,7 +65,7 @@ struct Pair {
       a.release_fixed();
       b.release_fixed();
       Event ea = mark(*rt, la), eb = mark(*rt, lb);
-      const bool idle = ran(*rt, ea) && ran(*rt, eb);
+      const bool idle = ready(*rt, ea) && ready(*rt, eb);
       rt->destroy_event(ea);
       rt->destroy_event(eb);
       return idle;
@@ -104,7 +96,7 @@ TEST(fixed_link_graphs_replay_in_either_launch_order) {
       k.rt->graph_launch(k.ga, k.la);
     }
     Event ea = mark(*k.rt, k.la), eb = mark(*k.rt, k.lb);
-    const bool finished = eventually([&] { return ran(*k.rt, ea) && ran(*k.rt, eb); });
+    const bool finished = eventually([&] { return ready(*k.rt, ea) && ready(*k.rt, eb); });
     CHECK_MSG(finished, "run " << r << " did not finish");
     if (!finished) return;
     CHECK_MSG(dst_a == src_b, "run " << r);
@@ -127,14 +119,14 @@ TEST(fixed_link_two_runs_queued_before_the_peer_starts) {
   k.rt->graph_launch(k.ga, k.la);
   Event ea = mark(*k.rt, k.la);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  CHECK(!ran(*k.rt, ea));
+  CHECK(!ready(*k.rt, ea));
   CHECK(dst_a == std::vector<uint8_t>(2000, 0));
   std::vector<uint8_t> want_first = src_a;
   k.rt->graph_launch(k.gb, k.lb);
   k.rt->copy(first.data(), dst_b.data(), dst_b.size(), k.lb);
   k.rt->graph_launch(k.gb, k.lb);
   Event eb = mark(*k.rt, k.lb);
-  REQUIRE(eventually([&] { return ran(*k.rt, ea) && ran(*k.rt, eb); }));
+  REQUIRE(eventually([&] { return ready(*k.rt, ea) && ready(*k.rt, eb); }));
   CHECK(first == want_first);
   CHECK(dst_b == next);
   CHECK(dst_a == src_b);
@@ -150,7 +142,7 @@ TEST(fixed_link_failed_side_drains_and_tells_the_peer) {
   k.rt->graph_launch(k.ga, k.la);
   Event ea = mark(*k.rt, k.la);
   std::this_thread::sleep_for(std::chrono::milliseconds(30));
-  CHECK(!ran(*k.rt, ea));
+  CHECK(!ready(*k.rt, ea));
   CHECK(!k.b.peer_ended());
   CHECK(!k.b.peer_garbage());
   k.a.end_fixed(/*failed=*/true);
@@ -158,7 +150,7 @@ TEST(fixed_link_failed_side_drains_and_tells_the_peer) {
   CHECK(k.b.peer_garbage());
   CHECK(eventually([&] {
     k.a.release_fixed();
-    return ran(*k.rt, ea);
+    return ready(*k.rt, ea);
   }));
 }
 
@@ -172,7 +164,7 @@ TEST(fixed_link_clean_end_is_no_garbage) {
   k.rt->graph_launch(k.ga, k.la);
   k.rt->graph_launch(k.gb, k.lb);
   Event ea = mark(*k.rt, k.la), eb = mark(*k.rt, k.lb);
-  REQUIRE(eventually([&] { return ran(*k.rt, ea) && ran(*k.rt, eb); }));
+  REQUIRE(eventually([&] { return ready(*k.rt, ea) && ready(*k.rt, eb); }));
   CHECK(dst_b == src_a);
   k.a.end_fixed(/*failed=*/false);
   CHECK(k.b.peer_ended());
