@@ -68,7 +68,12 @@ ARG_ERRORS = [
     ("op-PREMUL_SUM", ValueError,
      lambda g: fc.all_reduce(torch.ones(4), op=dist._make_nccl_premul_sum(2.0), group=g),
      [G, "'op'", "PREMUL_SUM", "Gloo"]),
-    ("sparse", ValueError, lambda g: fc.all_reduce(torch.ones(4).to_sparse(), group=g), [G, "'tensor'"]),
+    ("sparse-csr", ValueError, lambda g: fc.all_reduce(torch.eye(4).to_sparse_csr(), group=g),
+     [G, "'tensor'", "dense"]),
+    ("sparse-MAX", ValueError,
+     lambda g: fc.all_reduce(torch.ones(4).to_sparse(), op=ReduceOp.MAX, group=g), [G, "'op'", "MAX", "sparse"]),
+    ("sparse-bool", TypeError,
+     lambda g: fc.all_reduce(torch.ones(4, dtype=torch.bool).to_sparse(), group=g), [G, "'tensor'", "Bool"]),
     ("meta-device", ValueError,
      lambda g: fc.all_reduce(torch.empty(4, device="meta"), group=g), [G, "'tensor'", "meta"]),
     # -- ops -----------------------------------------------------------------------------

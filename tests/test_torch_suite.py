@@ -50,8 +50,6 @@ EXCEPTIONS = {
         "fc.monitored_barrier)"),
     "test_monitored_barrier_gloo_rank_0_timeout": ("pass", "skip", "monitored_barrier, as above"),
     "test_monitored_barrier_gloo_subgroup": ("pass", "skip", "monitored_barrier, as above"),
-    "test_sparse_all_reduce_sum": (
-        "pass", "skip", "sparse tensors: fastcomm has none (a ValueError says so); " + GATED),
     "test_accumulate_gradients_no_sync": (
         "pass", "skip", GATED + " (it builds its model only for gloo, mpi or nccl); DDP's "
         "no_sync runs on fastcomm in test_grads_same_across_ranks_with_no_sync"),

@@ -32,5 +32,7 @@ std::unique_ptr<Op> make_rooted_copy(OpKind kind, const at::Tensor& t, const std
 std::unique_ptr<Op> make_all_to_all(std::vector<Span> send, std::vector<Span> recv, std::vector<at::Tensor> outputs,
                                     std::vector<at::Tensor> keep, c10::ScalarType dtype, size_t es, const GroupView& g,
                                     OpKind api);
+// all_reduce (SUM) of a sparse COO tensor, in place (algorithms/sparse.cpp).
+std::unique_ptr<Op> make_sparse_all_reduce(const at::Tensor& t, const GroupView& g);
 
 }  // namespace fastcomm

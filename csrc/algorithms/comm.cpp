@@ -49,7 +49,9 @@ std::string describe(const OpDesc& d) {
   os << (d.kind == OpKind::kSend ? "send/recv" : op_kind_name(d.kind));
   os << "(dtype=" << c10::toString(d.dtype);
   // all_to_all's sizes are per pair; its header holds none.
-  if (d.kind != OpKind::kAllToAll) os << ", numel=" << d.numel;
+  // A sparse all_reduce's header holds the tensor's dimension count (its nnz may differ).
+  if (d.kind == OpKind::kSparseAllReduce) os << ", dims=" << d.numel;
+  else if (d.kind != OpKind::kAllToAll) os << ", numel=" << d.numel;
   if (d.kind == OpKind::kAllReduce || d.kind == OpKind::kReduceScatter || d.kind == OpKind::kReduce)
     os << ", op=" << redop_name(d.redop);
   if (d.root >= 0) os << ", root=" << d.root;

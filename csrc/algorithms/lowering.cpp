@@ -2,6 +2,7 @@
 // algorithms of collectives.h; collective_spec() is the table the engine looks kinds up in.
 
 #include "algorithms/collectives.h"
+#include "algorithms/reduce.h"
 #include "algorithms/request.h"
 #include "common/errors.h"
 
@@ -13,6 +14,27 @@ void check_nothing(const OpRequest&, const GroupView&) {}
 void check_all_reduce(const OpRequest& r, const GroupView& g) {
   check_tensor(r.tensor, g, r.kind, "tensor");
   check_reduce_op(r.redop, r.tensor.scalar_type(), g, r.kind);
+}
+
+// What torch's Gloo backend takes: a COO tensor on the CPU, SUM.
+void check_sparse_all_reduce(const OpRequest& r, const GroupView& g) {
+  const at::Tensor& t = r.tensor;
+  TORCH_CHECK_VALUE(t.layout() == c10::kSparse, "fastcomm.all_reduce: rank ", g.global_rank, ", group ", g.label(),
+                    ": argument 'tensor' has layout ", t.layout(), ", expected a sparse COO tensor");
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "fastcomm.all_reduce: rank ", g.global_rank, ", group ", g.label(),
+                    ": argument 'tensor' is a sparse tensor on ", t.device(),
+                    "; sparse all_reduce runs on CPU tensors only (move it with .cpu())");
+  TORCH_CHECK_TYPE((dtype_supported(t.scalar_type()) || c10::isComplexType(t.scalar_type())) &&
+                       t.scalar_type() != c10::ScalarType::Bool,
+                   "fastcomm.all_reduce: rank ", g.global_rank, ", group ", g.label(),
+                   ": argument 'tensor' is a sparse tensor of unsupported dtype ", t.scalar_type());
+  TORCH_CHECK_VALUE(r.redop == c10d::ReduceOp::SUM, "fastcomm.all_reduce: rank ", g.global_rank, ", group ",
+                    g.label(), ": argument 'op' ", redop_name(r.redop),
+                    " is not supported on sparse tensors (SUM is, as in torch's Gloo backend)");
+}
+
+std::unique_ptr<Op> lower_sparse_all_reduce(const OpRequest& r, const GroupView& g) {
+  return make_sparse_all_reduce(r.tensor, g);
 }
 
 void check_broadcast(const OpRequest& r, const GroupView& g) {
@@ -243,6 +265,7 @@ const CollectiveSpec& collective_spec(OpKind k) {
   static const CollectiveSpec rooted_copy{check_rooted_copy, lower_rooted_copy, false};
   static const CollectiveSpec all_to_all{check_all_to_all, lower_all_to_all, false};
   static const CollectiveSpec all_to_all_single{check_all_to_all_single, lower_all_to_all_single, false};
+  static const CollectiveSpec sparse_all_reduce{check_sparse_all_reduce, lower_sparse_all_reduce, false};
   switch (k) {
     case OpKind::kAllReduce: return all_reduce;
     case OpKind::kBroadcast: return broadcast;
@@ -258,6 +281,7 @@ const CollectiveSpec& collective_spec(OpKind k) {
     case OpKind::kScatter: return rooted_copy;
     case OpKind::kAllToAll: return all_to_all;
     case OpKind::kAllToAllSingle: return all_to_all_single;
+    case OpKind::kSparseAllReduce: return sparse_all_reduce;
     case OpKind::kNone:
     case OpKind::kCount: break;
   }

@@ -20,7 +20,8 @@
   X(kGather, "gather", GATHER)                                         \
   X(kScatter, "scatter", SCATTER)                                      \
   X(kAllToAll, "all_to_all", ALLTOALL)                                 \
-  X(kAllToAllSingle, "all_to_all_single", ALLTOALL_BASE)
+  X(kAllToAllSingle, "all_to_all_single", ALLTOALL_BASE)               \
+  X(kSparseAllReduce, "all_reduce (sparse)", ALLREDUCE)
 
 namespace fastcomm {
 

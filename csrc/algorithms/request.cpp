@@ -107,7 +107,8 @@ c10::Device request_device(const OpRequest& r) {
 
 namespace {
 void view_as_real_into(at::Tensor& t, RealViews& views) {
-  if (!t.defined() || !t.is_complex()) return;
+  // A sparse tensor's values travel as bytes and torch adds them up: no view needed.
+  if (!t.defined() || !t.is_complex() || t.layout() != c10::kStrided) return;
   at::Tensor real = at::view_as_real(t);
   views.emplace_back(real, t);
   t = std::move(real);

@@ -86,6 +86,12 @@ c10::intrusive_ptr<c10d::Work> FastcommBackend::allreduce(std::vector<at::Tensor
   return run(request(OpKind::kAllReduce, t, opts.reduceOp.op_), opts.asyncOp);
 }
 
+// torch's dispatcher sends an all_reduce of sparse tensors here; the engine tells them apart.
+c10::intrusive_ptr<c10d::Work> FastcommBackend::allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                                 const c10d::AllreduceOptions& opts) {
+  return allreduce(tensors, opts);
+}
+
 c10::intrusive_ptr<c10d::Work> FastcommBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                                     const c10d::AllreduceCoalescedOptions& opts) {
   std::vector<OpRequest> reqs;

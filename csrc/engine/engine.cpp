@@ -122,6 +122,9 @@ void Engine::check_member(const GroupHandle& g, OpKind k) const {
 // Ops
 
 Engine::Prepared Engine::prepare(OpRequest req, const GroupHandle& g) {
+  // A sparse COO tensor's all_reduce has an algorithm of its own, whichever entry it came by.
+  if (req.kind == OpKind::kAllReduce && req.tensor.defined() && req.tensor.layout() == c10::kSparse)
+    req.kind = OpKind::kSparseAllReduce;
   check_member(g, req.kind);
   const size_t rsag = opts_.settings.rsag_threshold;
   check_request(req, view_of(*g.state, opts_.rank, rsag));

@@ -41,8 +41,8 @@ BACKENDS = ("gloo", "fastcomm")
 # they run on fastcomm too, so that its result says whether fastcomm has the feature. Each has
 # no other skip decorator whose condition this would drop (skip flags share one attribute);
 # only a skip whose reason names gloo is lifted. Not here: test_accumulate_gradients_no_sync*
-# (the body builds its model only for gloo, mpi or nccl), test_sparse_all_reduce_sum (sparse
-# tensors), test_monitored_barrier_gloo* (torch allows monitored_barrier on Gloo only).
+# (the body builds its model only for gloo, mpi or nccl), test_monitored_barrier_gloo* (torch
+# allows monitored_barrier on Gloo only).
 UNGATED = {
     "test_get_future": "get_future of an all_reduce",
     "test_grads_same_across_ranks_with_no_sync": "DDP no_sync",
@@ -60,6 +60,7 @@ UNGATED = {
     "test_scatter_object_list": "scatter_object_list",
     "test_all_gather_object_default_pg": "all_gather_object (CPU unless the backend is nccl)",
     "test_all_gather_object_subgroup": "all_gather_object on a new group",
+    "test_sparse_all_reduce_sum": "all_reduce of sparse tensors",
 }
 
 
