@@ -186,9 +186,11 @@ def _late_user_run_body(rank, world):
     deadline = time.monotonic() + 10
     while dbg("ipc_blocks") > 0 and time.monotonic() < deadline:
         time.sleep(0.02)
-    return first, during, kept, dbg("ipc_blocks")
+    # The user's graph let its hold go as CUDA lets user objects go, on a thread of CUDA's own
+    # where no runtime call may be made: the rings went on fastcomm's threads, not there.
+    return first, during, kept, dbg("ipc_blocks"), dbg("callback_calls")
 
 
 def test_a_user_graph_run_after_its_linked_plan_is_dropped_ends_and_the_rings_go_with_it():
-    for first, during, kept, after in harness.run(_late_user_run_body, 2, timeout=60, env=LINKS, init_timeout=30):
-        assert (first, during, kept, after) == ([3.0, 3.0], 2, 2, 0)
+    for res in harness.run(_late_user_run_body, 2, timeout=60, env=LINKS, init_timeout=30):
+        assert res == ([3.0, 3.0], 2, 2, 0, 0), res

@@ -492,3 +492,32 @@ def test_a_small_pair_op_puts_four_entries_on_the_links_stream(fuse_bytes, per_o
     for entries, ok in harness.run(_entries_body, 2, n, timeout=60, env=env):
         assert ok
         assert entries == per_op * n - 4, (entries, per_op)
+
+
+def _freed_under_capture_body(rank, world, flag_dir):
+    g = fc.new_group([0, 1])
+    t = torch.full((700,), float(rank + 1))
+    fc.all_reduce(t, group=g)
+    tfd.dsync()
+    done = os.path.join(flag_dir, "captured")
+    if rank == 1:
+        _until(lambda: os.path.exists(os.path.join(flag_dir, "capturing")), "rank 0 capturing")
+        fc.shutdown()  # ends its links: rank 0's threads let its side go and free its ring
+        _until(lambda: os.path.exists(done), "rank 0's capture ended")
+        return 0
+    # A capture of the user's own in CUDA's global mode (torch.cuda.graph's default) while
+    # fastcomm's threads unmap and free the link's memory: calls that invalidate such a capture
+    # unless the thread making them is in the relaxed mode.
+    dbg("begin_capture", 0)
+    open(os.path.join(flag_dir, "capturing"), "w").close()
+    try:
+        _until(lambda: dbg("ipc_links") == 0 and dbg("ipc_ring_bytes") == 0, "the link released")
+    finally:
+        graph = dbg("end_capture", 1)
+    open(done, "w").close()
+    return graph
+
+
+def test_a_link_freed_while_the_user_captures_leaves_the_capture_valid(tmp_path):
+    res = harness.run(_freed_under_capture_body, 2, str(tmp_path), timeout=60, env=IPC)
+    assert res[0] > 0, "the user's capture was invalidated (see stderr)"

@@ -11,8 +11,10 @@
 
 #include <cstdio>
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <mutex>
+#include <thread>
 #include <random>
 #include <string>
 
@@ -25,10 +27,12 @@ namespace {
 
 using WaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 using WriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+using GetErrorName = CUresult (*)(CUresult, const char**);
 
 struct Driver {
   WaitValue32 wait = nullptr;
   WriteValue32 write = nullptr;
+  GetErrorName error_name = nullptr;
 };
 
 // The driver's entry points, through the runtime (no link to libcuda).
@@ -44,6 +48,10 @@ const Driver& driver() {
     if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &p, 12000, cudaEnableDefault, &st) == cudaSuccess &&
         st == cudaDriverEntryPointSuccess)
       r.write = reinterpret_cast<WriteValue32>(p);
+    p = nullptr;
+    if (cudaGetDriverEntryPointByVersion("cuGetErrorName", &p, 12000, cudaEnableDefault, &st) == cudaSuccess &&
+        st == cudaDriverEntryPointSuccess)
+      r.error_name = reinterpret_cast<GetErrorName>(p);
     (void)cudaGetLastError();
     return r;
   }();
@@ -51,7 +59,12 @@ const Driver& driver() {
 }
 
 void check_cu(CUresult r, const char* what) {
-  if (r != CUDA_SUCCESS) throw_comm_error(std::string("fastcomm: CUDA driver error in ") + what + ": " + std::to_string((int)r));
+  if (r == CUDA_SUCCESS) return;
+  const char* name = nullptr;
+  if (driver().error_name == nullptr || driver().error_name(r, &name) != CUDA_SUCCESS || name == nullptr)
+    name = "unknown";
+  throw_comm_error(std::string("fastcomm: CUDA driver error in ") + what + ": " + name + " (" +
+                   std::to_string((int)r) + ")");
 }
 
 struct Wire {
@@ -148,14 +161,24 @@ bool ipc_graphs(int device) {
       if (captured && end == cudaSuccess && graph != nullptr &&
           cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
         __atomic_store_n(b.flags, 1, __ATOMIC_RELEASE);  // the captured wait is met at once
-        if (cudaGraphLaunch(exec, s) == cudaSuccess && cudaStreamSynchronize(s) == cudaSuccess)
-          ok = __atomic_load_n(b.flags + 1, __ATOMIC_ACQUIRE) == 7;
+        if (cudaGraphLaunch(exec, s) == cudaSuccess) {
+          // Bounded: a device that never sees the host's store would otherwise hang every capture.
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+          cudaError_t q;
+          while ((q = cudaStreamQuery(s)) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline)
+            std::this_thread::sleep_for(std::chrono::microseconds(100));
+          if (q == cudaSuccess) ok = __atomic_load_n(b.flags + 1, __ATOMIC_ACQUIRE) == 7;
+          if (q == cudaErrorNotReady) {  // still waited on: its memory stays, only its name goes
+            shm_unlink(static_cast<Block*>(token)->name.c_str());
+            token = nullptr;
+          }
+        }
       }
     } catch (const std::exception&) {
     }
-    if (exec) (void)cudaGraphExecDestroy(exec);
-    if (graph) (void)cudaGraphDestroy(graph);
-    if (s) (void)cudaStreamDestroy(s);
+    if (exec) FASTCOMM_GPU_WARN(cudaGraphExecDestroy(exec));
+    if (graph) FASTCOMM_GPU_WARN(cudaGraphDestroy(graph));
+    if (s) FASTCOMM_GPU_WARN(cudaStreamDestroy(s));
     (void)cudaGetLastError();
     try {
       if (token) ipc_close(device, token);
@@ -217,8 +240,8 @@ void* ipc_create(int device, size_t bytes, int nflags, IpcHandle* h, IpcBlock* b
     }
   } catch (...) {
     if (host) k->data = nullptr;
-    if (k->data != nullptr) (void)cudaFree(k->data);
-    (void)cudaHostUnregister(k->flags);
+    if (k->data != nullptr) FASTCOMM_GPU_WARN(cudaFree(k->data));
+    FASTCOMM_GPU_WARN(cudaHostUnregister(k->flags));
     munmap(k->flags, k->flags_size);
     shm_unlink(name);
     throw;
@@ -256,7 +279,7 @@ void* ipc_open(int device, const IpcHandle& h, IpcBlock* b, const IpcClaim& clai
   k->host = w.host != 0;
   auto* flags = static_cast<uint32_t*>(k->flags);
   if (claim.take && !claim.take(flags)) {
-    (void)cudaHostUnregister(k->flags);
+    FASTCOMM_GPU_WARN(cudaHostUnregister(k->flags));
     munmap(k->flags, k->flags_size);
     throw_comm_error(std::string("fastcomm: the peer's IPC ring ") + w.name + " was ended before it was mapped here");
   }
@@ -270,7 +293,7 @@ void* ipc_open(int device, const IpcHandle& h, IpcBlock* b, const IpcClaim& clai
     }
   } catch (...) {
     if (claim.give_back) claim.give_back(flags);
-    (void)cudaHostUnregister(k->flags);
+    FASTCOMM_GPU_WARN(cudaHostUnregister(k->flags));
     munmap(k->flags, k->flags_size);
     throw;
   }

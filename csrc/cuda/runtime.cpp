@@ -192,7 +192,11 @@ void CudaRuntime::capture_keep(Stream s, std::shared_ptr<void> ref) {
   c10::cuda::CUDAGuard g(dev());
   cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
   cudaGraph_t graph = nullptr;
+#if CUDART_VERSION >= 13000
   FASTCOMM_GPU_CHECK(cudaStreamGetCaptureInfo(cs(s), &st, nullptr, &graph, nullptr, nullptr, nullptr));
+#else
+  FASTCOMM_GPU_CHECK(cudaStreamGetCaptureInfo_v2(cs(s), &st, nullptr, &graph, nullptr, nullptr));
+#endif
   TORCH_CHECK(st == cudaStreamCaptureStatusActive && graph != nullptr, "fastcomm: capture_keep: the stream's capture is ",
               st == cudaStreamCaptureStatusInvalidated ? "invalidated" : "not active");
   auto* held = new std::shared_ptr<void>(std::move(ref));
@@ -205,7 +209,7 @@ void CudaRuntime::capture_keep(Stream s, std::shared_ptr<void> ref) {
   }
   const cudaError_t moved = cudaGraphRetainUserObject(graph, obj, 1, cudaGraphUserObjectMove);  // the graph owns it now
   if (moved != cudaSuccess) {
-    (void)cudaUserObjectRelease(obj, 1);  // drops `held`
+    FASTCOMM_GPU_WARN(cudaUserObjectRelease(obj, 1));  // drops `held`
     cuda::check(moved, nullptr, "cudaGraphRetainUserObject", __FILE__, __LINE__);
   }
 }

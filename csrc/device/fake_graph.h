@@ -35,6 +35,15 @@ struct FakeGraph {
   std::vector<std::unique_ptr<StreamCore>> workers;  // lanes 1..
   std::mutex run_mu;
 
+  // The references go as CUDA's user objects do: later, on a thread of CUDA's own.
+  ~FakeGraph() {
+    if (refs.empty()) return;
+    std::thread([r = std::move(refs)]() mutable {
+      tl_in_callback = true;
+      r.clear();
+    }).detach();
+  }
+
   void run() {
     std::lock_guard<std::mutex> lk(run_mu);
     std::vector<std::shared_ptr<Marker>> marks((size_t)slots);

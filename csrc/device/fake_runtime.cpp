@@ -366,6 +366,7 @@ bool FakeRuntime::ipc_supported() {
 }
 
 void* FakeRuntime::ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b, bool host) {
+  unsafe_call("ipc_create (cudaMalloc, cudaHostRegister)");
   return fake::ipc_create(bytes, nflags, h, b, host);
 }
 
@@ -406,6 +407,7 @@ void FakeRuntime::fold_flag(const FoldJob& j, uint32_t* flag, uint32_t value, St
 }
 
 std::shared_ptr<StreamCore> FakeRuntime::stream_of(Stream s, const char* call) {
+  note_callback_call(call);
   if (s == caller_.get()) return caller_;
   std::lock_guard<std::mutex> lk(mu_);
   auto it = streams_.find(s);
@@ -414,6 +416,7 @@ std::shared_ptr<StreamCore> FakeRuntime::stream_of(Stream s, const char* call) {
 }
 
 EventImpl* FakeRuntime::event_of(Event e, const char* call) {
+  note_callback_call(call);
   std::lock_guard<std::mutex> lk(mu_);
   auto it = events_.find(e);
   if (it == events_.end()) call_error(call, "unknown event");

@@ -91,11 +91,20 @@ class FakeRuntime final : public Runtime {
   void capture_keep(Stream s, std::shared_ptr<void> ref) override;
   void* ipc_create(size_t bytes, int nflags, IpcHandle* h, IpcBlock* b, bool host) override;
   bool ipc_readable(const IpcHandle& h) override { return fake::ipc_readable(h); }
+  // CUDA's own register, allocate, open and free device memory and host pages: calls a capture
+  // in the global mode refuses from threads not in the relaxed mode, and is invalidated by.
   void* ipc_open(const IpcHandle& h, IpcBlock* b, const IpcClaim& claim) override {
+    fake::unsafe_call("ipc_open (cudaHostRegister, cudaIpcOpenMemHandle)");
     return fake::ipc_open(h, b, claim);
   }
-  void ipc_close(void* token) override { fake::ipc_close(token); }
-  void ipc_close_data(void* token) override { fake::ipc_close_data(token); }
+  void ipc_close(void* token) override {
+    fake::unsafe_call("ipc_close (cudaFree or cudaIpcCloseMemHandle, cudaHostUnregister)");
+    fake::ipc_close(token);
+  }
+  void ipc_close_data(void* token) override {
+    fake::unsafe_call("ipc_close_data (cudaIpcCloseMemHandle)");
+    fake::ipc_close_data(token);
+  }
   void flag_write(uint32_t* flag, uint32_t value, Stream s) override;
   void flag_wait(Stream s, const uint32_t* flag, uint32_t value) override;
   void copy_flag(void* dst, const void* src, size_t bytes, uint32_t* flag, uint32_t value, Stream s) override;

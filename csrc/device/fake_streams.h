@@ -112,10 +112,25 @@ inline Capture& capture() {
 }
 inline thread_local bool tl_relaxed = false;
 
+// Set on the thread that drops a graph's references, as CUDA runs user objects' destructors on
+// a thread of its own, where no CUDA call may be made: such a call is reported and counted
+// (debug "callback_calls").
+inline thread_local bool tl_in_callback = false;
+inline std::atomic<int64_t>& callback_calls() {
+  static std::atomic<int64_t> n{0};
+  return n;
+}
+inline void note_callback_call(const char* call) {
+  if (!tl_in_callback) return;
+  callback_calls().fetch_add(1);
+  std::fprintf(stderr, "fastcomm fake runtime: %s from a user object's destructor, where CUDA allows no call\n", call);
+}
+
 // A call CUDA calls potentially unsafe during a capture (an event query or sync, an
 // allocation): in the global mode from any thread not in the relaxed mode, in the thread-local
 // mode from the capturing thread, it invalidates the capture and fails.
 inline void unsafe_call(const char* call) {
+  note_callback_call(call);
   if (tl_relaxed) return;
   Capture& c = capture();
   if (c.active.load() == 0) return;

@@ -15,13 +15,16 @@ namespace device {
 // maybe on a CUDA thread (a user object's destructor, which may make no CUDA call nor block):
 // a thread of its own hands everything to `retire`, keeping the engine alive meanwhile.
 struct PlanGraph::LinkKeep {
-  std::function<void(std::vector<std::unique_ptr<IpcLink>>, std::shared_ptr<void>)> retire;
+  using Retire = std::function<void(std::vector<std::unique_ptr<IpcLink>>, std::shared_ptr<void>)>;
+  Retire retire;
   std::shared_ptr<void> owner;  // the engine, and so the runtime the links need
   std::shared_ptr<Watch> watch;
   std::vector<std::unique_ptr<IpcLink>> links;
   std::shared_ptr<void> rest;
+  // The drain of late runs; it outlives this record (see ~LinkKeep), so it shares only the
+  // watch, its stop flag and the links, which the hand-off keeps until it has joined it.
   std::thread late;
-  std::atomic<bool> stop{false};
+  std::shared_ptr<std::atomic<bool>> stop = std::make_shared<std::atomic<bool>>(false);
 
   void adopt(std::vector<std::unique_ptr<IpcLink>> ls, std::shared_ptr<void> r, bool failed) {
     links = std::move(ls);
@@ -32,7 +35,7 @@ struct PlanGraph::LinkKeep {
       raw.push_back(l.get());
     }
     try {
-      late = std::thread([this, raw, failed] { drain_late(raw, failed); });
+      late = std::thread([w = watch, st = stop, raw, failed] { drain_late(*w, *st, raw, failed); });
     } catch (...) {
       // No thread to be had: a late run of a user's graph would wait for good, but nothing else.
     }
@@ -40,14 +43,14 @@ struct PlanGraph::LinkKeep {
 
   // While a run of a user's graph is in flight (the host nodes' counts): the first one taints
   // the links (the peer is told), and their waits are released every 200 us until it ends.
-  void drain_late(const std::vector<IpcLink*>& raw, bool failed) {
+  static void drain_late(Watch& watch, std::atomic<bool>& stop, const std::vector<IpcLink*>& raw, bool failed) {
     bool tainted = failed;
     for (;;) {
       {
-        std::unique_lock<std::mutex> wl(watch->mu);
-        watch->cv.wait_for(wl, std::chrono::milliseconds(50), [&] { return stop.load() || watch->started > watch->ended; });
+        std::unique_lock<std::mutex> wl(watch.mu);
+        watch.cv.wait_for(wl, std::chrono::milliseconds(50), [&] { return stop.load() || watch.started > watch.ended; });
         if (stop) return;
-        if (watch->started <= watch->ended) continue;
+        if (watch.started <= watch.ended) continue;
       }
       for (IpcLink* l : raw) {
         if (!tainted) l->end_fixed(/*failed=*/true);
@@ -58,24 +61,29 @@ struct PlanGraph::LinkKeep {
     }
   }
 
+  // Maybe on CUDA's thread (a user object's destructor): no CUDA call and no wait here. The
+  // drain is stopped and joined, and the links and memory retired, on a thread of its own.
   ~LinkKeep() {
     if (watch) {
       {
         std::lock_guard<std::mutex> wl(watch->mu);
-        stop = true;
+        *stop = true;
       }
       watch->cv.notify_all();
     }
-    if (late.joinable()) late.join();
-    if ((links.empty() && !rest) || !retire) return;
+    if (!late.joinable() && ((links.empty() && !rest) || !retire)) return;
     struct Handoff {
-      std::function<void(std::vector<std::unique_ptr<IpcLink>>, std::shared_ptr<void>)> retire;
+      Retire retire;
       std::vector<std::unique_ptr<IpcLink>> links;
       std::shared_ptr<void> rest, owner;
+      std::thread late;
     };
-    auto h = std::make_shared<Handoff>(Handoff{std::move(retire), std::move(links), std::move(rest), std::move(owner)});
+    auto h = std::make_shared<Handoff>(
+        Handoff{std::move(retire), std::move(links), std::move(rest), std::move(owner), std::move(late)});
     try {
       std::thread([h] {
+        if (h->late.joinable()) h->late.join();
+        if (!h->retire || (h->links.empty() && !h->rest)) return;
         try {
           h->retire(std::move(h->links), std::move(h->rest));
         } catch (...) {

@@ -98,6 +98,7 @@ void IpcLink::make_own(bool host, uint16_t flags) {
   w.slots = (uint16_t)slots_;
   w.flags = (uint16_t)(flags | (host ? kHostRing : 0));
   w.slot_bytes = slot_bytes_;
+  RelaxedCapture relaxed(rt_);  // see close_peer
   own_token_ = rt_.ipc_create(slots_ * slot_bytes_, (int)(2 * slots_ + kExtraFlags), &w.handle, &own_, host);
   host_ = host;
   std::memcpy(id_.bytes.data(), &w, sizeof(w));
@@ -117,6 +118,7 @@ void IpcLink::ask_host() {
 void IpcLink::rehost() {
   TORCH_INTERNAL_ASSERT(tx_seq_ == 0 && rx_seq_ == 0 && peer_token_ == nullptr, "IPC ring moved after use");
   // Nobody opened the device ring (the peer could not): closing it unlinks its name.
+  RelaxedCapture relaxed(rt_);  // see close_peer
   rt_.ipc_close(own_token_);
   own_token_ = nullptr;
   own_ = Runtime::IpcBlock{};
@@ -126,7 +128,9 @@ void IpcLink::rehost() {
 IpcLink::~IpcLink() {
   abort();
   close_peer();
-  if (own_token_ != nullptr) rt_.ipc_close(own_token_);
+  if (own_token_ == nullptr) return;
+  RelaxedCapture relaxed(rt_);  // see close_peer
+  rt_.ipc_close(own_token_);
 }
 
 bool IpcLink::is_ipc(const UniqueId& id) {
@@ -154,6 +158,7 @@ void IpcLink::open_peer(const UniqueId& id) {
     return false;
   };
   Runtime::IpcBlock b;
+  RelaxedCapture relaxed(rt_);  // see close_peer
   peer_token_ = rt_.ipc_open(w.handle, &b, claim);
   theirs_ = b;
   peer_slots_ = w.slots;
@@ -373,6 +378,10 @@ void IpcLink::abort() {
 
 void IpcLink::close_peer() {
   if (peer_token_ == nullptr) return;
+  // Mapping, registering and freeing are calls a user's capture in CUDA's global mode (on any
+  // thread) refuses, and is invalidated by, unless the calling thread is in the relaxed mode;
+  // a link is made and let go on whatever thread fastcomm has at hand.
+  RelaxedCapture relaxed(rt_);
   rt_.ipc_close_data(peer_token_);  // first: the owner frees its ring once it sees the flag
   rt_.flag_set(peer_flag(closed_flag(peer_slots_)), 1);
   rt_.ipc_close(peer_token_);
