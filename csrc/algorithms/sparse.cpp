@@ -1,8 +1,9 @@
 // all_reduce of sparse COO tensors (SUM), as torch's Gloo backend defines it: every member
 // gathers every other member's coalesced indices and values, adds the members' tensors up in
-// group-rank order and coalesces, so all members hold the same tensor (the union of the
-// indices; an index whose values cancel stays, with zeros). Three exchanges in one op: each
-// member's shape and nnz, then the indices, then the values, whose sizes the first one gave.
+// group-rank order with the same ATen calls as Gloo and coalesces, so all members hold the same
+// tensor, bit for bit Gloo's (the union of the indices; an index whose values cancel stays,
+// with zeros). Three exchanges in one op: each member's shape and nnz, then the indices, then
+// the values, whose sizes the first one gave.
 #include <ATen/ATen.h>
 
 #include <string>
@@ -81,6 +82,12 @@ class SparseAllReduce final : public Op {
     };
     at::AutoDispatchBelowAutograd below;  // the caller's tensors, whatever their grad mode
     if (phase_ == kShapes) {
+      // A plan's run: the header's dimension count is the recorded tensor's.
+      if (tensor_.dim() != dims())
+        throw_comm_error("fastcomm: rank " + std::to_string(global_rank_) + ", group " + label_ +
+                         ": a plan's sparse all_reduce: the tensor has " + std::to_string(tensor_.dim()) +
+                         " dimensions, it had " + std::to_string(dims()) +
+                         " when the plan was recorded; record the plan again");
       input_ = tensor_.coalesce();
       shapes_ = at::empty({size_, 2 + dims()}, at::kLong);
       int64_t* mine = row(rank_);
@@ -130,14 +137,15 @@ class SparseAllReduce final : public Op {
     }
   }
 
-  // The same concatenation, in group-rank order, on every member: coalescing it adds up each
-  // index's values in the same order everywhere, so all members round alike.
+  // Member by member in group-rank order, then coalesced: Gloo's sequence, whose rounding
+  // (coalescing sorts, and a concatenation of all members at once would add an index's values
+  // in another order) every member then shares with Gloo's result.
   void add_up() {
     at::AutoDispatchBelowAutograd below;
-    at::Tensor sum = at::_sparse_coo_tensor_unsafe(at::cat(indices_, 1), at::cat(values_, 0), input_.sizes(),
-                                                   input_.options())
-                         .coalesce();
-    tensor_.copy_(sum);
+    at::Tensor sum = at::sparse_coo_tensor(indices_[0], values_[0], input_.sizes(), input_.options());
+    for (int q = 1; q < size_; ++q)
+      sum.add_(at::sparse_coo_tensor(indices_[q], values_[q], input_.sizes(), input_.options()));
+    tensor_.copy_(sum.coalesce());
     input_ = at::Tensor();
     indices_.clear();
     values_.clear();
