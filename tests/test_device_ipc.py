@@ -278,11 +278,17 @@ def test_shutdown_with_ops_in_flight_does_not_hang(tmp_path):
     assert len(res) == 2
 
 
-def _peer_shutdown_body(rank, world, flag_dir):
+def _linked_pair(rank):
+    """The pair [0, 1] with its IPC link up (an op run over it); returns the op's tensor."""
     g = fc.new_group([0, 1])
     t = torch.full((700,), float(rank + 1))
     fc.all_reduce(t, group=g)
     tfd.dsync()
+    return t
+
+
+def _peer_shutdown_body(rank, world, flag_dir):
+    t = _linked_pair(rank)
     done = os.path.join(flag_dir, "released")
     if rank == 1:
         fc.shutdown()  # ends its links, waits a little for rank 0 to unmap its ring
@@ -495,10 +501,7 @@ def test_a_small_pair_op_puts_four_entries_on_the_links_stream(fuse_bytes, per_o
 
 
 def _freed_under_capture_body(rank, world, flag_dir):
-    g = fc.new_group([0, 1])
-    t = torch.full((700,), float(rank + 1))
-    fc.all_reduce(t, group=g)
-    tfd.dsync()
+    _linked_pair(rank)
     done = os.path.join(flag_dir, "captured")
     if rank == 1:
         _until(lambda: os.path.exists(os.path.join(flag_dir, "capturing")), "rank 0 capturing")

@@ -65,25 +65,32 @@ def groups_of(rank, world, new_group):
     return out
 
 
-def _backend_body(rank, world):
-    dist.init_process_group("fastcomm", store=harness.child_store(), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=30))
-    new = functools.partial(dist.new_group, backend="fastcomm", use_local_synchronization=True)
+def sweep(groups, rank, shapes, dtypes, all_reduce):
+    """``all_reduce`` over every group, shape and dtype, blocking and async (the Work's future
+    too), each result against the local reference; returns how many were checked."""
     checked = 0
-    for name, g, members in groups_of(rank, world, new):
-        for case, (sparse, dense) in enumerate(SHAPES):
-            for dtype in DTYPES:
+    for name, g, members in groups:
+        for case, (sparse, dense) in enumerate(shapes):
+            for dtype in dtypes:
                 what = f"{name} {sparse}+{dense} {dtype}"
-                t = sparse_input(rank, case, sparse, dense, dtype)
                 ref = reference(members, case, sparse, dense, dtype)
-                dist.all_reduce(t, group=g)
+                t = sparse_input(rank, case, sparse, dense, dtype)
+                all_reduce(t, group=g)
                 check(t, ref, what)
                 t = sparse_input(rank, case, sparse, dense, dtype)
-                w = dist.all_reduce(t, group=g, async_op=True)
+                w = all_reduce(t, group=g, async_op=True)
                 w.wait()
                 check(t, ref, what + " async")
                 check(w.get_future().value()[0], ref, what + " future")
                 checked += 2
+    return checked
+
+
+def _backend_body(rank, world):
+    dist.init_process_group("fastcomm", store=harness.child_store(), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
+    new = functools.partial(dist.new_group, backend="fastcomm", use_local_synchronization=True)
+    checked = sweep(groups_of(rank, world, new), rank, SHAPES, DTYPES, dist.all_reduce)
     # Only SUM, as in Gloo; the refusal sends nothing (the next op of the group still matches).
     t = sparse_input(rank, 0, (9,), (), torch.float32)
     expect(ValueError, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX), f"rank {rank}", "'op'", "MAX", "sparse")
@@ -99,20 +106,9 @@ def test_sparse_all_reduce_through_the_backend():
 
 
 def _native_body(rank, world):
-    new = fc.new_group
-    for name, g, members in groups_of(rank, world, new):
-        for case, (sparse, dense) in enumerate(SHAPES[:4]):
-            for dtype in (torch.float32, torch.complex64):
-                what = f"{name} {sparse}+{dense} {dtype}"
-                ref = reference(members, case, sparse, dense, dtype)
-                t = sparse_input(rank, case, sparse, dense, dtype)
-                fc.all_reduce(t, group=g)
-                check(t, ref, what)
-                t = sparse_input(rank, case, sparse, dense, dtype)
-                fc.all_reduce(t, group=g, async_op=True).wait()
-                check(t, ref, what + " async")
+    groups = groups_of(rank, world, fc.new_group)
+    assert sweep(groups, rank, SHAPES[:4], (torch.float32, torch.complex64), fc.all_reduce) > 0
     # In a batch beside dense ops of the same group and of others.
-    groups = groups_of(rank, world, new)
     ts = [sparse_input(rank, i, (9,), (2,), torch.float64) for i in range(len(groups))]
     ds = [torch.full((5,), float(rank)) for _ in groups]
     with fc.batch() as b:
@@ -145,12 +141,7 @@ def test_sparse_all_reduce_native_async_batch_and_plan():
 
 
 def _hosts_body(rank, world):
-    for name, g, members in groups_of(rank, world, fc.new_group):
-        for case, (sparse, dense) in enumerate(SHAPES):
-            t = sparse_input(rank, case, sparse, dense, torch.float32)
-            fc.all_reduce(t, group=g)
-            check(t, reference(members, case, sparse, dense, torch.float32), f"{name} {sparse}+{dense}")
-    return True
+    return sweep(groups_of(rank, world, fc.new_group), rank, SHAPES, (torch.float32,), fc.all_reduce)
 
 
 @pytest.mark.parametrize("env", [_cross_host.RING_ENV, _cross_host.BULK_ENV], ids=["frames", "bulk"])
