@@ -208,10 +208,13 @@ class Runtime {
 // The calling thread in the relaxed capture mode while it lives, then in its own again: for the
 // setup a caller's thread may do while a user captures (CUDA refuses allocations and host
 // registration then, and invalidates the user's capture with them).
+// Never throws: it also guards frees in destructors, which may run once CUDA is shutting down
+// (a mode that cannot be set then is left as it is; the calls it guards report themselves).
 class RelaxedCapture {
  public:
-  explicit RelaxedCapture(Runtime& rt) : rt_(rt), prev_(rt.exchange_capture_mode(Runtime::kCaptureRelaxed)) {}
+  explicit RelaxedCapture(Runtime& rt) noexcept : rt_(rt), prev_(relax(rt)) {}
   ~RelaxedCapture() {
+    if (prev_ < 0) return;
     try {
       rt_.exchange_capture_mode(prev_);
     } catch (...) {
@@ -221,6 +224,13 @@ class RelaxedCapture {
   RelaxedCapture& operator=(const RelaxedCapture&) = delete;
 
  private:
+  static int relax(Runtime& rt) noexcept {
+    try {
+      return rt.exchange_capture_mode(Runtime::kCaptureRelaxed);
+    } catch (...) {
+      return -1;
+    }
+  }
   Runtime& rt_;
   const int prev_;
 };
