@@ -2,7 +2,6 @@
 // algorithms of collectives.h; collective_spec() is the table the engine looks kinds up in.
 
 #include "algorithms/collectives.h"
-#include "algorithms/reduce.h"
 #include "algorithms/request.h"
 #include "common/errors.h"
 
@@ -24,8 +23,7 @@ void check_sparse_all_reduce(const OpRequest& r, const GroupView& g) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), "fastcomm.all_reduce: rank ", g.global_rank, ", group ", g.label(),
                     ": argument 'tensor' is a sparse tensor on ", t.device(),
                     "; sparse all_reduce runs on CPU tensors only (move it with .cpu())");
-  TORCH_CHECK_TYPE((dtype_supported(t.scalar_type()) || c10::isComplexType(t.scalar_type())) &&
-                       t.scalar_type() != c10::ScalarType::Bool,
+  TORCH_CHECK_TYPE(collective_dtype(t.scalar_type()) && t.scalar_type() != c10::ScalarType::Bool,
                    "fastcomm.all_reduce: rank ", g.global_rank, ", group ", g.label(),
                    ": argument 'tensor' is a sparse tensor of unsupported dtype ", t.scalar_type());
   TORCH_CHECK_VALUE(r.redop == c10d::ReduceOp::SUM, "fastcomm.all_reduce: rank ", g.global_rank, ", group ",

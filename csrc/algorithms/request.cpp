@@ -32,6 +32,8 @@ std::ostream& operator<<(std::ostream& os, const ArgName& a) {
   return os;
 }
 
+bool collective_dtype(c10::ScalarType dt) { return dtype_supported(dt) || c10::isComplexType(dt); }
+
 void check_tensor(const at::Tensor& t, const GroupView& g, OpKind k, ArgName arg) {
   const char* api = op_kind_name(k);
   TORCH_CHECK_VALUE(t.defined(), "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(),
@@ -43,7 +45,7 @@ void check_tensor(const at::Tensor& t, const GroupView& g, OpKind k, ArgName arg
                     "; CPU and CUDA tensors are supported");
   TORCH_CHECK_VALUE(t.is_contiguous(), "fastcomm.", api, ": rank ", g.global_rank, ", group ", g.label(),
                     ": argument '", arg, "' must be contiguous");
-  TORCH_CHECK_TYPE(dtype_supported(t.scalar_type()) || c10::isComplexType(t.scalar_type()), "fastcomm.", api,
+  TORCH_CHECK_TYPE(collective_dtype(t.scalar_type()), "fastcomm.", api,
                    ": rank ", g.global_rank, ", group ", g.label(), ": argument '", arg, "' has unsupported dtype ",
                    t.scalar_type());
   // The bits say how to read the memory, which travels as is: a lazily conjugated or negated

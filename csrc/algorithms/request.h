@@ -88,6 +88,8 @@ struct ArgName {
 };
 std::ostream& operator<<(std::ostream& os, const ArgName& a);
 void check_tensor(const at::Tensor& t, const GroupView& g, OpKind k, ArgName arg);
+// The dtypes a collective takes: those the kernels fold, and complex ones (as real views).
+bool collective_dtype(c10::ScalarType dt);
 void check_like(const at::Tensor& t, const at::Tensor& ref, int64_t numel, const GroupView& g, OpKind k,
                 ArgName arg);
 // Whether `op` folds dtype `dt`: complex dtypes only with SUM and AVG, which fold the real and
