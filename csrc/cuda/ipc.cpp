@@ -18,6 +18,7 @@
 #include <random>
 #include <string>
 
+#include "cuda/reduce.h"
 #include "cuda/runtime.h"
 
 namespace fastcomm {
@@ -122,17 +123,44 @@ bool ipc_supported(int device) {
   }
   if (same_address != 1) return false;
   // What the links need, tried once: some platforms (WSL, containers without the IPC namespace)
-  // refuse cudaIpcGetMemHandle or registering shared pages, and the channels then stay on NCCL.
+  // refuse cudaIpcGetMemHandle or registering shared pages, or the stream flag operations, and
+  // the channels then stay on NCCL. The small-chunk kernels are loaded here too: under lazy
+  // loading their first launch could otherwise wait for the device inside an enqueue, while
+  // work on it waits for a peer's next enqueue.
+  void* token = nullptr;
+  cudaStream_t s = nullptr;
+  bool ok = false;
   try {
     IpcHandle h;
     IpcBlock b;
-    ipc_close(device, ipc_create(device, 256, 4, &h, &b, /*host=*/false));
+    token = ipc_create(device, 256, 4, &h, &b, /*host=*/false);
+    FASTCOMM_GPU_CHECK(preload_flag_kernels());
+    FASTCOMM_GPU_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    flag_write(b.flags, 1, s);
+    flag_wait(s, b.flags, 1);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    cudaError_t q;
+    while ((q = cudaStreamQuery(s)) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    if (q == cudaErrorNotReady) {  // still waited on: its memory stays, only its name goes
+      shm_unlink(static_cast<Block*>(token)->name.c_str());
+      token = nullptr;
+      throw_comm_error("a stream flag write and wait did not complete within 5 s");
+    }
+    FASTCOMM_GPU_CHECK(q);
+    if (__atomic_load_n(b.flags, __ATOMIC_ACQUIRE) != 1) throw_comm_error("a stream flag write did not land");
+    ok = true;
   } catch (const std::exception& e) {
     (void)cudaGetLastError();
     TORCH_WARN("fastcomm: same-host device channels over CUDA IPC are off (device channels use NCCL): ", e.what());
-    return false;
   }
-  return true;
+  if (s) FASTCOMM_GPU_WARN(cudaStreamDestroy(s));
+  try {
+    if (token) ipc_close(device, token);
+  } catch (const std::exception& e) {
+    if (ok) TORCH_WARN("fastcomm: the IPC probe's block could not be freed: ", e.what());
+  }
+  return ok;
 }
 
 bool ipc_graphs(int device) {

@@ -159,6 +159,13 @@ cudaError_t launch_fold_flag(const ReduceJob& job, uint32_t* flag, uint32_t valu
   return cudaGetLastError();
 }
 
+cudaError_t preload_flag_kernels() {
+  cudaFuncAttributes a;
+  for (const void* f : {(const void*)copy_then_flag, (const void*)fold_then_flag})
+    if (cudaError_t e = cudaFuncGetAttributes(&a, f)) return e;
+  return cudaSuccess;
+}
+
 cudaError_t launch_fused_reduce(const ReduceJob* jobs, int count, cudaStream_t stream) {
   for (int base = 0; base < count; base += kMaxJobsPerLaunch) {
     JobBatch b;

@@ -166,6 +166,19 @@ void IpcLink::open_peer(const UniqueId& id) {
   rx_wait_.assign(peer_slots_, 0);
 }
 
+void IpcLink::start_at(uint64_t chunks) {
+  TORCH_INTERNAL_ASSERT(!fixed_ && ready() && tx_seq_ == 0 && rx_seq_ == 0 && slots_ == peer_slots_,
+                        "start_at on a link that is not an unused eager one");
+  for (uint32_t k = 0; k < slots_; ++k) {
+    const uint32_t uses = (uint32_t)(chunks / slots_ + (k < chunks % slots_ ? 1 : 0));
+    store(own_flag(k), uses);           // filled by this side
+    store(own_flag(slots_ + k), uses);  // consumed by the peer
+  }
+  store(own_flag(tx_enqueued_flag(slots_)), (uint32_t)chunks);
+  store(own_flag(rx_enqueued_flag(slots_)), (uint32_t)chunks);
+  tx_seq_ = rx_seq_ = chunks;
+}
+
 size_t IpcLink::add(const Part& p, Stream s) {
   TORCH_INTERNAL_ASSERT(ready(), "IPC link used before the peer's ring was mapped");
   TORCH_INTERNAL_ASSERT(stream_ == nullptr || stream_ == s, "an IPC link's parts go on one stream");
@@ -255,13 +268,16 @@ size_t IpcLink::pump() {
 
 void IpcLink::enqueue_tx(const Step& st) {
   const uint32_t k = (uint32_t)(tx_seq_ % slots_);
-  const uint32_t use = (uint32_t)(tx_seq_ / slots_ + 1);
+  // The flags hold the use modulo 2^32 (the waits compare cyclically); whether a use is the
+  // slot's first is decided on the full count, which never wraps.
+  const uint64_t use64 = tx_seq_ / slots_ + 1;
+  const uint32_t use = (uint32_t)use64;
   ++tx_seq_;
   // A wait the host sees met already is left off: the peer's stream wrote the flag once its
   // read of the slot was done, and this side's copy is enqueued after that.
-  if (use > 1) {
+  if (use64 > 1) {
     if (!reached(load(own_flag(slots_ + k)), use - 1)) rt_.flag_wait(stream_, own_flag(slots_ + k), use - 1);
-    tx_wait_[k] = use - 1;
+    tx_wait_[k] = use64 - 1;
   }
   uint8_t* slot = (uint8_t*)own_.data + (size_t)k * slot_bytes_;
   if (fused(st.n)) {
@@ -274,13 +290,14 @@ void IpcLink::enqueue_tx(const Step& st) {
 
 void IpcLink::enqueue_rx(const Step& st) {
   const uint32_t k = (uint32_t)(rx_seq_ % peer_slots_);
-  const uint32_t use = (uint32_t)(rx_seq_ / peer_slots_ + 1);
+  const uint64_t use64 = rx_seq_ / peer_slots_ + 1;
+  const uint32_t use = (uint32_t)use64;
   ++rx_seq_;
   // (Left off where the host sees the chunk there already: the peer's stream wrote the flag
   // after the chunk's data was visible.)
   if (!skip_rx_waits) {
     if (!reached(load(peer_flag(k)), use)) rt_.flag_wait(stream_, peer_flag(k), use);
-    rx_wait_[k] = use;
+    rx_wait_[k] = use64;
   }
   const uint8_t* chunk = (const uint8_t*)theirs_.data + (size_t)k * peer_slot_bytes_;
   uint32_t* consumed = peer_flag(peer_slots_ + k);
@@ -355,7 +372,7 @@ void IpcLink::abort() {
     // A send still waiting for room, once released, overwrites chunks the peer has not read.
     bool garbage = false;
     for (uint32_t k = 0; k < slots_; ++k)
-      garbage = garbage || (tx_wait_[k] != 0 && (int32_t)(load(own_flag(slots_ + k)) - tx_wait_[k]) < 0);
+      garbage = garbage || (tx_wait_[k] != 0 && !reached(load(own_flag(slots_ + k)), tx_wait_[k]));
     if (garbage) store(own_flag(garbage_flag(slots_)), 1);
     __atomic_store_n(own_flag(owner_ended_flag(slots_)), 1, __ATOMIC_SEQ_CST);  // the claim's other half
   }
@@ -365,10 +382,9 @@ void IpcLink::abort() {
   // A released wait leaves the flag at the value it waited for: cyclic-later values stay. The
   // peer's stream may still write an older value over it (a write it enqueued earlier): the
   // release is repeated until this side's stream has drained (IpcLinks::poll).
-  auto release = [&](uint32_t* f, uint32_t v) {
+  auto release = [&](uint32_t* f, uint64_t v) {
     if (v == 0) return;
-    const uint32_t cur = __atomic_load_n(f, __ATOMIC_ACQUIRE);
-    if ((int32_t)(cur - v) < 0) rt_.flag_set(f, v);
+    if (!reached(__atomic_load_n(f, __ATOMIC_ACQUIRE), v)) rt_.flag_set(f, (uint32_t)v);
   };
   if (own_token_ != nullptr)
     for (uint32_t k = 0; k < slots_; ++k) release(own_flag(slots_ + k), tx_wait_[k]);

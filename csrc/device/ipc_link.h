@@ -126,6 +126,10 @@ class IpcLink {
   // again, so a failed link's owner repeats this until its runs have drained.
   void release_fixed();
 
+  // Test hook: an unused eager link (both sides ready, the same slot count) numbers its chunks
+  // from `chunks` on in each direction, its flags as they stand once that many chunks went each
+  // way and were consumed; both sides call it alike before their first part.
+  void start_at(uint64_t chunks);
   bool skip_rx_waits = false;  // test hook: the receive copies wait for nothing
   // Chunks up to this many bytes go as one entry with their flag (Runtime::copy_flag,
   // fold_flag) on device rings; 0: never (FASTCOMM_DEVICE_IPC_FUSE_BYTES).
@@ -167,7 +171,7 @@ class IpcLink {
   std::deque<Step> steps_;             // added, not enqueued yet, in order
   std::deque<uint64_t> part_ends_;     // per part added and not wholly enqueued: its last step's number + 1
   uint64_t steps_added_ = 0, steps_done_ = 0;
-  std::vector<uint32_t> tx_wait_, rx_wait_;  // the last value waited on, per flag (0: none)
+  std::vector<uint64_t> tx_wait_, rx_wait_;  // the last use waited on, per flag, uncut (0: none)
   Stream stream_ = nullptr;
   UniqueId id_;
 };

@@ -72,6 +72,9 @@ Settings Settings::from_env() {
   }
   s.device_ipc_ring_bytes = (size_t)env_int("FASTCOMM_DEVICE_IPC_RING_BYTES", (int64_t)s.device_ipc_ring_bytes, 4096);
   s.device_ipc_fuse_bytes = (size_t)env_int("FASTCOMM_DEVICE_IPC_FUSE_BYTES", (int64_t)s.device_ipc_fuse_bytes, 0);
+  // One block moves a fused chunk: past a few tens of KiB that costs more than it saves.
+  TORCH_CHECK_VALUE(s.device_ipc_fuse_bytes <= 65536, "fastcomm: FASTCOMM_DEVICE_IPC_FUSE_BYTES must be at most 65536, got ",
+                    s.device_ipc_fuse_bytes);
   s.device_ipc_group_max = env_int("FASTCOMM_DEVICE_IPC_GROUP_MAX", s.device_ipc_group_max, 0);
   if (const char* v = env("FASTCOMM_DEVICE_SCHEME")) {
     TORCH_CHECK_VALUE(std::strcmp(v, "channels") == 0 || std::strcmp(v, "single-stream") == 0,
