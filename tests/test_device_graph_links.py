@@ -10,7 +10,8 @@ whose flag waits and writes hold fixed values, so the graph replays them as capt
   opposite orders raise DistBackendError naming the peer, never hang; the failed side's runs
   drain (their waits are released until the plan goes).
 - Where one side cannot link (its runtime cannot capture flag operations, or IPC is off for it),
-  the pair goes over a communicator on both sides, with the same results.
+  the pair goes over a communicator on both sides, with the same results; a plan with pairs of
+  both kinds puts all of them on its one stream (debug "plan_serial").
 - The plan's rings go once both sides dropped it (the suite's /dev/shm check covers crashes), or,
   where a user's graph recorded it, once that graph goes too; a run of that graph after the plan
   is dropped ends instead of hanging."""
@@ -26,7 +27,7 @@ import harness
 from _device import DEV, dsync, fake_only, setup
 from test_device_graphs import (_dead_peer_body, _large_body, _opposite_order_body, _pairs_body, _replay_body,
                                 _timeout_body, _two_silent_peers_body)
-from _plan_cases import pair_plan
+from _plan_cases import PlanCases, pair_plan
 from test_device_user_graphs import UserGraph, _results_body
 
 import fastcomm as fc
@@ -131,6 +132,35 @@ def test_a_pair_where_one_side_cannot_link_goes_over_a_communicator_on_both(who)
     res = harness.run(_fallback_body, 2, who, timeout=60, env=LINKS, init_timeout=30)
     for out, links in res:
         assert out == [[3.0 + 2 * r] * 5 for r in range(3)] and links == 0, res
+
+
+# ---------------------------------------------------------------------------------------------
+# Links and communicators in one plan: every pair's work on one stream, in the canonical order
+
+LISTS3 = [[0, 1], [0, 2], [1, 2], [0, 1, 2]]
+
+
+def _mixed_body(rank, world, replays):
+    setup(rank)
+    if rank == 2:
+        dbg("ipc_graphs", 0)  # its pairs go over communicators; (0, 1) links
+    cases = PlanCases(rank)
+    with fc.plan() as p:
+        cases.record(fc.new_groups(LISTS3), LISTS3)
+    g = p.capture()
+    for r in range(replays):
+        cases.refill(r)
+        g.replay()
+        g.wait()
+        dsync()
+        cases.check(r, "replay")
+    return dbg("plan_serial"), dbg("plan_ipc_links")
+
+
+@pytest.mark.parametrize("env", [LINKS, {**SMALL_RING, "FASTCOMM_RSAG_THRESHOLD": "64"}], ids=["ring", "small-ring-large-ops"])
+def test_a_plan_of_links_and_communicators_replays_on_one_stream(env):
+    res = harness.run(_mixed_body, 3, 4, timeout=180, env=env, init_timeout=30)
+    assert res == [(1, 1), (1, 1), (0, 0)], res
 
 
 # ---------------------------------------------------------------------------------------------

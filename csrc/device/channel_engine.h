@@ -349,6 +349,7 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   Aborter aborter_;  // joined in teardown, before the runtime goes
   Clock::time_point last_health_ = Clock::now();
   std::atomic<int64_t> plan_links_{0};  // plans' links made (debug "plan_ipc_links")
+  std::atomic<int64_t> plan_serial_{0};  // plans whose pairs all went on one stream (debug "plan_serial")
   std::mutex graphs_mu_;
   std::vector<std::weak_ptr<PlanGraph>> graphs_;  // aborted at shutdown
 };

@@ -73,6 +73,8 @@ PlanGraph::PlanGraph(std::shared_ptr<void> owner, Runtime& rt, HostLink& host, i
     // the kernels in flight within it too. Links launch no kernel that waits.
     const auto kernel_pairs = std::count_if(pairs_.begin(), pairs_.end(), [](const Pair& q) { return !q.link; });
     windowed_ = max_kernels_ > 0 && (int64_t)kernel_pairs > max_kernels_;
+    serial_ = kernel_pairs > 0 && kernel_pairs < (int64_t)pairs_.size();
+    if (serial_ && links_.serial) ++*links_.serial;
     connect();
     record_graph();
   } catch (...) {

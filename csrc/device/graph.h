@@ -16,7 +16,8 @@
 // stream flag operations: the leader offers its ring, the follower accepts with its own (or
 // declines), and the leader confirms (or sends a communicator id after all). Every link pair's
 // work goes onto one stream of the plan's own, in the canonical order, which both sides of
-// every pair follow (docs/design.md, "CUDA graphs", has why this cannot deadlock).
+// every pair follow, and so does every communicator pair's in a plan that has both kinds
+// (docs/design.md, "CUDA graphs", has why this cannot deadlock).
 //
 // A replay launches the graph on the caller's stream and records an event behind it; each
 // replay and wait() looks at the runs in flight: a plan communicator's asynchronous error, a
@@ -57,6 +58,7 @@ struct GraphLinks {
   // thread but CUDA's callback thread may call it (after the engine stopped, it frees them there).
   std::function<void(std::vector<std::unique_ptr<IpcLink>>, std::shared_ptr<void> rest)> retire;
   std::atomic<int64_t>* made = nullptr;  // links that both sides took (debug "plan_ipc_links")
+  std::atomic<int64_t>* serial = nullptr;  // plans of links and communicators both (debug "plan_serial")
 };
 
 class PlanGraph final : public DeviceGraph {
@@ -147,6 +149,10 @@ class PlanGraph final : public DeviceGraph {
   const int64_t max_kernels_;
   GraphLinks links_;
   Stream links_stream_ = nullptr;  // every link pair's work, in the canonical order
+  // Link pairs and communicator pairs both: every pair's work goes on links_stream_, in the
+  // canonical order (a flag wait blocks the hardware queue it sits in, and CUDA may put a
+  // communicator's kernel behind it; docs/design.md, "CUDA graphs", "Mixed plans").
+  bool serial_ = false;
   std::thread drain_;
   std::atomic<bool> drain_stop_{false};
   // More peers than max_kernels_: launches go in canonical order, at most max_kernels_ kernels

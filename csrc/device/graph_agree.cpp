@@ -208,7 +208,12 @@ void PlanGraph::connect() {
       continue;
     }
     q.comm = rt_.comm_init(q.id, 2, q.leader ? 0 : 1);
-    q.stream = rt_.new_stream();
+    if (serial_) {
+      if (!links_stream_) links_stream_ = rt_.new_stream();
+      q.stream = links_stream_;
+    } else {
+      q.stream = rt_.new_stream();
+    }
   }
   const auto deadline = Clock::now() + timeout_;
   for (;;) {

@@ -163,8 +163,9 @@ void PlanGraph::emit(Stream origin) {
     DevOp& op = *up;
     if (op.parts.size() == 1) {
       Pair& q = pair(op.parts[0]->peer);
-      // In the window, launches keep the canonical order: one batch open at a time.
-      if (windowed_)
+      // In the window, and on the one stream of a plan that mixes links and communicators,
+      // launches keep the canonical order: one batch open at a time.
+      if (windowed_ || serial_)
         for (auto& other : pairs_)
           if (other.peer != q.peer) flush(other);
       Open& o = open[q.peer];
