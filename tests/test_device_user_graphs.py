@@ -271,6 +271,44 @@ def test_a_plan_dropped_during_a_user_graph_run_keeps_its_memory_until_the_run_i
     assert res[0][0] and res[0][1:] == ([3.0, 3.0], 0) and res[1] == (None, [3.0, 3.0], 0), res
 
 
+def _solo_body(rank, world, runs):
+    """A plan whose ops have no peer (groups of one: an all_reduce, and an all_gather that is a
+    copy), recorded into a user's graph and dropped before it: the user's graph holds the plan's
+    watch (its host calls count every run) and memory, so its later runs go on. (They ran on
+    freed memory before, and the rank crashed.)"""
+    setup(rank)
+    solo = fc.new_group([rank])
+    t = torch.ones(4, device=DEV)
+    src, out = torch.zeros(3, device=DEV), torch.zeros(3, device=DEV)
+    with fc.plan() as p:
+        fc.all_reduce(t, group=solo)
+        fc.all_gather_into_tensor(out, src, group=solo)
+    g = p.capture()
+    user = UserGraph()
+    user.capture(g.replay)
+    user.replay()
+    g.wait()
+    dsync()
+    del g, p
+    gc.collect()
+    junk = [bytearray(200) for _ in range(2000)]  # what would take the plan's memory, were it freed
+    wrong = []
+    for r in range(runs):
+        src.fill_(float(r))
+        user.replay()
+        dsync()
+        if out.tolist() != [float(r)] * 3 or t.tolist() != [1.0] * 4:
+            wrong.append((r, out.tolist(), t.tolist()))
+    user.drop()
+    return wrong, len(junk)
+
+
+@fake_only
+def test_a_plan_without_peers_dropped_before_the_user_graph_that_recorded_it():
+    res = harness.run(_solo_body, 1, 50, timeout=60, env=ENV, init_timeout=30)
+    assert res == [([], 2000)], res
+
+
 # ---------------------------------------------------------------------------------------------
 # Refused under the caller's capture
 

@@ -125,7 +125,7 @@ void PlanGraph::record_into(Stream caller) {
     watch_ = std::make_shared<Watch>();
     watcher_ = std::thread([this] { watch_loop(); });
   }
-  keep_links_with(caller);
+  keep_with(caller);
   rt_.host_call(caller, &Watch::on_start, watch_.get());
   emit(caller);
   rt_.host_call(caller, &Watch::on_end, watch_.get());

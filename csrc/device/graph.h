@@ -131,11 +131,12 @@ class PlanGraph final : public DeviceGraph {
   std::string garbage_locked();
   void start_drain();  // a failed plan's links: their waits released until release() ends it
   void end_links();    // release(): every link ended, unmapped and retired
-  // What user graphs that recorded a plan over links hold (Runtime::capture_keep): the plan's
-  // links and memory, from the plan's release until the last of those graphs is destroyed.
+  // What user graphs that recorded a plan hold (Runtime::capture_keep): the plan's watch, and
+  // its links and memory from the plan's release until the last of those graphs is destroyed
+  // (its memory only where no communicator's aborter holds it: abort_comms).
   struct LinkKeep;
-  std::shared_ptr<LinkKeep> keep_;  // made at the first record_into of a plan with links
-  void keep_links_with(Stream caller);  // record_into: the user's capture holds keep_
+  std::shared_ptr<LinkKeep> keep_;  // made at the first record_into
+  void keep_with(Stream caller);    // record_into: the user's capture holds keep_
   [[noreturn]] void fail_locked(const std::string& why);
   // The plan's communicators aborted and destroyed on a detached thread, which then frees ops_.
   void abort_comms();

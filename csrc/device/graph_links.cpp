@@ -8,8 +8,9 @@
 namespace fastcomm {
 namespace device {
 
-// A user's graph that recorded the plan may run after the plan is gone (the rule is that it
-// must not, docs/design.md): its links then stay mapped, and a run of it found starting is
+// What a user's graph that recorded the plan holds: the plan's watch (its host calls count the
+// runs), its memory where no communicator's aborter holds it, and its links. It may run after
+// the plan is gone (the rule is that it must not, docs/design.md): its links then stay mapped, and a run of it found starting is
 // treated as a run of a failed plan (the peer is told its data is garbage; the waits are
 // released until it has ended), so it ends instead of hanging. Dropped by the last holder,
 // maybe on a CUDA thread (a user object's destructor, which may make no CUDA call nor block):
@@ -34,6 +35,7 @@ struct PlanGraph::LinkKeep {
       if (!failed) l->end_fixed(/*failed=*/false);
       raw.push_back(l.get());
     }
+    if (raw.empty()) return;  // a plan without links: only its memory and watch are held
     try {
       late = std::thread([w = watch, st = stop, raw, failed] { drain_late(*w, *st, raw, failed); });
     } catch (...) {
@@ -95,8 +97,7 @@ struct PlanGraph::LinkKeep {
   }
 };
 
-void PlanGraph::keep_links_with(Stream caller) {
-  if (!std::any_of(pairs_.begin(), pairs_.end(), [](const Pair& q) { return q.link != nullptr; })) return;
+void PlanGraph::keep_with(Stream caller) {
   if (!keep_) {
     keep_ = std::make_shared<LinkKeep>();
     keep_->retire = links_.retire;
@@ -137,7 +138,6 @@ void PlanGraph::end_links() {
     links.push_back(std::move(q.link));
     q.stream = nullptr;  // the links stream goes on its own
   }
-  if (links.empty()) return;
   if (keep_) {
     // Held by user graphs: ended and unmapped when the last of them goes. The plan's memory goes
     // with them unless a communicator's aborter holds it (abort_comms).
@@ -148,6 +148,7 @@ void PlanGraph::end_links() {
     keep_.reset();
     return;
   }
+  if (links.empty()) return;
   for (auto& l : links) {
     try {
       l->end_fixed(/*failed=*/false);  // a failed one told the peer before
