@@ -160,7 +160,11 @@ int64_t PlanGraph::Watch::in_flight() {
 // While a run of a user graph is in flight, looks at it every 2 ms as wait() would (a fault or
 // the timeout aborts the plan's communicators, so the user's graph drains); sleeps otherwise.
 void PlanGraph::watch_loop() {
-  rt_.relax_capture_mode();  // its queries must not break a capture in the global mode
+  try {
+    rt_.relax_capture_mode();  // its queries must not break a capture in the global mode
+  } catch (...) {
+    // A runtime already failing: the queries below fail the plan instead.
+  }
   Watch& w = *watch_;
   for (;;) {
     {

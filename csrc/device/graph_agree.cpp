@@ -75,7 +75,9 @@ void PlanGraph::agree() {
       w->wait(timeout_);
     } catch (const std::exception& e) {
       throw_comm_error(who + ": the agreement with rank " + std::to_string(peer) + " failed (" + e.what() +
-                       "); every member of the plan's groups must capture the same plan");
+                       "); every member of the plan's groups must capture the same plan, within the groups' "
+                       "timeout (the messages of a failed agreement stay posted: later captures with rank " +
+                       std::to_string(peer) + " fail too)");
     }
   };
   auto bad = [&](int peer) {
