@@ -170,10 +170,19 @@ std::shared_ptr<DeviceGraph> ChannelEngine::capture(std::vector<DeviceOp> dops, 
   };
   auto g = std::make_shared<PlanGraph>(shared_from_this(), *rt_, host_, rank_, alloc_, std::move(dops), naive, max_kernels_,
                                        std::move(links));
-  std::lock_guard<std::mutex> lk(graphs_mu_);
-  graphs_.erase(std::remove_if(graphs_.begin(), graphs_.end(), [](const auto& w) { return w.expired(); }),
-                graphs_.end());
-  graphs_.push_back(g);
+  bool stopped;
+  {
+    std::lock_guard<std::mutex> lk(graphs_mu_);
+    graphs_.erase(std::remove_if(graphs_.begin(), graphs_.end(), [](const auto& w) { return w.expired(); }),
+                  graphs_.end());
+    graphs_.push_back(g);
+    // shutdown() sets stop_ before it takes graphs_mu_ to abort the graphs: either it finds
+    // this one there, or this sees stop_ (a graph shutdown missed would keep its communicators
+    // and reach the host link after the engine is gone).
+    std::lock_guard<std::mutex> l2(mu_);
+    stopped = stop_;
+  }
+  if (stopped) g->abort("fastcomm was shut down");
   return g;
 }
 
