@@ -8,7 +8,10 @@ control back while the device had not run an op asserts an order, not a duration
   each is enqueued while the previous has not run); is_completed/synchronize/get_future follow
   the device;
 - events are pooled (flat over a long run);
-- an error found after a blocking call returned is raised by the group's next op;
+- an error found after a blocking call returned is raised by the group's next op, natively and
+  through torch.distributed (whose blocking calls wait() on the Work);
+- each collective's future holds what the host path's holds (the output list of all_to_all and
+  gather, as torch's NCCL backend gives it);
 - H2: a zero-size op is agreed like any other (a mismatch, not a timeout);
 - H3: int16 never reaches NCCL's reductions (the fake refuses it, as NCCL does);
 - H4: an op's memory outlives every stream that may still write it, after an abort too;
@@ -21,7 +24,9 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -143,6 +148,83 @@ def _late_error_body(rank, world):
 def test_an_error_after_a_blocking_call_returned_is_raised_by_the_next_op():
     res = harness.run(_late_error_body, 2, timeout=60, env=FAKE, init_timeout=5, allow_fail=(1,))
     assert "rank 1" in res[0]
+
+
+def _late_error_backend_body(rank, world, via):
+    """Rank 0's stream is held, so a blocking all_reduce of a pair with a 2 s timeout returns
+    (enqueued) and then fails on both sides; the group's next op raises it, through
+    torch.distributed as natively (torch's wait() on a blocking call's Work is that call)."""
+    if via == "backend":
+        dist.init_process_group("fastcomm", store=harness.child_store(), rank=rank, world_size=world,
+                                timeout=timedelta(seconds=30))
+        g = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+        ar = lambda t: dist.all_reduce(t, group=g)  # noqa: E731
+        bar = dist.barrier
+    else:
+        g = fc.new_group([0, 1], timeout=timedelta(seconds=2))
+        host = fc.new_group([0, 1])
+        ar = lambda t: fc.all_reduce(t, group=g)  # noqa: E731
+        bar = lambda: fc.barrier(group=host)  # noqa: E731
+    try:
+        if rank == 0:
+            dbg("hold")
+        ar(torch.ones(4))  # returns once enqueued; rank 0's side runs only after the release
+        if rank == 0:
+            _until(lambda: dbg("channel_failed", 1) == 1, "the channel to rank 1 failed (timeout)")
+            dbg("release")
+            _until(lambda: dbg("deferred_errors") == 1, "the op's error kept for the group's next op")
+        bar()
+        b = torch.full((3,), float(rank + 1))
+        # Rank 0's own op timed out after its call returned (deferred to this one); rank 1's
+        # may be that too, or this op cancelled by rank 0's reset of the channel.
+        msg = expect(dist.DistBackendError, lambda: ar(b), "group [0, 1]")
+        bar()
+        return msg
+    finally:
+        if via == "backend":
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("via", ["native", "backend"])
+def test_a_late_error_of_a_blocking_call_reaches_the_next_op_through_either_api(via):
+    res = harness.run(_late_error_backend_body, 2, via, timeout=90, env=FAKE, init=(via == "native"))
+    assert "failed after its blocking call returned" in res[0], res
+
+
+def _future_values_body(rank, world):
+    """Each collective's future holds what the host path's holds (torch's NCCL backend: the
+    outputs), for async ops and a plan's start."""
+    g = fc.new_group([0, 1, 2])
+
+    def value(w):
+        return [None if x is None else x.tolist() for x in w.get_future().wait()]
+
+    out = {}
+    outs = [torch.zeros(2) for _ in range(3)]
+    out["all_to_all"] = value(fc.all_to_all(outs, [torch.full((2,), float(rank * 3 + j)) for j in range(3)], group=g,
+                                            async_op=True))
+    gl = [torch.zeros(3) for _ in range(3)] if rank == 0 else None
+    out["gather"] = value(fc.gather(torch.full((3,), float(rank)), gl, dst=0, group=g, async_op=True))
+    al = [torch.zeros(4) for _ in range(3)]
+    out["all_gather"] = value(fc.all_gather(al, torch.full((4,), float(rank)), group=g, async_op=True))
+    out["scatter"] = value(fc.scatter(torch.zeros(5), [torch.full((5,), float(j)) for j in range(3)] if rank == 0 else None,
+                                      src=0, group=g, async_op=True))
+    out["reduce_scatter"] = value(fc.reduce_scatter(torch.zeros(2), [torch.full((2,), float(rank + j)) for j in range(3)],
+                                                    group=g, async_op=True))
+    out["all_to_all_single"] = value(fc.all_to_all_single(torch.zeros(3), torch.arange(3.0) + 10 * rank, group=g,
+                                                          async_op=True))
+    pouts = [torch.zeros(1) for _ in range(3)]
+    with fc.plan() as p:
+        fc.all_to_all(pouts, [torch.full((1,), float(rank))] * 3, group=g)
+    out["plan all_to_all"] = value(p.start())
+    return out
+
+
+def test_futures_hold_what_the_host_path_holds():
+    device = harness.run(_future_values_body, 3, timeout=90, env=FAKE, init_timeout=30)
+    host = harness.run(_future_values_body, 3, timeout=90, init_timeout=30)
+    assert device == host, (device, host)
+    assert host[0]["all_to_all"] == [[0.0, 0.0], [3.0, 3.0], [6.0, 6.0]] and host[1]["gather"] == [], host
 
 
 # ---------------------------------------------------------------------------------------------

@@ -146,6 +146,10 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   }
   void wait(Work& w, std::chrono::milliseconds timeout) override { wait_until(w, false, timeout); }
   void wait_launched(Work& w, std::chrono::milliseconds timeout) override { wait_until(w, true, timeout); }
+  void mark_returned(DeviceWork& w) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!w.done()) w.returned = true;
+  }
   void poll() override {}
   // Makes the engine thread run a pass now (a control frame arrived).
   void wake() {

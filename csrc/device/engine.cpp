@@ -84,7 +84,10 @@ c10::intrusive_ptr<Work> ChannelEngine::post(std::vector<DeviceOp> dops, bool as
     // members that chose differently (a mismatch, raised) still agree on the ops after it.
     shape.emplace_back(lowered, how.links && !d.recv_port ? 2 : 1);
     const OpRequest& r = d.req;
-    if (r.kind == OpKind::kAllGather) outputs.insert(outputs.end(), r.list.begin(), r.list.end());
+    // What the future holds, as on the host path: the output list where there is one (empty on
+    // a gather's other members), else the output tensor.
+    if (r.kind == OpKind::kAllGather || r.kind == OpKind::kAllToAll || r.kind == OpKind::kGather)
+      outputs.insert(outputs.end(), r.list.begin(), r.list.end());
     else outputs.push_back(r.output.defined() ? r.output : r.tensor);
     batch->groups.push_back(d.id);
   }
@@ -248,6 +251,10 @@ int64_t ChannelEngine::debug(const std::string& what, int64_t arg) {
   if (what == "channel_failed") {
     std::lock_guard<std::mutex> lk(mu_);
     return failed_peers_.count((int)arg) ? 1 : 0;
+  }
+  if (what == "deferred_errors") {  // groups whose next op raises an earlier blocking call's error
+    std::lock_guard<std::mutex> lk(mu_);
+    return (int64_t)deferred_.size();
   }
   return rt_->debug(what, arg);
 }

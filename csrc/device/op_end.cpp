@@ -225,7 +225,7 @@ void ChannelEngine::settle(Batch& b, std::exception_ptr e) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     fin = b.work->settle(e, true, &has_future);
-    if (fin && e && b.returned) {
+    if (fin && e && (b.returned || b.work->returned)) {
       const std::string why = what_of(e);
       for (uint64_t g : b.groups) deferred_.emplace(g, why);
     }

@@ -186,8 +186,8 @@ struct Batch {
   c10::intrusive_ptr<DeviceWork> work;
   int left = 0;          // ops not finished
   int unlaunched = 0;    // ops not launched
-  bool returned = false;
-  bool failed_early = false;  // an op failed before it was enqueued: waiters wait for the settle  // a blocking call returned before it settled: a later error is the group's
+  bool returned = false;  // a native blocking call returned before it settled: a later error is the group's
+  bool failed_early = false;  // an op failed before it was enqueued: waiters wait for the settle
   std::exception_ptr error;
   std::vector<at::Tensor> keep;  // every tensor the ops' device work touches, held until it has run
   // The last event of the ops' work on each stream it went to: the Work orders the caller after

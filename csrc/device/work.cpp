@@ -25,6 +25,7 @@ bool DeviceWork::wait(std::chrono::milliseconds timeout) {
     return true;
   }
   order_after(owner_->runtime().current_stream());
+  if (timeout == kNoTimeout && !is_async()) owner_->mark_returned(*this);
   if (timeout != kNoTimeout) {
     owner_->wait(*this, timeout);
     rethrow_if_failed();

@@ -15,6 +15,8 @@
 namespace fastcomm {
 namespace device {
 
+class DeviceWork;
+
 // What a DeviceWork asks of its engine.
 class WorkOwner : public Waiter {
  public:
@@ -23,6 +25,9 @@ class WorkOwner : public Waiter {
   virtual void wait_launched(Work& w, std::chrono::milliseconds timeout) = 0;
   // The device engine's error once it is shut down or broken, else null.
   virtual std::exception_ptr broken() const = 0;
+  // A blocking call returned with `w` not settled (the backend's: torch's wait() on it): an
+  // error it settles with later is raised by its group's next op.
+  virtual void mark_returned(DeviceWork& w) = 0;
 };
 
 class DeviceWork final : public Work {
@@ -45,6 +50,8 @@ class DeviceWork final : public Work {
     launched_.store(true, std::memory_order_release);
   }
   bool launched() const { return launched_.load(std::memory_order_acquire); }
+  // Under the engine's lock (WorkOwner::mark_returned, settle).
+  bool returned = false;
   // Orders `s` after the ops (launched() must be true).
   void order_after(Stream s);
 
