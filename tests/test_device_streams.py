@@ -344,6 +344,45 @@ def test_a_timed_out_channel_recovers():
         assert a == [3.0] * 4 and b == [21.0] * 4, (first, a, b)
 
 
+def _undecided_body(rank, world, kernels):
+    """A large op of the group {0, 1, 2} on its group communicator: rank 2 has committed rank 0's
+    proposal and awaits the go, rank 1 has not issued it yet, when rank 0's channel with rank 2
+    is reset (a pair op of theirs times out; rank 2 never issues it). Rank 2 dropped its side in
+    the reset, so rank 0 must not send a go: the op is refused on every member (before, ranks 0
+    and 1 launched it and waited out the group's timeout, and the group's communicator failed for
+    good), and the group's next op runs."""
+    G = fc.new_group([0, 1, 2], timeout=timedelta(seconds=6))
+    W = fc.new_group([0, 1, 2])  # host barriers
+    P = fc.new_group([0, 2], timeout=timedelta(seconds=1)) if rank != 1 else None
+    t = torch.full((2048,), float(rank + 1))  # 8 KB: past the threshold, on the group communicator
+    w = fc.all_reduce(t, group=G, async_op=True) if rank != 1 else None
+    if rank == 2:
+        _until(lambda: dbg("awaiting_decision") == 1, "rank 2 committed G's op, awaiting rank 0's go")
+    fc.barrier(group=W)
+    pair = None
+    if rank == 0:  # rank 2 never issues it: it times out and resets the channel 0-2
+        pair = expect(dist.DistBackendError, lambda: fc.all_reduce(torch.ones(2), group=P), "rank 2")
+    fc.barrier(group=W)
+    if rank == 1:
+        w = fc.all_reduce(t, group=G, async_op=True)
+    first = expect(dist.DistBackendError, w.wait, "group [0, 1, 2]")
+    fc.barrier(group=W)
+    t2 = torch.full((2048,), float(rank + 1))
+    fc.all_reduce(t2, group=G)
+    dsync()
+    return pair, first, t2[0].item()
+
+
+@pytest.mark.parametrize("kernels", ["0", "8"], ids=["unbounded", "kernel-bound"])
+def test_a_group_op_awaiting_its_go_is_refused_when_a_members_channel_resets(kernels):
+    env = dict(FAKE, FASTCOMM_DEVICE_IPC="0", FASTCOMM_RSAG_THRESHOLD="4096", FASTCOMM_DEVICE_MAX_KERNELS=kernels)
+    res = harness.run(_undecided_body, 3, kernels, timeout=90, env=env, init_timeout=30)
+    for pair, first, after in res:
+        assert "(6000 ms)" not in first, res  # nobody waited out G's timeout
+        assert after == 6.0, res
+    assert "cancelled before the go" in res[0][1], res
+
+
 def _release_body(rank, world):
     """H8: an idle pair's communicator is released on both sides, and the pair's next op makes a
     new one; join streams of groups of 3 that are over are reused, not made anew."""

@@ -119,6 +119,8 @@ class PairAgreement {
     return !open_.empty() || !awaiting_.empty() || !watched_.empty() || probed_.size() > answered_.size();
   }
   bool has_proposals_to_send() const { return !to_propose_.empty() || !to_probe_.empty(); }
+  // Follower: agreement items committed, awaiting the leader's decision.
+  size_t awaiting() const { return awaiting_.size(); }
 
  private:
   bool cancelled(const Key& k) const {

@@ -251,6 +251,9 @@ void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
     drop_epoch(c, comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ": cancelled: rank " +
                                  std::to_string(c.peer) + " reset the channel between the two (an op there missed its group's timeout)"));
   }
+  // (>=: a reset that crossed this side's own, or a release.)
+  if (f.type == kReset && f.epoch >= c.agree.epoch())
+    cancel_undecided(c, "rank " + std::to_string(c.peer) + " reset the channel between the two");
   const bool rehosted = h.has_id && IpcLink::is_ipc(id) && IpcLink::is_rehosted(id);
   if (rehosted && !c.leader) {
     follower_reopens(c, id, f.epoch);  // the leader's ring again, in host memory: no new link
@@ -559,6 +562,7 @@ void ChannelEngine::reset(Channel& c, const std::string& why) {
   for (Part* p : c.launching) launched.push_back(p->op->key);
   for (Part* p : c.in_flight) launched.push_back(p->op->key);
   c.reset_why = why;
+  cancel_undecided(c, "this rank reset the channel to rank " + std::to_string(c.peer) + " (" + why + ")");
   drop_epoch(c, comm_error_ptr(why));
   PairAgreement::Out out;
   c.agree.reset(launched, out);
@@ -566,6 +570,19 @@ void ChannelEngine::reset(Channel& c, const std::string& why) {
     apply(c, out);
   } catch (const std::exception& e) {
     doom(c, e.what());
+  }
+}
+
+void ChannelEngine::cancel_undecided(Channel& c, const std::string& why) {
+  for (auto& op : live_) {
+    if (!op->leads || op->gc == nullptr || op->decided || op->error) continue;
+    for (auto& p : op->parts)
+      if (p->peer == c.peer && p->agreed) {
+        fail_op(op.get(), comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ", group " + op->label + ": " +
+                                         op_kind_name(op->kind) + " cancelled before the go: rank " + std::to_string(c.peer) +
+                                         " had answered, and then " + why + ", which dropped its side"));
+        break;
+      }
   }
 }
 

@@ -216,6 +216,10 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   // An op on the channel timed out: what it holds fails, the peer is told, and the next op
   // starts a new epoch on a new communicator; other groups over the pair go on.
   void reset(Channel& c, const std::string& why);
+  // Rank 0 of a group, its channel with c.peer reset: the group-communicator ops whose member
+  // c.peer had answered and that are not decided yet fail (the member dropped its side in the
+  // reset), so decide() refuses them on every member instead of sending a go one never takes.
+  void cancel_undecided(Channel& c, const std::string& why);
   // Drops the epoch's communicator and fails what was launched on it (`why`).
   void drop_epoch(Channel& c, const std::exception_ptr& why);
   // The peer is gone (or the control path failed): the channel fails for good.
@@ -353,7 +357,9 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   Aborter aborter_;  // joined in teardown, before the runtime goes
   Clock::time_point last_health_ = Clock::now();
   std::atomic<int64_t> plan_links_{0};  // plans' links made (debug "plan_ipc_links")
-  std::atomic<int64_t> plan_serial_{0};  // plans whose pairs all went on one stream (debug "plan_serial")
+  std::atomic<int64_t> plan_serial_{0};
+  // Group ops committed here and awaiting rank 0's go, as of the last pass (debug "awaiting_decision").
+  std::atomic<int64_t> awaiting_decision_{0};  // plans whose pairs all went on one stream (debug "plan_serial")
   std::mutex graphs_mu_;
   std::vector<std::weak_ptr<PlanGraph>> graphs_;  // aborted at shutdown
 };

@@ -73,6 +73,7 @@ void ChannelEngine::agreed(DevOp* op) {
 void ChannelEngine::decide(DevOp* op) {
   GroupComm& g = *op->gc;
   if (op->leads) {
+    op->decided = true;
     // The leader's word to every member that committed; the first op carries the id.
     bool go = !op->error && !g.failed;
     for (auto& p : op->parts) {

@@ -165,6 +165,7 @@ struct DevOp {
   int me = 0;
   Collective coll;
   bool leads = false;  // this rank is the group's rank 0 (it decides go or refuse)
+  bool decided = false;  // rank 0: its go or refuse went out
   int chain = 0;       // rank 0, kernel bound: parts[chain - 1] is the next part to propose
   bool awaits_go = false;  // member, kernel bound: committed holding its group's slot
   DevOp* next = nullptr;  // the group's next op
