@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 import harness
-from _helpers import all_reduce_ref
+from _helpers import all_reduce_ref, expect
 
 import fastcomm  # noqa: F401  (registers the backend)
 
@@ -396,6 +396,33 @@ def errors_body(rank, world):
 
 def test_unsupported_ops_and_bad_arguments_raise():
     harness.run(errors_body, 2, init=False, timeout=90)
+
+
+def barrier_timeout_body(rank, world):
+    """dist.barrier(timeout=...) bounds the caller's wait, as Gloo's does: rank 0's times out
+    while rank 1 stays away; rank 1 comes once it has (the store says so), which completes the
+    barrier, and the group goes on."""
+    init(rank, world)
+    store = harness.child_store()
+    msg = None
+    if rank == 0:
+        # Unbounded, it would wait for rank 1 until the group's own timeout, with another message.
+        msg = expect(dist.DistBackendError, lambda: dist.barrier(timeout=timedelta(seconds=1)),
+                     "barrier", "rank 0", "within the barrier's timeout (1000 ms)")
+        store.set("barrier_timed_out", "1")
+    else:
+        store.wait(["barrier_timed_out"])
+        dist.barrier()  # rank 0's pending barrier completes with this one
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)
+    same(t, torch.full((3,), 3.0), "all_reduce after the timed-out barrier")
+    dist.destroy_process_group()
+    return msg
+
+
+def test_a_barrier_timeout_bounds_the_wait():
+    res = harness.run(barrier_timeout_body, 2, init=False, timeout=90)
+    assert res[0] is not None, res
 
 
 # ---------------------------------------------------------------------------------------------

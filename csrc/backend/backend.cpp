@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "common/errors.h"
+
 namespace py = pybind11;
 
 namespace fastcomm {
@@ -237,7 +239,21 @@ c10::intrusive_ptr<c10d::Work> FastcommBackend::alltoall_base(at::Tensor& output
 }
 
 c10::intrusive_ptr<c10d::Work> FastcommBackend::barrier(const c10d::BarrierOptions& opts) {
-  return run(request(OpKind::kBarrier, at::Tensor()), opts.asyncOp);
+  // dist.barrier(timeout=...) bounds the caller's wait, as Gloo's does; the barrier stays the
+  // group's op, done once every member has come.
+  const bool bounded = !opts.asyncOp && opts.timeout != c10d::kUnsetTimeout;
+  auto w = run(request(OpKind::kBarrier, at::Tensor()), opts.asyncOp || bounded);
+  if (bounded) {
+    try {
+      w->wait(opts.timeout);
+    } catch (const c10::DistBackendError& e) {
+      if (w->isCompleted()) throw;  // the barrier itself failed
+      throw_comm_error("fastcomm backend: barrier: rank " + std::to_string(engine_->rank()) + ", group " +
+                       group_.label() + ": not every member came within the barrier's timeout (" +
+                       std::to_string(opts.timeout.count()) + " ms); it stays pending and completes once they do");
+    }
+  }
+  return w;
 }
 
 // Point-to-point calls carry no asyncOp: torch waits on the Work itself for send/recv.
