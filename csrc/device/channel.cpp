@@ -562,6 +562,9 @@ void ChannelEngine::reset(Channel& c, const std::string& why) {
   for (Part* p : c.launching) launched.push_back(p->op->key);
   for (Part* p : c.in_flight) launched.push_back(p->op->key);
   c.reset_why = why;
+  // A reset the channel was doomed to (not for good) is this one: a second would fail the
+  // group's next op, made ready in the new epoch, on both sides.
+  if (!c.doomed_for_good) c.doomed_why.clear();
   cancel_undecided(c, "this rank reset the channel to rank " + std::to_string(c.peer) + " (" + why + ")");
   drop_epoch(c, comm_error_ptr(why));
   PairAgreement::Out out;
