@@ -191,6 +191,36 @@ def test_a_late_error_of_a_blocking_call_reaches_the_next_op_through_either_api(
     assert "failed after its blocking call returned" in res[0], res
 
 
+def _wait_timeout_body(rank, world):
+    """Work.wait(timeout) on the device path raises once the timeout passes, saying what it
+    waited for: its members' agreement (rank 1 has not issued the op), then, once enqueued, the
+    device (rank 0's stream held); the op goes on and ends normally afterwards."""
+    g, host = fc.new_groups([[0, 1], [0, 1]])
+    t = torch.full((4,), float(rank + 1))
+    msgs = []
+    if rank == 0:
+        dbg("hold")
+        w = fc.all_reduce(t, group=g, async_op=True)
+        msgs.append(expect(dist.DistBackendError, lambda: w.wait(timeout=0.2), "rank 0", "not yet agreed by its members",
+                           "Work.wait timed out"))
+    fc.barrier(group=host)
+    if rank == 1:
+        w = fc.all_reduce(t, group=g, async_op=True)
+    fc.barrier(group=host)
+    if rank == 0:
+        w.wait()  # enqueued: orders the caller's stream, which is still held
+        msgs.append(expect(dist.DistBackendError, lambda: w.wait(timeout=0.2), "not finished on the device"))
+        dbg("release")
+    w.wait()
+    dsync()
+    return msgs, t.tolist()
+
+
+def test_a_device_wait_with_a_timeout_says_what_it_waited_for():
+    res = harness.run(_wait_timeout_body, 2, timeout=60, env=FAKE, init_timeout=30)
+    assert len(res[0][0]) == 2 and res[0][1] == res[1][1] == [3.0] * 4, res
+
+
 def _future_values_body(rank, world):
     """Each collective's future holds what the host path's holds (torch's NCCL backend: the
     outputs), for async ops and a plan's start."""

@@ -219,8 +219,10 @@ void ChannelEngine::wait_until(Work& w, bool launched_enough, std::chrono::milli
   if (timeout.count() <= 0) {
     done_cv_.wait(lk, ready);
   } else if (!done_cv_.wait_for(lk, timeout, ready)) {
-    throw_comm_error("fastcomm: rank " + std::to_string(rank_) + ": device op not finished after " +
-                     std::to_string(timeout.count()) + " ms (wait timed out)");
+    const bool launched = static_cast<DeviceWork&>(w).launched();
+    throw_comm_error("fastcomm: rank " + std::to_string(rank_) + ": " + c10d::opTypeToString(w.retrieveOpType()) +
+                     (launched ? " not finished on the device" : " not yet agreed by its members (not enqueued)") +
+                     " after " + std::to_string(timeout.count()) + " ms (Work.wait timed out; the op goes on)");
   }
 }
 

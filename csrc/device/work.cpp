@@ -2,6 +2,9 @@
 
 #include <ATen/core/jit_type.h>
 
+#include <algorithm>
+#include <chrono>
+
 namespace fastcomm {
 namespace device {
 
@@ -19,6 +22,7 @@ void DeviceWork::order_after(Stream s) {
 bool DeviceWork::wait(std::chrono::milliseconds timeout) {
   // Until the peers agreed on the op nothing of it is on the device to order the caller's
   // stream after, so the host waits for that (never for the device itself).
+  const auto start = std::chrono::steady_clock::now();
   owner_->wait_launched(*this, timeout == kNoTimeout ? std::chrono::milliseconds(0) : timeout);
   if (done()) {
     rethrow_if_failed();
@@ -27,7 +31,9 @@ bool DeviceWork::wait(std::chrono::milliseconds timeout) {
   order_after(owner_->runtime().current_stream());
   if (timeout == kNoTimeout && !is_async()) owner_->mark_returned(*this);
   if (timeout != kNoTimeout) {
-    owner_->wait(*this, timeout);
+    // One timeout for both waits (at least 1 ms left for the second, which 0 would make unbounded).
+    const auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+    owner_->wait(*this, std::max(std::chrono::milliseconds(1), timeout - spent));
     rethrow_if_failed();
   }
   return true;
