@@ -175,7 +175,8 @@ PyObject* batch_exit(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
 Py_ssize_t batch_len(PyObject* self) { return (Py_ssize_t)as_batch(self)->batch.ops.size(); }
 
 constexpr char kWait[] = "wait", kIsCompleted[] = "is_completed", kIsSuccess[] = "is_success",
-               kException[] = "exception", kGetFuture[] = "get_future";
+               kException[] = "exception", kGetFuture[] = "get_future", kResult[] = "result",
+               kSynchronize[] = "synchronize";
 
 // The batch's Work methods, called on its Work once posted.
 template <const char* kName>
@@ -213,6 +214,8 @@ PyMethodDef batch_methods[] = {
     forwarded<kIsSuccess>("Whether every op of the batch has finished without an error"),
     forwarded<kException>("The batch's first error as an exception object, or None"),
     forwarded<kGetFuture>("A torch.futures.Future completed with the batch's outputs"),
+    forwarded<kResult>("The batch's output tensors, in issue order (Work.result)"),
+    forwarded<kSynchronize>("Waits for every op of the batch on the host, device work included (Work.synchronize)"),
     {nullptr, nullptr, 0, nullptr},
 };
 

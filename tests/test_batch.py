@@ -215,6 +215,26 @@ def test_discarded_nested_and_empty_batches():
     assert res[1][2] == [5.0, 5.0]
 
 
+def _batch_work_body(rank, world):
+    """A batch answers the Work API whole: result() lists the ops' outputs in issue order, and
+    synchronize() after wait() leaves it completed (on the device path it waits for the device;
+    wait() there returns once the ops are enqueued)."""
+    g = fc.new_group([0, 1])
+    x, y = torch.full((3,), float(rank + 1)), torch.full((2,), float(10 * rank))
+    with fc.batch() as b:
+        fc.all_reduce(x, group=g)
+        fc.broadcast(y, src=1, group=g)
+    b.wait()
+    b.synchronize()
+    return [t.tolist() for t in b.result()], b.is_completed()
+
+
+@pytest.mark.parametrize("env", [{}, {"FASTCOMM_FAKE_DEVICE": "1"}], ids=["host", "device"])
+def test_a_batch_has_result_and_synchronize(env):
+    for res, done in harness.run(_batch_work_body, 2, timeout=60, env=env):
+        assert res == [[3.0] * 3, [10.0] * 2] and done, res
+
+
 def _other_thread_body(rank, world):
     """A batch records the ops of the thread that opened it only: another thread's op inside
     the block runs at once (natively entered or through a Python wrapper), and a plan being
