@@ -26,8 +26,8 @@ import torch
 import harness
 from _device import DEV, dsync, fake_only, setup
 from test_device_graphs import (_dead_peer_body, _large_body, _opposite_order_body, _pairs_body, _replay_body,
-                                _timeout_body, _two_silent_peers_body)
-from _plan_cases import PlanCases, pair_plan
+                                _timeout_body, _two_silent_peers_body, replay_cases)
+from _plan_cases import pair_plan
 from test_device_user_graphs import UserGraph, _results_body
 
 import fastcomm as fc
@@ -144,16 +144,7 @@ def _mixed_body(rank, world, replays):
     setup(rank)
     if rank == 2:
         dbg("ipc_graphs", 0)  # its pairs go over communicators; (0, 1) links
-    cases = PlanCases(rank)
-    with fc.plan() as p:
-        cases.record(fc.new_groups(LISTS3), LISTS3)
-    g = p.capture()
-    for r in range(replays):
-        cases.refill(r)
-        g.replay()
-        g.wait()
-        dsync()
-        cases.check(r, "replay")
+    replay_cases(rank, replays, LISTS3)
     return dbg("plan_serial"), dbg("plan_ipc_links")
 
 

@@ -42,9 +42,15 @@ def dbg(what, arg=0):
 
 def _replay_body(rank, world, replays):
     setup(rank)
+    return replay_cases(rank, replays, LISTS5)
+
+
+def replay_cases(rank, replays, lists):
+    """The plan of PlanCases over `lists`, captured and replayed with new inputs each time,
+    every replay checked; returns the ops checked."""
     cases = PlanCases(rank)
     with fc.plan() as p:
-        cases.record(fc.new_groups(LISTS5))
+        cases.record(fc.new_groups(lists), lists)
     g = p.capture()
     for r in range(replays):
         cases.refill(r)
