@@ -398,31 +398,46 @@ def test_unsupported_ops_and_bad_arguments_raise():
     harness.run(errors_body, 2, init=False, timeout=90)
 
 
-def barrier_timeout_body(rank, world):
-    """dist.barrier(timeout=...) bounds the caller's wait, as Gloo's does: rank 0's times out
-    while rank 1 stays away; rank 1 comes once it has (the store says so), which completes the
-    barrier, and the group goes on."""
+def barrier_timeout_body(rank, world, case):
+    """dist.barrier(timeout=...) is the barrier's own timeout, as in Gloo, shorter or longer than
+    the group's (1 s here): "shorter": rank 0's barrier of 0.5 s fails while rank 1 stays away
+    (the store says when it may come); rank 1 then passes it (rank 0's arrival was sent) and the
+    group goes on. "longer": rank 0's barrier of 60 s waits for rank 1, which comes 2 s after
+    rank 0 entered, past the group's timeout. "async": the same as "shorter", through
+    barrier(async_op=True).wait()."""
     init(rank, world)
     store = harness.child_store()
+    g = dist.new_group([0, 1], timeout=timedelta(seconds=1))
     msg = None
-    if rank == 0:
-        # Unbounded, it would wait for rank 1 until the group's own timeout, with another message.
-        msg = expect(dist.DistBackendError, lambda: dist.barrier(timeout=timedelta(seconds=1)),
-                     "barrier", "rank 0", "within the barrier's timeout (1000 ms)")
+    if case == "longer":
+        if rank == 0:
+            store.set("entering", "1")
+            dist.barrier(group=g, timeout=timedelta(seconds=60))
+        else:
+            store.wait(["entering"])
+            time.sleep(2.0)  # at least twice the group's timeout (only a lower bound matters)
+            dist.barrier(group=g)
+    elif rank == 0:
+        if case == "async":
+            call = lambda: dist.barrier(group=g, async_op=True, timeout=timedelta(seconds=0.5)).wait()  # noqa: E731
+        else:
+            call = lambda: dist.barrier(group=g, timeout=timedelta(seconds=0.5))  # noqa: E731
+        msg = expect(dist.DistBackendError, call, "barrier", "rank 0", "timed out after 500 ms, the call's own timeout")
         store.set("barrier_timed_out", "1")
     else:
         store.wait(["barrier_timed_out"])
-        dist.barrier()  # rank 0's pending barrier completes with this one
+        dist.barrier(group=g)  # passes: rank 0's arrival came before its barrier timed out
     t = torch.full((3,), float(rank + 1))
-    dist.all_reduce(t)
-    same(t, torch.full((3,), 3.0), "all_reduce after the timed-out barrier")
+    dist.all_reduce(t, group=g)
+    same(t, torch.full((3,), 3.0), "all_reduce after the barrier")
     dist.destroy_process_group()
     return msg
 
 
-def test_a_barrier_timeout_bounds_the_wait():
-    res = harness.run(barrier_timeout_body, 2, init=False, timeout=90)
-    assert res[0] is not None, res
+@pytest.mark.parametrize("case", ["shorter", "longer", "async"])
+def test_a_barrier_timeout_is_the_barriers_own(case):
+    res = harness.run(barrier_timeout_body, 2, case, init=False, timeout=120)
+    assert (res[0] is not None) == (case != "longer"), res
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <chrono>
 #include <vector>
 
 #include "algorithms/op.h"
@@ -35,6 +36,8 @@ struct OpRequest {
   int peer = -1;                 // a global rank: broadcast's and scatter's src, reduce's and
                                  // gather's dst, send's dst, recv's src (or kAnySource)
   int tag = 0;                   // send/recv
+  // > 0: this op's own timeout instead of its group's (dist.barrier(timeout=...)).
+  std::chrono::milliseconds timeout{0};
 };
 
 // The group an op runs on, from this member's side.

@@ -5,8 +5,6 @@
 #include <algorithm>
 #include <utility>
 
-#include "common/errors.h"
-
 namespace py = pybind11;
 
 namespace fastcomm {
@@ -239,21 +237,11 @@ c10::intrusive_ptr<c10d::Work> FastcommBackend::alltoall_base(at::Tensor& output
 }
 
 c10::intrusive_ptr<c10d::Work> FastcommBackend::barrier(const c10d::BarrierOptions& opts) {
-  // dist.barrier(timeout=...) bounds the caller's wait, as Gloo's does; the barrier stays the
-  // group's op, done once every member has come.
-  const bool bounded = !opts.asyncOp && opts.timeout != c10d::kUnsetTimeout;
-  auto w = run(request(OpKind::kBarrier, at::Tensor()), opts.asyncOp || bounded);
-  if (bounded) {
-    try {
-      w->wait(opts.timeout);
-    } catch (const c10::DistBackendError& e) {
-      if (w->isCompleted()) throw;  // the barrier itself failed
-      throw_comm_error("fastcomm backend: barrier: rank " + std::to_string(engine_->rank()) + ", group " +
-                       group_.label() + ": not every member came within the barrier's timeout (" +
-                       std::to_string(opts.timeout.count()) + " ms); it stays pending and completes once they do");
-    }
-  }
-  return w;
+  // dist.barrier(timeout=...) is the barrier's own, longer or shorter than the group's, as in
+  // Gloo (a member that comes later still passes it: this rank's arrival was sent).
+  OpRequest r = request(OpKind::kBarrier, at::Tensor());
+  if (opts.timeout != c10d::kUnsetTimeout && opts.timeout.count() > 0) r.timeout = opts.timeout;
+  return run(std::move(r), opts.asyncOp);
 }
 
 // Point-to-point calls carry no asyncOp: torch waits on the Work itself for send/recv.

@@ -252,6 +252,7 @@ c10::intrusive_ptr<Work> Engine::post(PreparedOps& ops, bool async_op, bool hidd
     queued.back().group = p.group.get();
     queued.back().op = std::move(p.op);
     queued.back().any_source = p.type == c10d::OpType::RECVANYSOURCE;
+    queued.back().timeout = p.req.timeout;
     if (p.source >= 0) work->set_source(p.source);
   }
   Progress::Done done;
@@ -304,6 +305,7 @@ c10::intrusive_ptr<Work> Engine::run_alone(Prepared& p, bool hidden) {
       q.emplace_back();
       q.back().group = p.group.get();
       q.back().op = std::move(p.op);
+      q.back().timeout = p.req.timeout;
       progress_.post_locked(std::move(q), work, done);
       queued = true;
     }

@@ -28,6 +28,7 @@ struct Pending {
   c10::intrusive_ptr<Work> work;
   uint64_t seq = 0;
   Clock::time_point deadline;
+  std::chrono::milliseconds timeout{0};  // > 0: the op's own (the deadline's), not its group's
 };
 
 // Guarded by the engine lock, except the fields fixed at creation.

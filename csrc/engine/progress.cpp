@@ -86,7 +86,8 @@ void Progress::post_locked(PostedOps ops, const c10::intrusive_ptr<Work>& work, 
     p.op = std::move(x.op);
     p.keep = keep;
     p.work = work;
-    p.deadline = now + g.timeout;
+    p.timeout = x.timeout;
+    p.deadline = now + (x.timeout.count() > 0 ? x.timeout : g.timeout);
     if (x.port && (x.any_source || !x.port->waiting.empty())) {
       x.port->waiting.push_back(WaitingRecv{std::move(p), x.any_source ? nullptr : &g});
       if (!x.port->busy) {
@@ -393,9 +394,11 @@ void Progress::health_locked(Done& done) {
     } else if (now >= p.deadline) {
       // Names the timeout that ran out (and keeps the word "timeout", which torch's own
       // suite and users' handlers match, as they match Gloo's "Timed out").
-      msg = failure_prefix(g, p) + " timed out after " + std::to_string(g.timeout.count()) +
-            " ms, the group's timeout (new_group's, else init's); a member stalled or issued "
-            "this group's collectives in a different order";
+      msg = failure_prefix(g, p) + " timed out after " +
+            (p.timeout.count() > 0 ? std::to_string(p.timeout.count()) + " ms, the call's own timeout"
+                                   : std::to_string(g.timeout.count()) +
+                                         " ms, the group's timeout (new_group's, else init's)") +
+            "; a member stalled or issued this group's collectives in a different order";
       for (int r : g.ranks) {
         if (r == rank_) continue;
         Transport* t = tr_.of(r);

@@ -45,6 +45,7 @@ class Progress {
     OpPtr op;
     RecvPort* port = nullptr;
     bool any_source = false;
+    std::chrono::milliseconds timeout{0};  // > 0: the op's own, instead of its group's
   };
   // Under the lock. Queues `ops` on their groups as parts of `work` (each with its group's
   // timeout; a recv that must be matched in posting order on its port) and runs the eager
