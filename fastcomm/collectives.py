@@ -47,6 +47,9 @@ def _global_rank(group, rank, group_rank, api: str, arg: str) -> int:
     if rank is not None:
         return int(rank)
     ranks = group.ranks if group is not None else list(range(_state.get_world_size()))
+    if not isinstance(group_rank, int) or not 0 <= group_rank < len(ranks):
+        raise ValueError(f"fastcomm.{api}: rank {_state.get_rank()}, group {list(ranks)}: argument 'group_{arg}' is "
+                         f"{group_rank!r}, not a rank of the group (0 to {len(ranks) - 1})")
     return ranks[group_rank]
 
 

@@ -93,6 +93,17 @@ ARG_ERRORS = [
     ("op-not-a-ReduceOp", TypeError, lambda g: fc.all_reduce(torch.ones(4), op="sum", group=g), ["'op'"]),
     # -- group of the wrong type -----------------------------------------------------------
     ("group-not-a-Group", TypeError, lambda g: fc.all_reduce(torch.ones(4), group=[0, 1]), ["'group'"]),
+    # -- a group rank outside the group (it wrapped or raised IndexError) -----------------
+    ("broadcast-group_src-too-large", ValueError, lambda g: fc.broadcast(torch.ones(2), group_src=5, group=g),
+     [G, "'group_src'", "5"]),
+    ("broadcast-group_src-negative", ValueError, lambda g: fc.broadcast(torch.ones(2), group_src=-1, group=g),
+     [G, "'group_src'", "-1"]),
+    ("reduce-group_dst-negative", ValueError, lambda g: fc.reduce(torch.ones(2), group_dst=-2, group=g),
+     [G, "'group_dst'", "-2"]),
+    ("send-group_dst-negative", ValueError, lambda g: fc.send(torch.ones(2), group_dst=-1, group=g),
+     [G, "'group_dst'", "-1"]),
+    ("irecv-group_src-too-large", ValueError, lambda g: fc.irecv(torch.ones(2), group_src=2, group=g),
+     [G, "'group_src'", "2"]),
     # -- async_op=True refuses the same way, at the call ----------------------------------
     ("dtype-complex-async", ValueError,
      lambda g: fc.all_reduce(torch.ones(4, dtype=torch.complex64), op=ReduceOp.MIN, group=g, async_op=True),
