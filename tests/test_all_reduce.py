@@ -567,7 +567,7 @@ def _wait_timeout_body(rank, world, flag_dir):
             w.wait(timeout=0.2)
             raise AssertionError("wait(timeout) returned before the peer issued the op")
         except RuntimeError as e:
-            assert "rank 0" in str(e) and "timed out" in str(e), str(e)
+            assert "rank 0" in str(e) and "timed out on ALLREDUCE" in str(e), str(e)
         assert not w.is_completed()
         open(os.path.join(flag_dir, "go"), "w").close()
         assert w.wait() is True  # and completes once the peer comes

@@ -96,7 +96,9 @@ void Driver::drive(Work* w, Clock::time_point user_deadline, bool has_deadline) 
       if (w && w->done()) return;
     }
     if (has_deadline && now >= user_deadline)
-      throw_comm_error("fastcomm: rank " + std::to_string(rank_) + ": Work.wait timed out (the op is still pending)");
+      throw_comm_error("fastcomm: rank " + std::to_string(rank_) + ": Work.wait timed out" +
+                       (w ? " on " + c10d::opTypeToString(w->retrieveOpType()) : std::string()) +
+                       " (the op is still pending; it goes on)");
     if (idle_ns < spin_ns_ + yield_ns_) {
       sched_yield();
       continue;
