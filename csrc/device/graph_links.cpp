@@ -10,9 +10,10 @@ namespace device {
 
 // What a user's graph that recorded the plan holds: the plan's watch (its host calls count the
 // runs), its memory where no communicator's aborter holds it, and its links. It may run after
-// the plan is gone (the rule is that it must not, docs/design.md): its links then stay mapped, and a run of it found starting is
-// treated as a run of a failed plan (the peer is told its data is garbage; the waits are
-// released until it has ended), so it ends instead of hanging. Dropped by the last holder,
+// the plan is gone (the rule is that it must not, docs/design.md): its links then stay
+// mapped, and a run of it found starting is treated as a run of a failed plan (the peer is
+// told its data is garbage; the waits are released until it has ended), so it ends instead of
+// hanging. Dropped by the last holder,
 // maybe on a CUDA thread (a user object's destructor, which may make no CUDA call nor block):
 // a thread of its own hands everything to `retire`, keeping the engine alive meanwhile.
 struct PlanGraph::LinkKeep {
