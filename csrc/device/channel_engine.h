@@ -358,8 +358,10 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   Clock::time_point last_health_ = Clock::now();
   std::atomic<int64_t> plan_links_{0};  // plans' links made (debug "plan_ipc_links")
   std::atomic<int64_t> plan_serial_{0};
-  // Group ops committed here and awaiting rank 0's go, as of the last pass (debug "awaiting_decision").
-  std::atomic<int64_t> awaiting_decision_{0};  // plans whose pairs all went on one stream (debug "plan_serial")
+  // Group ops committed here and awaiting rank 0's go, as of the last pass (debug
+  // "awaiting_decision"; counted only once that was asked, off the hot path otherwise).
+  std::atomic<int64_t> awaiting_decision_{0};
+  std::atomic<bool> awaiting_wanted_{false};  // plans whose pairs all went on one stream (debug "plan_serial")
   std::mutex graphs_mu_;
   std::vector<std::weak_ptr<PlanGraph>> graphs_;  // aborted at shutdown
 };

@@ -254,7 +254,10 @@ int64_t ChannelEngine::debug(const std::string& what, int64_t arg) {
     std::lock_guard<std::mutex> lk(mu_);
     return failed_peers_.count((int)arg) ? 1 : 0;
   }
-  if (what == "awaiting_decision") return awaiting_decision_.load();
+  if (what == "awaiting_decision") {  // counted from the engine's next pass on
+    awaiting_wanted_.store(true);
+    return awaiting_decision_.load();
+  }
   if (what == "deferred_errors") {  // groups whose next op raises an earlier blocking call's error
     std::lock_guard<std::mutex> lk(mu_);
     return (int64_t)deferred_.size();

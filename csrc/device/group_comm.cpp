@@ -70,6 +70,19 @@ void ChannelEngine::agreed(DevOp* op) {
   decide(op);
 }
 
+void ChannelEngine::cancel_undecided(Channel& c, const std::string& why) {
+  for (auto& op : live_) {
+    if (!op->leads || op->gc == nullptr || op->decided || op->error) continue;
+    for (auto& p : op->parts)
+      if (p->peer == c.peer && p->agreed) {
+        fail_op(op.get(), comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ", group " + op->label + ": " +
+                                         op_kind_name(op->kind) + " cancelled before the go: rank " + std::to_string(c.peer) +
+                                         " had answered, and then " + why + ", which dropped its side"));
+        break;
+      }
+  }
+}
+
 void ChannelEngine::decide(DevOp* op) {
   GroupComm& g = *op->gc;
   if (op->leads) {
