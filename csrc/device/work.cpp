@@ -22,7 +22,7 @@ void DeviceWork::order_after(Stream s) {
 bool DeviceWork::wait(std::chrono::milliseconds timeout) {
   // Until the peers agreed on the op nothing of it is on the device to order the caller's
   // stream after, so the host waits for that (never for the device itself).
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = timeout == kNoTimeout ? std::chrono::steady_clock::time_point{} : std::chrono::steady_clock::now();
   owner_->wait_launched(*this, timeout == kNoTimeout ? std::chrono::milliseconds(0) : timeout);
   if (done()) {
     rethrow_if_failed();
