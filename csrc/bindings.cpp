@@ -20,6 +20,24 @@
 namespace py = pybind11;
 using namespace fastcomm;
 
+namespace {
+
+// Dropping a plan's graph waits for its runs in flight (up to the plan's timeout where a member
+// stalls): the last Python reference lets go of it without the GIL, so other threads go on.
+std::shared_ptr<DeviceGraph> dropped_without_gil(std::shared_ptr<DeviceGraph> g) {
+  DeviceGraph* raw = g.get();
+  return std::shared_ptr<DeviceGraph>(raw, [g = std::move(g)](DeviceGraph*) mutable {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      g.reset();
+    } else {
+      g.reset();
+    }
+  });
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastcomm native engine";
   m.def("reduce_kernels", &reduce_kernels,
@@ -177,8 +195,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("async_op") = true)
       .def(
           "capture",
-          [](const std::shared_ptr<Plan>& p, bool naive) { return p->engine().capture(p, naive); },
-          py::arg("naive") = false, py::call_guard<py::gil_scoped_release>());
+          [](const std::shared_ptr<Plan>& p, bool naive) {
+            std::shared_ptr<DeviceGraph> g;
+            {
+              py::gil_scoped_release nogil;
+              g = p->engine().capture(p, naive);
+            }
+            return dropped_without_gil(std::move(g));
+          },
+          py::arg("naive") = false);
 
   // A plan captured into a CUDA graph (fastcomm.plan.capture).
   py::class_<DeviceGraph, std::shared_ptr<DeviceGraph>>(m, "PlanGraph")

@@ -176,7 +176,7 @@ Py_ssize_t batch_len(PyObject* self) { return (Py_ssize_t)as_batch(self)->batch.
 
 constexpr char kWait[] = "wait", kIsCompleted[] = "is_completed", kIsSuccess[] = "is_success",
                kException[] = "exception", kGetFuture[] = "get_future", kResult[] = "result",
-               kSynchronize[] = "synchronize";
+               kSynchronize[] = "synchronize", kBlockCurrentStream[] = "block_current_stream";
 
 // The batch's Work methods, called on its Work once posted.
 template <const char* kName>
@@ -216,6 +216,7 @@ PyMethodDef batch_methods[] = {
     forwarded<kGetFuture>("A torch.futures.Future completed with the batch's outputs"),
     forwarded<kResult>("The batch's output tensors, in issue order (Work.result)"),
     forwarded<kSynchronize>("Waits for every op of the batch on the host, device work included (Work.synchronize)"),
+    forwarded<kBlockCurrentStream>("The current stream waits for every op of the batch (Work.block_current_stream)"),
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -135,6 +135,17 @@ PyObject* work_synchronize(PyObject* self, PyObject*) {
   });
 }
 
+PyObject* work_block_current_stream(PyObject* self, PyObject*) {
+  return guarded([&] {
+    Work& w = *as_work(self)->w;
+    {
+      py::gil_scoped_release nogil;
+      w.blockCurrentStream();
+    }
+    Py_RETURN_NONE;
+  });
+}
+
 PyObject* work_source_rank(PyObject* self, PyObject*) {
   return guarded([&]() -> PyObject* {
     const int r = as_work(self)->w->sourceRank();
@@ -211,6 +222,9 @@ PyMethodDef work_methods[] = {
     {"synchronize", &work_synchronize, METH_NOARGS,
      "CUDA ops: blocks the host until the op has finished on the device (wait() only makes the current stream "
      "wait). CPU ops: nothing to do."},
+    {"block_current_stream", &work_block_current_stream, METH_NOARGS,
+     "CUDA ops: the current stream waits for the op (the host waits only until its members agreed on it); an "
+     "error is left for wait() and exception(). CPU ops: as torch's (a CUDA kernel on the current stream waits)."},
     {"source_rank", &work_source_rank, METH_NOARGS,
      "An irecv's sender, as a global rank, once the receive completed (for one from any source, the member whose "
      "message it took). Raises for other Works, and before then."},
@@ -223,7 +237,8 @@ void add_work_type(py::module_& m) {
   static PyType_Slot slots[] = {
       {Py_tp_doc, const_cast<char*>(
                       "Handle of an async op or batch, as torch.distributed returns for async_op=True: wait(timeout=None), "
-                      "is_completed(), is_success(), exception(), get_future(), result(), synchronize(), source_rank().")},
+                      "is_completed(), is_success(), exception(), get_future(), result(), synchronize(), block_current_stream(), "
+                      "source_rank().")},
       {Py_tp_new, reinterpret_cast<void*>(&work_new)},
       {Py_tp_dealloc, reinterpret_cast<void*>(&work_dealloc)},
       {Py_tp_repr, reinterpret_cast<void*>(&work_repr)},

@@ -4,7 +4,7 @@
 frame, since a program that issues many small async ops pays for both on every op. It wraps
 the engine's c10d Work; waiting drives the engine on the calling thread with the GIL released.
 Methods: ``wait(timeout=None)``, ``is_completed()``, ``is_success()``, ``exception()``,
-``get_future()``, ``result()``, ``synchronize()``, ``source_rank()``."""
+``get_future()``, ``result()``, ``synchronize()``, ``block_current_stream()``, ``source_rank()``."""
 from __future__ import annotations
 
 from ._C import Work

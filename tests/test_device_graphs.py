@@ -381,6 +381,39 @@ def test_shutdown_ends_a_live_graph():
         assert t == [2.0] * 3, msg
 
 
+def _drop_body(rank, world):
+    """Rank 0 drops its graph with a run in flight that needs rank 1's replay, which rank 1 makes
+    only once rank 0's main thread has seen the drop waiting and said so: the drop must wait
+    without the GIL, or the main thread never gets to say it (the run would time out)."""
+    import threading
+    setup(rank)
+    pair = fc.new_group([0, 1], timeout=timedelta(seconds=20))
+    host = fc.new_group([0, 1])
+    t = torch.full((3,), float(rank + 1), device=DEV)
+    g = pair_plan(t, pair)
+    if rank == 0:
+        g.replay()
+        box = [g]
+        del g
+        dropper = threading.Thread(target=box.clear)  # the last reference
+        dropper.start()
+        while dbg("plan_releasing") == 0 and dropper.is_alive():
+            threading.Event().wait(0.001)
+        fc.barrier(group=host)  # rank 1 may replay now
+        dropper.join()
+        dsync()
+    else:
+        fc.barrier(group=host)
+        g.replay()
+        g.wait()
+        dsync()
+    return t.tolist()
+
+
+def test_a_graph_dropped_with_a_run_in_flight_waits_for_it_without_the_gil():
+    assert harness.run(_drop_body, 2, timeout=60, env=ENV, init_timeout=30) == [[3.0] * 3] * 2
+
+
 # ---------------------------------------------------------------------------------------------
 # benchmarks/device_graphs.py (scripts/gpu_check.sh runs it on a GPU): the script on the fake
 

@@ -3,10 +3,11 @@ device runtime (FASTCOMM_FAKE_DEVICE=1). The fake's caller stream runs asynchron
 GPU's does: "hold" queues a kernel that runs until "release", so a check that the host got
 control back while the device had not run an op asserts an order, not a duration.
 
-- a blocking call and Work.wait() return once the op is enqueued, the caller's stream ordered
-  after it; the host runs ahead of a long kernel, through 1,000 ops of one group (pipelined:
-  each is enqueued while the previous has not run); is_completed/synchronize/get_future follow
-  the device;
+- a blocking call, Work.wait() and Work.block_current_stream() return once the op is
+  enqueued, the caller's stream ordered after it; the host runs ahead of a long kernel, through
+  1,000 ops of one group (pipelined: each is enqueued while the previous has not run);
+  is_completed/synchronize/get_future follow the device, a future completed on the runtime's
+  idle stream;
 - events are pooled (flat over a long run);
 - an error found after a blocking call returned is raised by the group's next op, natively and
   through torch.distributed (whose blocking calls wait() on the Work);
@@ -69,18 +70,21 @@ def _run_ahead_body(rank, world, n):
     w = fc.all_reduce(t, group=g, async_op=True)
     w.wait()  # orders the caller's stream; never waits for the device
     pending = not w.is_completed()
+    held = w.get_future()  # completed by the engine's publisher, on the runtime's idle stream
     dbg("release")
     w.synchronize()  # host-blocks until the device has run it
     done = w.is_completed()
     fut = fc.all_reduce(t, group=g, async_op=True).get_future()
     fut.wait()  # completes once the device has run the op
+    held.wait()
     dsync()
-    return pending, done, t[0].item() == 2.0 ** (-900 + n + 2), bool(t.eq(t[0]).all())
+    return (pending, done, t[0].item() == 2.0 ** (-900 + n + 2), bool(t.eq(t[0]).all()),
+            dbg("idle_stream_calls") > 0)
 
 
 def test_the_host_runs_ahead_of_the_device_through_1000_pipelined_ops():
     for r in harness.run(_run_ahead_body, 2, 1000, timeout=120, env=FAKE, init_timeout=60):
-        assert r == (True, True, True, True), r
+        assert r == (True, True, True, True, True), r
 
 
 def _ahead_three_body(rank, world):
@@ -111,6 +115,43 @@ def test_a_group_of_three_and_a_batch_run_ahead():
         assert t == [6.0 * 3 ** 4] * 7
         for ranks, x in pairs:
             assert x == [float(sum(10 * r for r in ranks))] * 3
+
+
+def _block_body(rank, world, via):
+    """Work.block_current_stream() (torch's, and fastcomm.Work's and a batch's): returns with the
+    op not yet run on the device, the caller's stream ordered after it."""
+    if via == "backend":
+        dist.init_process_group("fastcomm", store=harness.child_store(), rank=rank, world_size=world,
+                                timeout=timedelta(seconds=30))
+        ar = lambda t: dist.all_reduce(t, async_op=True)  # noqa: E731
+    else:
+        g = fc.new_group([0, 1])
+        ar = lambda t: fc.all_reduce(t, group=g, async_op=True)  # noqa: E731
+    try:
+        t = torch.full((5,), float(rank + 1))
+        u = torch.full((3,), float(rank + 1))
+        dbg("hold")  # the op waits for the caller's stream, which runs nothing until "release"
+        w = ar(t)
+        w.block_current_stream()
+        pending = [not w.is_completed()]
+        if via == "native":
+            with fc.batch() as b:
+                fc.all_reduce(u, group=g)
+            b.block_current_stream()
+            pending.append(not b.is_completed())
+        dbg("release")
+        dsync()
+        return pending, t.tolist(), u.tolist() if via == "native" else None
+    finally:
+        if via == "backend":
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("via", ["native", "backend"])
+def test_block_current_stream_orders_the_stream_without_waiting_for_the_device(via):
+    for pending, t, u in harness.run(_block_body, 2, via, timeout=90, env=FAKE, init=(via == "native")):
+        assert all(pending) and t == [3.0] * 5, (pending, t)
+        assert via == "backend" or u == [3.0] * 3, u
 
 
 def _pool_body(rank, world):

@@ -225,6 +225,12 @@ void CudaRuntime::host_call(Stream s, void (*fn)(void*), void* arg) {
   FASTCOMM_GPU_CHECK(cudaLaunchHostFunc(cs(s), fn, arg));
 }
 
+void CudaRuntime::on_idle_stream(const std::function<void()>& f) {
+  std::call_once(idle_once_, [this] { idle_ = cs(new_stream()); });
+  c10::cuda::CUDAStreamGuard g(c10::cuda::getStreamFromExternal(idle_, dev()));
+  f();
+}
+
 Event CudaRuntime::new_event() {
   c10::cuda::CUDAGuard g(dev());
   cudaEvent_t e = nullptr;

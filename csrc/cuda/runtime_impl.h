@@ -116,6 +116,7 @@ class CudaRuntime final : public Runtime {
   void graph_launch(void* graph, Stream s) override;
   void graph_destroy(void* graph) override;
   void host_call(Stream s, void (*fn)(void*), void* arg) override;
+  void on_idle_stream(const std::function<void()>& f) override;
   Event new_event() override;
   void destroy_event(Event e) override;
   void record(Event e, Stream s) override;
@@ -193,6 +194,8 @@ class CudaRuntime final : public Runtime {
   std::unordered_map<cudaStream_t, std::shared_ptr<Pending>> stream_pending_;
   std::unordered_map<cudaEvent_t, std::shared_ptr<Pending>> event_pending_;
   std::vector<cudaStream_t> free_streams_;
+  std::once_flag idle_once_;
+  cudaStream_t idle_ = nullptr;  // on_idle_stream's: never takes work
   at::Tensor warm_;  // two bytes the pair openers' first contacts send from and receive into
 };
 

@@ -353,15 +353,16 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   // The end of the last launched op of each group id, while it may not have run: the group's
   // next op waits for it even when the op itself is gone.
   std::unordered_map<uint64_t, std::pair<Stream, EventPtr>> last_end_;
-  Publisher publisher_;
+  Publisher publisher_{[this](const std::function<void()>& f) { rt_->on_idle_stream(f); }};
   Aborter aborter_;  // joined in teardown, before the runtime goes
   Clock::time_point last_health_ = Clock::now();
   std::atomic<int64_t> plan_links_{0};  // plans' links made (debug "plan_ipc_links")
-  std::atomic<int64_t> plan_serial_{0};
+  std::atomic<int64_t> plan_serial_{0};  // plans whose pairs all went on one stream (debug "plan_serial")
+  std::atomic<int64_t> plan_releasing_{0};  // graphs dropped, waiting for their runs
   // Group ops committed here and awaiting rank 0's go, as of the last pass (debug
   // "awaiting_decision"; counted only once that was asked, off the hot path otherwise).
   std::atomic<int64_t> awaiting_decision_{0};
-  std::atomic<bool> awaiting_wanted_{false};  // plans whose pairs all went on one stream (debug "plan_serial")
+  std::atomic<bool> awaiting_wanted_{false};
   std::mutex graphs_mu_;
   std::vector<std::weak_ptr<PlanGraph>> graphs_;  // aborted at shutdown
 };

@@ -167,6 +167,7 @@ std::shared_ptr<DeviceGraph> ChannelEngine::capture(std::vector<DeviceOp> dops, 
   links.ring_bytes = ipc_ring_bytes_;
   links.made = &plan_links_;
   links.serial = &plan_serial_;
+  links.releasing = &plan_releasing_;
   std::weak_ptr<ChannelEngine> self = std::static_pointer_cast<ChannelEngine>(shared_from_this());
   links.retire = [self](std::vector<std::unique_ptr<IpcLink>> ls, std::shared_ptr<void> rest) {
     if (auto e = self.lock()) e->retire_links(std::move(ls), std::move(rest));
@@ -246,6 +247,7 @@ int64_t ChannelEngine::debug(const std::string& what, int64_t arg) {
   if (what == "ipc_ring_fold_bytes") return ring_fold_bytes_.load();
   if (what == "plan_ipc_links") return plan_links_.load();
   if (what == "plan_serial") return plan_serial_.load();
+  if (what == "plan_releasing") return plan_releasing_.load();
   if (what == "ipc_skip_waits") {  // links made from now on
     ipc_->set_skip_rx_waits(arg != 0);
     return 0;

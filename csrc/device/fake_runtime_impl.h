@@ -57,6 +57,10 @@ class FakeRuntime final : public Runtime {
   void* end_capture(Stream s) override;
   void graph_launch(void* graph, Stream s) override;
   void host_call(Stream s, void (*fn)(void*), void* arg) override;
+  void on_idle_stream(const std::function<void()>& f) override {
+    ++idle_calls_;  // debug "idle_stream_calls"
+    f();
+  }
   void graph_destroy(void* graph) override;
   void relax_capture_mode() override { tl_relaxed = true; }
   int exchange_capture_mode(int mode) override {
@@ -159,6 +163,7 @@ class FakeRuntime final : public Runtime {
   // Copies, folds and stream flag operations enqueued (debug "work_entries"): what fills a CUDA
   // stream's bounded command buffer, where event records and waits are not counted.
   std::atomic<int64_t> work_entries_{0};
+  std::atomic<int64_t> idle_calls_{0};
   const bool blocking_pairs_;
   bool launches_inline(const CommImpl& c) const { return blocking_pairs_ && c.nranks() == 2; }
   const std::shared_ptr<Residency> residency_ = std::make_shared<Residency>();

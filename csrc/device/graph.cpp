@@ -424,10 +424,12 @@ void PlanGraph::release() {
   // so that they drain, before the memory and communicators go: a replay may still write the
   // scratch. A user graph must not be replayed once the plan's graph is gone.
   if (!broken_ && (!runs_.empty() || (watch_ && watch_->in_flight() > 0))) {
+    if (links_.releasing) ++*links_.releasing;
     try {
       check_locked(Check::kWait, timeout_);
     } catch (...) {
     }
+    if (links_.releasing) --*links_.releasing;
   }
   for (auto& r : runs_) {
     try {

@@ -59,6 +59,7 @@ struct GraphLinks {
   std::function<void(std::vector<std::unique_ptr<IpcLink>>, std::shared_ptr<void> rest)> retire;
   std::atomic<int64_t>* made = nullptr;  // links that both sides took (debug "plan_ipc_links")
   std::atomic<int64_t>* serial = nullptr;  // plans of links and communicators both (debug "plan_serial")
+  std::atomic<int64_t>* releasing = nullptr;  // graphs dropped, waiting for their runs (debug "plan_releasing")
 };
 
 class PlanGraph final : public DeviceGraph {

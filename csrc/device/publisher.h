@@ -1,7 +1,8 @@
 #pragma once
 // Completes the Futures of settled device Works off the engine thread: a Future's callbacks run
 // there and may wait for another device op, which only the engine thread can finish. A callback
-// that blocks holds its own thread; the next Future gets a new one.
+// that blocks holds its own thread; the next Future gets a new one. Each is completed inside
+// `around` (Runtime::on_idle_stream: the device and stream its events and callbacks see).
 #include <atomic>
 #include <condition_variable>
 #include <memory>
@@ -18,6 +19,8 @@ namespace device {
 
 class Publisher {
  public:
+  using Around = std::function<void(const std::function<void()>&)>;
+  explicit Publisher(Around around) : around_(std::move(around)) {}
   ~Publisher() { stop(); }
   void push(c10::intrusive_ptr<Work> w) {
     std::lock_guard<std::mutex> lk(mu_);
@@ -44,7 +47,7 @@ class Publisher {
         auto w = std::move(queue_.front());
         queue_.pop_front();
         lk.unlock();
-        w->publish();
+        around_([&] { w->publish(); });
         w.reset();
         lk.lock();
         continue;
@@ -55,6 +58,7 @@ class Publisher {
       --idle_;
     }
   }
+  const Around around_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<c10::intrusive_ptr<Work>> queue_;

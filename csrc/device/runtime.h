@@ -201,6 +201,11 @@ class Runtime {
   // runs at every replay. `fn` must make no runtime call and return soon.
   virtual void host_call(Stream s, void (*fn)(void*), void* arg);
 
+  // Runs `f` with the calling thread on this runtime's device and a stream of the runtime's own
+  // that never takes work, current: a device Future completed in `f` records its events there
+  // (its op has run by then) and runs its callbacks on the right device.
+  virtual void on_idle_stream(const std::function<void()>& f) { f(); }
+
   // Test hooks (the fake's; see fake_hooks.cpp): raises for a hook this runtime lacks.
   virtual int64_t debug(const std::string& what, int64_t arg);
 };

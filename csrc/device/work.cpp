@@ -39,6 +39,11 @@ bool DeviceWork::wait(std::chrono::milliseconds timeout) {
   return true;
 }
 
+void DeviceWork::blockCurrentStream() {
+  owner_->wait_launched(*this, std::chrono::milliseconds(0));
+  if (!done()) order_after(owner_->runtime().current_stream());
+}
+
 void DeviceWork::synchronize() {
   owner_->wait(*this, std::chrono::milliseconds(0));
   rethrow_if_failed();

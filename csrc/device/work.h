@@ -40,6 +40,9 @@ class DeviceWork final : public Work {
   // peers agreed on it, never for the device); with a timeout, host-blocks until it has run.
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   void synchronize() override;
+  // torch's Work.block_current_stream(): the caller's stream waits for the op, as after wait(),
+  // but an error is left for wait()/exception() (torch's says to check the result later).
+  void blockCurrentStream() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   bool on_device() const override { return true; }
 
