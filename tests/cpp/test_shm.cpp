@@ -329,6 +329,42 @@ TEST(shm_many_messages_wrap_around) {
   });
 }
 
+TEST(shm_a_payload_that_forges_a_record_is_not_taken_for_one) {
+  // A record that does not fit before the ring's end goes to its start; the bytes it skipped
+  // hold an earlier pass's payload. Here that payload holds, where the reader looks next, a
+  // record header with the reader's own position: the reader must take the sender's skip, not
+  // the forged record.
+  with_pair([](ShmTransport& a, ShmTransport& b) {
+    const uint32_t mp = (uint32_t)a.max_payload();
+    REQUIRE(kRecordHeader + align64(mp) == kRing / 4);
+    static_assert(sizeof(Header) + 16 == kRecordHeader, "record layout: header, pos, pad");
+    // Pass 1: four full records; the fourth's payload begins at ring offset 3/4 R + 64.
+    const uint64_t forged_at = 3 * kRing / 4 + kRecordHeader;
+    std::vector<uint8_t> forged(mp, 0);
+    const Header fake = header_for(999, 64);
+    const uint64_t reader_pos = kRing + forged_at;  // where the reader is in pass 2
+    std::memcpy(forged.data(), &fake, sizeof(fake));
+    std::memcpy(forged.data() + sizeof(fake), &reader_pos, sizeof(reader_pos));
+    for (uint64_t s = 0; s < 3; ++s) REQUIRE(send_msg(a, 1, s, mp));
+    REQUIRE(a.try_send(1, header_for(3, mp), forged.data()));
+    a.flush();
+    for (uint64_t s = 0; s < 3; ++s) REQUIRE(recv_msg(b, 0, s, mp));
+    REQUIRE(b.peek(0) != nullptr);
+    b.pop(0);
+    // Pass 2: records up to `forged_at`, then one that does not fit there.
+    const uint32_t lens[] = {mp, mp, (uint32_t)(kRing / 8 - kRecordHeader), (uint32_t)(kRing / 8)};
+    uint64_t s = 10;
+    for (uint32_t len : lens) REQUIRE(send_msg(a, 1, s++, len));
+    a.flush();
+    s = 10;
+    for (uint32_t len : lens) REQUIRE(recv_msg(b, 0, s++, len));
+    REQUIRE(send_msg(a, 1, s, mp));
+    a.flush();
+    REQUIRE(recv_msg(b, 0, s, mp));
+    CHECK(b.peek(0) == nullptr);
+  });
+}
+
 TEST(shm_bursts_read_back_in_part) {
   // Bursts of 1-4 records of random sizes, each read back entirely or in part before the next
   // burst, put the write position everywhere and make the reader skip slots at the ring's end

@@ -84,14 +84,15 @@ struct ShmRingCtl {
 static_assert(sizeof(ShmRingCtl) <= kRingCtlBytes, "ring control too large");
 
 // 64-byte record header in the ring; payload follows, padded to 64. `pos` is the record's
-// absolute ring position: a slot whose pos differs from the reader's position was skipped by
-// the sender (the record did not fit before the ring's end), so the reader moves on to the
-// next start of the ring.
+// absolute ring position, always the reader's own (anything else is corruption). A record that
+// did not fit before the ring's end went to its start, leaving a marker (pad == kSkipMark, no
+// header or payload) where it would have been.
 struct Record {
   Header hdr;
   uint64_t pos;
   uint64_t pad;
 };
+constexpr uint64_t kSkipMark = 0x706b73;
 static_assert(sizeof(Record) == kRecordHeader, "record layout");
 
 ShmTransport::ShmTransport(int rank, int world_size, const std::string& token,
@@ -256,6 +257,12 @@ bool ShmTransport::try_send(int peer, const Header& hdr, const void* payload) {
     if (head + total - tail > R) return false;
   }
   if (restart) {
+    // The skipped bytes still hold an earlier pass's records and payloads: a marker, not a
+    // stale word that a payload could forge, tells the reader to go to the start.
+    populate(o.ring, o.populated, pos + kRecordHeader, R, true);
+    auto* mark = reinterpret_cast<Record*>(o.ring + pos);
+    mark->pos = head;
+    mark->pad = kSkipMark;
     head += R - pos;
     pos = 0;
   }
@@ -263,6 +270,7 @@ bool ShmTransport::try_send(int peer, const Header& hdr, const void* payload) {
   auto* rec = reinterpret_cast<Record*>(o.ring + pos);
   rec->hdr = hdr;
   rec->pos = head;
+  rec->pad = 0;
   if (hdr.len) copy_payload(o, o.ring + pos + kRecordHeader, payload, hdr.len);
   o.wpos = head + need;
   if (!o.dirty) {
@@ -313,15 +321,17 @@ const Message* ShmTransport::peek(int peer) {
   populate(in.ring, in.populated, pos + kRecordHeader, R, false);
   auto* rec = reinterpret_cast<const Record*>(in.ring + pos);
   uint64_t skip = 0;
-  if (rec->pos != t) {
+  TORCH_INTERNAL_ASSERT(rec->pos == t, "corrupt shared-memory ring from rank ", peer);
+  if (rec->pad == kSkipMark) {
     TORCH_INTERNAL_ASSERT(pos != 0, "corrupt shared-memory ring from rank ", peer);
     skip = R - pos;
     t += skip;
     TORCH_INTERNAL_ASSERT(t != head, "ring skip without a following record from rank ", peer);
     rec = reinterpret_cast<const Record*>(in.ring);
     pos = 0;
+    TORCH_INTERNAL_ASSERT(rec->pos == t && rec->pad == 0, "corrupt shared-memory ring from rank ", peer);
   }
-  TORCH_INTERNAL_ASSERT(rec->pos == t, "corrupt shared-memory ring from rank ", peer);
+  TORCH_INTERNAL_ASSERT(rec->hdr.len <= max_payload_, "corrupt shared-memory ring from rank ", peer);
   in.msg.hdr = rec->hdr;
   in.msg.data = in.ring + pos + kRecordHeader;
   in.cur_bytes = skip + kRecordHeader + align64(rec->hdr.len);
