@@ -551,4 +551,47 @@ TEST(shm_peer_alive) {
   CHECK(shm_entries(token).empty());
 }
 
+TEST(shm_peer_alive_attached) {
+  // The same with the child attached as a local rank: its liveness then comes from its pidfd
+  // (the process itself, not a pid that another may take once it is reaped).
+  int up[2], down[2];
+  REQUIRE(pipe(up) == 0 && pipe(down) == 0);
+  const std::string token = fresh_token();
+  const pid_t parent = getpid();
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    close(up[0]);
+    close(down[1]);
+    {
+      ShmTransport t(1, 2, token, {0, 1}, {parent, getpid()}, kRing);
+      char c = 1;
+      if (write(up[1], &c, 1) != 1) _exit(1);
+      while (read(down[0], &c, 1) > 0) {
+      }
+    }
+    _exit(0);  // the parent closed the pipe; the segment's name was unlinked by the parent
+  }
+  close(up[1]);
+  close(down[0]);
+  char c;
+  REQUIRE(read(up[0], &c, 1) == 1);  // the child's segment exists
+  {
+    ShmTransport t(0, 2, token, {0, 1}, {parent, child}, kRing);
+    t.attach_peers();
+    t.unlink_local_segments();
+    CHECK(t.peer_alive(1));
+    close(down[1]);
+    siginfo_t info{};
+    REQUIRE(waitid(P_PID, child, &info, WEXITED | WNOWAIT) == 0);
+    CHECK(!t.peer_alive(1));
+    int status = 0;
+    REQUIRE(waitpid(child, &status, 0) == child);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    CHECK(!t.peer_alive(1));
+  }
+  close(up[0]);
+  CHECK(shm_entries(token).empty());
+}
+
 }  // namespace

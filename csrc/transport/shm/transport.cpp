@@ -1,6 +1,7 @@
 #include "transport/shm/transport.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -419,6 +420,15 @@ std::map<std::string, uint64_t> ShmTransport::counters() {
   return {{"spans_imported", import_calls_}, {"buffers_mapped", buffers_mapped_}};
 }
 
-bool ShmTransport::peer_alive(int peer) { return !process_gone(pids_[peer]); }
+bool ShmTransport::peer_alive(int peer) {
+  // An attached peer's pidfd names that very process (readable once it exited); its pid may be
+  // another's by then.
+  if (pidfd_[peer] >= 0) {
+    pollfd p{pidfd_[peer], POLLIN, 0};
+    const int n = poll(&p, 1, 0);
+    if (n >= 0) return n == 0;
+  }
+  return !process_gone(pids_[peer]);
+}
 
 }  // namespace fastcomm
