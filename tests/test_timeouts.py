@@ -1,6 +1,7 @@
 """Per-group timeouts: a group made with its own timeout fails its stalled ops after that
 timeout, not init's. Through fastcomm's API (new_group / new_groups) and through the
-torch.distributed backend (dist.new_group(timeout=...)).
+torch.distributed backend (dist.new_group(timeout=...)). The message names the member the
+op was waiting for.
 
 In every run init's timeout is long (60 s) and the group's short (1 s); a member that never
 issues its side makes the other's op fail with "timed out after 1000 ms" well before init's
@@ -50,10 +51,11 @@ def _api_body(rank, world):
     fc.all_reduce(t, group=g)  # both there once
     assert torch.equal(t, torch.full((4,), 3.0))
     if rank == 0:
-        expect_timeout(lambda: fc.all_reduce(torch.ones(4), group=g), "rank 0", "group [0, 1]")
-        expect_timeout(lambda: fc.all_reduce(torch.ones(4), group=h), "rank 0")
+        expect_timeout(lambda: fc.all_reduce(torch.ones(4), group=g), "rank 0", "group [0, 1]",
+                       "(it was waiting for rank 1)")
+        expect_timeout(lambda: fc.all_reduce(torch.ones(4), group=h), "rank 0", "waiting for rank 1")
         # A send/recv channel times out as its group does.
-        expect_timeout(lambda: fc.recv(torch.ones(4), src=1, group=g), "rank 0")
+        expect_timeout(lambda: fc.recv(torch.ones(4), src=1, group=g), "rank 0", "waiting for rank 1")
         store.set("timed_out", "1")
     else:
         wait_for(store, "timed_out")
@@ -70,6 +72,29 @@ def _api_body(rank, world):
 
 def test_group_timeout_through_fastcomm_api():
     harness.run(_api_body, 2, timeout=180, init_timeout=INIT_TIMEOUT)
+
+
+def _named_body(rank, world):
+    """A group of 4 in another order than the world's; rank 3 never issues: the others' timeouts
+    name it as the member their op was waiting for (small ops, large ones, a broadcast from it)."""
+    store = harness.child_store()
+    g = fc.new_group([3, 0, 2, 1], timeout=1)
+    fc.barrier()
+    msgs = []
+    if rank != 3:
+        for n in (5, 1 << 18):
+            msgs.append(expect_timeout(lambda: fc.all_reduce(torch.ones(n), group=g), "waiting for rank 3"))
+        msgs.append(expect_timeout(lambda: fc.broadcast(torch.ones(7), src=3, group=g), "waiting for rank 3"))
+        store.add("timed_out", 1)
+    # Every rank stays until all three saw their timeouts (an exit would fail the others' ops
+    # as a death instead).
+    while store.add("timed_out", 0) < 3:
+        time.sleep(0.01)
+    return len(msgs)
+
+
+def test_a_timeout_names_the_member_the_op_waited_for():
+    assert harness.run(_named_body, 4, timeout=180, init_timeout=INIT_TIMEOUT) == [3, 3, 3, 0]
 
 
 def _backend_body(rank, world):

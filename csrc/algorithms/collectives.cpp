@@ -85,6 +85,9 @@ class PhasedOp final : public Op {
     phase_ = 0;
     started_ = false;
   }
+  void awaiting(std::vector<int>& group_ranks) const override {
+    if (started_) ex_.awaiting(group_ranks);
+  }
 
  private:
   Tensors outputs_, keep_;
@@ -301,6 +304,9 @@ class PairAllReduce final : public Op {
   void append_outputs(std::vector<at::Tensor>& out) const override { out.push_back(t_); }
   bool restartable() const override { return true; }
   void restart() override { sent_ = done_ = false; }
+  void awaiting(std::vector<int>& group_ranks) const override {
+    if (!done_) group_ranks.push_back(peer_);
+  }
 
  private:
   at::Tensor t_;

@@ -70,6 +70,13 @@ class DirectAllReduce final : public Op {
     state_ = kStart;
     fallback_->restart();
   }
+  void awaiting(std::vector<int>& group_ranks) const override {
+    if (state_ == kFallback) return fallback_->awaiting(group_ranks);
+    if (state_ != kWhere && state_ != kMapped && state_ != kCopied) return;
+    // post() stopped at a member whose ring is full, else collect() at one not yet heard from.
+    if (sent_ < size_) group_ranks.push_back(sent_);
+    else if (got_ < size_) group_ranks.push_back(got_);
+  }
 
  private:
   enum State { kStart, kWhere, kMapped, kRun, kCopied, kFallback, kDone };

@@ -292,6 +292,19 @@ void Exchange::fold_from(const uint8_t* src, uint8_t* dst, size_t n) {
 
 // Folds the contributions of group ranks fold_next_.. into piece folded_; returns false when
 // one has not arrived yet (the fold resumes there on a later step).
+void Exchange::awaiting(std::vector<int>& group_ranks) const {
+  if (done_) return;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    const Peer& x = peer_[p];
+    bool waits = (x.brecv && !x.brecv->done()) || (x.bsend && !x.bsend->done()) || x.sent < x.send_total;
+    // A fold takes each piece from the members in order: it stopped at the one not yet heard from.
+    if (plan_.fold) waits = waits || (!x.brecv && folded_ < fold_total_ && fold_next_ == p);
+    else waits = waits || (!x.brecv && x.recvd < x.recv_total);
+    if (waits) group_ranks.push_back(p);
+  }
+}
+
 bool Exchange::fold_piece(Comm& c) {
   const size_t off = folded_ * piece_;
   const size_t len = std::min(piece_, plan_.out.len - std::min(plan_.out.len, off));

@@ -70,6 +70,7 @@ class Exchange {
              c10::ArrayRef<at::Tensor> owners, c10::ArrayRef<at::Tensor> more_owners = {});
   bool step(Comm& c);
   bool done() const { return done_; }
+  void awaiting(std::vector<int>& group_ranks) const;  // as Op::awaiting
 
  private:
   size_t pieces(size_t len) const { return len == 0 ? 1 : (len + piece_ - 1) / piece_; }

@@ -31,6 +31,9 @@ class Op {
   // from the start, on its tensors' contents then.
   virtual bool restartable() const { return false; }
   virtual void restart() {}
+  // Appends the group ranks this unfinished op waits for (a message not yet come, or a ring
+  // they do not read), where it can tell: a timeout's message names them.
+  virtual void awaiting(std::vector<int>& group_ranks) const {}
   const OpDesc& desc() const { return desc_; }
 
  protected:

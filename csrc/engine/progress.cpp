@@ -399,6 +399,18 @@ void Progress::health_locked(Done& done) {
                                    : std::to_string(g.timeout.count()) +
                                          " ms, the group's timeout (new_group's, else init's)") +
             "; a member stalled or issued this group's collectives in a different order";
+      std::vector<int> awaited;
+      if (p.op) p.op->awaiting(awaited);
+      awaited.erase(std::remove_if(awaited.begin(), awaited.end(),
+                                   [&](int q) { return q < 0 || (size_t)q >= g.ranks.size(); }),
+                    awaited.end());
+      if (!awaited.empty()) {
+        msg += " (it was waiting for rank";
+        msg += awaited.size() > 1 ? "s " : " ";
+        for (size_t k = 0; k < awaited.size(); ++k)
+          msg += (k ? ", " : "") + std::to_string(g.ranks[(size_t)awaited[k]]);
+        msg += ")";
+      }
       for (int r : g.ranks) {
         if (r == rank_) continue;
         Transport* t = tr_.of(r);
