@@ -534,3 +534,40 @@ def _group_release_body(rank, world):
 def test_idle_group_communicators_are_released():
     env = dict(FAKE, FASTCOMM_DEVICE_IDLE_MS="100", FASTCOMM_RSAG_THRESHOLD="4096")
     assert harness.run(_group_release_body, 3, timeout=60, env=env, init_timeout=30) == [(6.0, 18.0, 1)] * 3
+
+
+def _release_in_flight_body(rank, world):
+    """Rank 0 releases an idle group communicator while rank 2's op on it has not run (its caller
+    stream is held): rank 2's next op, whose go brings the new communicator, must wait for the
+    swap, not go onto the old one, where rank 0 no longer is."""
+    from datetime import timedelta
+    store = harness.child_store()
+    g = fc.new_group([0, 1, 2], timeout=timedelta(seconds=8))
+    t = torch.full((2048,), float(rank))  # 8 KB: the group's communicator
+    fc.broadcast(t, src=1, group=g)
+    dsync()
+    if rank == 2:
+        dbg("hold")
+    a = torch.full((2048,), float(10 + rank))
+    wa = fc.broadcast(a, src=1, group=g, async_op=True)  # runs on ranks 0 and 1 only, for now
+    if rank == 0:
+        _until(lambda: wa.is_completed() and dbg("group_comms") == 0, "the idle communicator released")
+        store.set("released", "1")
+    else:
+        store.wait(["released"], timedelta(seconds=60))
+        _until(lambda: dbg("group_releases_heard") >= 1, "the release heard")
+    b = torch.full((2048,), float(20 + rank))
+    wb = fc.broadcast(b, src=1, group=g, async_op=True)
+    if rank == 2:
+        _until(lambda: dbg("group_next_ids") >= 2, "the go with the new communicator")
+        dbg("release")
+    wa.wait()
+    wb.wait()
+    dsync()
+    return t[0].item(), a[0].item(), b[0].item()
+
+
+def test_a_member_swaps_a_released_group_communicator_before_its_next_op():
+    env = dict(FAKE, FASTCOMM_DEVICE_IDLE_MS="100", FASTCOMM_RSAG_THRESHOLD="4096")
+    res = harness.run(_release_in_flight_body, 3, timeout=90, env=env, init_timeout=30)
+    assert res == [(1.0, 11.0, 21.0)] * 3, res

@@ -240,7 +240,10 @@ void ChannelEngine::handle_frame(Channel& c, const uint8_t* d) {
     // Not the pair's business (no epoch): a group communicator this rank is a member of.
     for (const Entry& e : f.entries) {
       auto g = groups_.find(e.key.id);
-      if (g != groups_.end()) g->second->release_pending = true;
+      if (g != groups_.end()) {
+        g->second->release_pending = true;
+        ++group_releases_heard_;
+      }
     }
     return;
   }
@@ -339,6 +342,7 @@ void ChannelEngine::apply(Channel& c, PairAgreement::Out& out, const UniqueId* g
       // one held here once what runs on that is over (pump_group).
       g.next_id = *go_id;
       g.has_next = true;
+      ++group_next_ids_;
     }
     if (!dc.go)
       fail_op(p->op, comm_error_ptr(me_str() + ", group " + p->op->label + ": " + op_kind_name(p->op->kind) +

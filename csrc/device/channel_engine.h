@@ -359,6 +359,9 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   std::atomic<int64_t> plan_links_{0};  // plans' links made (debug "plan_ipc_links")
   std::atomic<int64_t> plan_serial_{0};  // plans whose pairs all went on one stream (debug "plan_serial")
   std::atomic<int64_t> plan_releasing_{0};  // graphs dropped, waiting for their runs
+  // Group communicators the leader released, and new ones its go brought (debug
+  // "group_releases_heard", "group_next_ids"): members swap them once nothing runs on the old.
+  std::atomic<int64_t> group_releases_heard_{0}, group_next_ids_{0};
   // Group ops committed here and awaiting rank 0's go, as of the last pass (debug
   // "awaiting_decision"; counted only once that was asked, off the hot path otherwise).
   std::atomic<int64_t> awaiting_decision_{0};

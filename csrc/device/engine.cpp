@@ -248,6 +248,8 @@ int64_t ChannelEngine::debug(const std::string& what, int64_t arg) {
   if (what == "plan_ipc_links") return plan_links_.load();
   if (what == "plan_serial") return plan_serial_.load();
   if (what == "plan_releasing") return plan_releasing_.load();
+  if (what == "group_releases_heard") return group_releases_heard_.load();
+  if (what == "group_next_ids") return group_next_ids_.load();
   if (what == "ipc_skip_waits") {  // links made from now on
     ipc_->set_skip_rx_waits(arg != 0);
     return 0;

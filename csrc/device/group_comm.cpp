@@ -220,6 +220,9 @@ bool ChannelEngine::pump_group(GroupComm& g) {
       new_group_comm(g, g.next_id);
     }
   }
+  // A communicator this member was told to drop (released, or replaced by the go's) takes no
+  // further op: the leader runs them on the next one, which waits for this member's in flight.
+  if ((g.release_pending || g.has_next) && g.launching == nullptr) return moved;
   if (g.comm == nullptr || (g.queued.empty() && g.launching == nullptr)) return moved;
   std::string why;
   State state = rt_->comm_state(g.comm, &why);
