@@ -108,6 +108,7 @@ struct BatchObject {
   PyObject_HEAD
   Batch batch;
   PyObject* work;  // the fastcomm.Work of the posted batch; null before
+  bool discarded;  // its with-block raised: nothing was posted
 };
 
 BatchObject* as_batch(PyObject* self) { return reinterpret_cast<BatchObject*>(self); }
@@ -121,6 +122,7 @@ PyObject* batch_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   if (o == nullptr) return nullptr;
   new (&as_batch(o)->batch) Batch();
   as_batch(o)->work = nullptr;
+  as_batch(o)->discarded = false;
   return o;
 }
 
@@ -142,6 +144,7 @@ PyObject* batch_enter(PyObject* self, PyObject*) {
     b->batch.ops.clear();
     b->batch.posted = false;
     b->batch.engine = std::move(engine);
+    b->discarded = false;
     Py_CLEAR(b->work);
     Py_INCREF(self);
     return self;
@@ -164,6 +167,7 @@ PyObject* batch_exit(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
       b->work = post_batch(*e, b->batch, /*async_op=*/true).release().ptr();
     } else {
       b->batch.ops.clear();
+      b->discarded = true;
     }
     Py_RETURN_FALSE;
   } catch (...) {
@@ -184,7 +188,9 @@ PyObject* batch_forward(PyObject* self, PyObject* const* args, size_t nargsf, Py
   PyObject* work = as_batch(self)->work;
   if (work == nullptr) {
     PyErr_SetString(PyExc_RuntimeError,
-                    "fastcomm.batch: the batch has not been issued yet (leave the with-block first)");
+                    as_batch(self)->discarded
+                        ? "fastcomm.batch: the batch's with-block raised, so its ops were discarded (nothing was sent)"
+                        : "fastcomm.batch: the batch has not been issued yet (leave the with-block first)");
     return nullptr;
   }
   const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);

@@ -301,10 +301,11 @@ class plan:
     collectives are the model; a plan may span any groups.)
 
     The ops read and write their tensors' current contents at every start, so a loop refills
-    the inputs in place and starts the plan again. The tensors must keep their storage for the
-    plan's lifetime (no ``resize_`` or ``set_``), and every member of each group must start its
-    plans and issue its other ops on those groups in the same order. A plan runs one start at
-    a time: wait for a start before the next. A plan of CUDA tensors (all on one device) is
+    the inputs in place and starts the plan again. The tensors must keep their memory and
+    layout for the plan's lifetime (no ``resize_``, ``set_`` or ``t_()``), and every member of
+    each group must start its plans and issue its other ops on those groups in the same order.
+    A plan of CPU tensors runs one start at a time: ``wait()`` on a start's Work (or see
+    ``is_completed()`` return True) before the next. A plan of CUDA tensors (all on one device) is
     checked once and its ops issued anew at each start, or captured into a CUDA graph with
     :meth:`capture`."""
 
@@ -312,6 +313,7 @@ class plan:
         self._engine = None
         self._ops = None
         self._plan = None
+        self._discarded = False
 
     def __enter__(self) -> "plan":
         if self._plan is not None or self._ops is not None:
@@ -325,16 +327,24 @@ class plan:
         _C.end_batch(ops, False)
         if exc_type is None:
             self._plan = self._engine.make_plan(ops)
+        else:
+            self._discarded = True
         return False
 
     def __len__(self) -> int:
         return len(self._plan) if self._plan is not None else 0
 
+    def _unrecorded(self, what: str) -> str:
+        if self._discarded:
+            return (f"fastcomm.plan: {what}() of a plan whose with-block raised: nothing was recorded "
+                    "(record it again)")
+        return f"fastcomm.plan: {what}() before the plan was recorded (leave the with-block first)"
+
     def start(self, async_op: bool = True) -> Optional[Work]:
         """Runs every recorded op once. Returns their Work (``async_op=True``), or blocks until
         they are done and returns None."""
         if self._plan is None:
-            raise RuntimeError("fastcomm.plan: start() before the plan was recorded (leave the with-block first)")
+            raise RuntimeError(self._unrecorded("start"))
         return self._plan.start(async_op)
 
     def capture(self) -> "_C.PlanGraph":
@@ -360,7 +370,7 @@ class plan:
         then also waits for the current stream) or ``g.replay()``. docs/design.md, "CUDA
         graphs", has the design."""
         if self._plan is None:
-            raise RuntimeError("fastcomm.plan: capture() before the plan was recorded (leave the with-block first)")
+            raise RuntimeError(self._unrecorded("capture"))
         return self._plan.capture()
 
 

@@ -184,6 +184,9 @@ def test_plan_starts_and_ordinary_ops_interleave_in_issue_order():
 
 
 def _one_at_a_time_body(rank, world):
+    """A start before the last was waited for is refused on every member alike, however fast the
+    peers were: rank 0's first start is still pending when it tries; rank 1's has run (its
+    future says so, which does not count as waiting) when it does."""
     store = harness.child_store()
     g = fc.new_group([0, 1])
     t = torch.full((4,), float(rank + 1))
@@ -191,17 +194,20 @@ def _one_at_a_time_body(rank, world):
         fc.all_reduce(t, group=g)
     if rank == 1:
         store.wait(["fc-test/second-start-tried"])  # rank 0's start stays pending until now
-        p.start(async_op=False)
-        return t.tolist()
     w = p.start()
-    expect(RuntimeError, p.start, "still running")
-    store.set("fc-test/second-start-tried", "1")
+    if rank == 1:
+        w.get_future().wait()
+    expect(RuntimeError, p.start, "not waited for", "on every member")
+    if rank == 0:
+        store.set("fc-test/second-start-tried", "1")
     w.wait()
+    p.start(async_op=False)  # a blocking start was waited for
+    p.start().wait()
     return t.tolist()
 
 
 def test_a_plan_runs_one_start_at_a_time():
-    assert harness.run(_one_at_a_time_body, 2) == [[3.0] * 4] * 2
+    assert harness.run(_one_at_a_time_body, 2) == [[12.0] * 4] * 2
 
 
 def _errors_body(rank, world):
@@ -217,17 +223,35 @@ def _errors_body(rank, world):
         with q:
             fc.all_reduce(torch.ones(2), group=g)
             raise KeyError("user code failed")
-    expect(RuntimeError, q.start, "before the plan was recorded")
+    expect(RuntimeError, q.start, "with-block raised", "record it again")
     # An empty plan completes at once.
     with fc.plan() as empty:
         pass
     assert len(empty) == 0 and empty.start().is_completed()
-    # A tensor that moved to new storage after recording.
+    # A tensor moved or laid out anew after recording: every start refuses it (the plan's ops
+    # point into the memory and layout it had).
+    def recorded(t):
+        with fc.plan() as q:
+            fc.all_reduce(t, group=g)
+        return q
+
     t = torch.ones(8)
-    with fc.plan() as moved:
-        fc.all_reduce(t, group=g)
+    moved = recorded(t)
     t.set_(torch.zeros(16))
-    expect(ValueError, moved.start, "storage", "rank", "group [0, 1]")
+    expect(ValueError, moved.start, "was moved", "rank", "group [0, 1]")
+    base = torch.ones(8)
+    u = base[:4]
+    offset = recorded(u)
+    u.set_(base.untyped_storage(), 4, (4,))  # the same storage, another offset
+    expect(ValueError, offset.start, "was moved")
+    m = torch.ones(2, 3)
+    transposed = recorded(m)
+    m.t_()
+    expect(ValueError, transposed.start, "laid out anew")
+    s = torch.ones(8)
+    smaller = recorded(s)
+    s.resize_(4)
+    expect(ValueError, smaller.start, "laid out anew")
     # A plan outlives the session it was recorded in, but cannot run there.
     with fc.plan() as old:
         fc.all_reduce(torch.ones(2), group=g)

@@ -27,6 +27,13 @@ int local_ranks(const EngineOptions& o) {
   return (int)std::count(o.host_of.begin(), o.host_of.end(), o.host_of[o.rank]);
 }
 
+// What changed in a plan's tensor since it was recorded, for the start's refusal.
+std::string moved_how(const PlanTensor& r) {
+  if (PlanTensor::at_data(r.t) != r.data) return "was moved (resize_ or set_?)";
+  if (r.t.scalar_type() != r.dtype) return "has another dtype";
+  return "was laid out anew (a smaller resize_, or an in-place view change such as t_() or as_strided_())";
+}
+
 }  // namespace
 
 Engine::Engine(EngineOptions opts)
@@ -343,7 +350,7 @@ std::shared_ptr<Plan> Engine::make_plan(PreparedOps ops) {
     e.group = p.group;
     e.kind = p.req.kind;
     auto note = [&](const at::Tensor& t) {
-      if (t.defined()) e.tensors.emplace_back(t, t.has_storage() ? t.storage().data() : nullptr);
+      if (t.defined()) e.tensors.emplace_back(t);
     };
     note(p.req.tensor);
     note(p.req.output);
@@ -379,11 +386,10 @@ c10::intrusive_ptr<Work> Engine::start(const std::shared_ptr<Plan>& plan, bool a
   TORCH_CHECK(pl.engine_.get() == this, "fastcomm.plan: rank ", opts_.rank, ": the plan belongs to another engine");
   for (size_t i = 0; i < pl.ops_.size(); ++i) {
     const Plan::Entry& e = pl.ops_[i];
-    for (const auto& [t, data] : e.tensors)
-      TORCH_CHECK_VALUE((t.has_storage() ? t.storage().data() : nullptr) == data, "fastcomm.plan: rank ", opts_.rank,
-                        ", group ", ranks_label(e.group->ranks), ": a tensor of op #", i, " (", op_kind_name(e.kind),
-                        ") has other storage than when the plan was recorded (resize_ or set_?); record the "
-                        "plan again");
+    for (const auto& r : e.tensors)
+      TORCH_CHECK_VALUE(r.unchanged(), "fastcomm.plan: rank ", opts_.rank, ", group ", ranks_label(e.group->ranks),
+                        ": a tensor of op #", i, " (", op_kind_name(e.kind), ") ", moved_how(r),
+                        " since the plan was recorded; record the plan again");
   }
   if (!pl.ops_.empty() && pl.ops_[0].on_device) return start_on_device(pl, async_op);
   auto work = c10::make_intrusive<Work>(shared_from_this(), opts_.rank,
@@ -398,8 +404,9 @@ c10::intrusive_ptr<Work> Engine::start(const std::shared_ptr<Plan>& plan, bool a
     for (const auto& e : pl.ops_)
       TORCH_CHECK(groups_.owns(*e.group), "fastcomm.plan: rank ", opts_.rank, ", group ", ranks_label(e.group->ranks),
                   ": the plan was recorded before fastcomm.shutdown(); record it again after init()");
-    TORCH_CHECK(!pl.last_ || pl.last_->done(), "fastcomm.plan: rank ", opts_.rank,
-                ": the plan's last start is still running; wait for it before starting the plan again");
+    TORCH_CHECK(!pl.last_ || (pl.last_->done() && pl.last_->observed()), "fastcomm.plan: rank ", opts_.rank,
+                ": the plan's last start was not waited for; wait() on its Work (or see is_completed() return "
+                "True) before starting the plan again, on every member");
     pl.last_ = work;
     if (pl.ops_.empty()) {
       work->settle(nullptr, true);
@@ -422,6 +429,7 @@ c10::intrusive_ptr<Work> Engine::start(const std::shared_ptr<Plan>& plan, bool a
     if (!work->done()) driver_.ensure_background();
   } else {
     driver_.wait(*work, std::chrono::milliseconds(0));
+    work->observe();
     work->rethrow_if_failed();
   }
   return work;
@@ -461,10 +469,10 @@ std::shared_ptr<DeviceGraph> Engine::capture(const std::shared_ptr<Plan>& plan, 
       const Plan::Entry& e = pl.ops_[i];
       TORCH_CHECK(groups_.owns(*e.group), "fastcomm.plan: rank ", opts_.rank, ", group ", ranks_label(e.group->ranks),
                   ": the plan was recorded before fastcomm.shutdown(); record it again after init()");
-      for (const auto& [t, data] : e.tensors)
-        TORCH_CHECK_VALUE((t.has_storage() ? t.storage().data() : nullptr) == data, "fastcomm.plan: rank ",
-                          opts_.rank, ", group ", ranks_label(e.group->ranks), ": a tensor of op #", i,
-                          " has other storage than when the plan was recorded; record the plan again");
+      for (const auto& r : e.tensors)
+        TORCH_CHECK_VALUE(r.unchanged(), "fastcomm.plan: rank ", opts_.rank, ", group ", ranks_label(e.group->ranks),
+                          ": a tensor of op #", i, " ", moved_how(r), " since the plan was recorded; record the plan "
+                          "again");
       const GroupState& g = *e.group;
       dops.push_back(DeviceOp{e.req, g.ranks, g.rank, g.id, g.timeout, ranks_label(g.ranks)});
     }

@@ -37,6 +37,24 @@ namespace fastcomm {
 
 class Engine;
 
+// A tensor as a plan recorded it (Plan::Entry::tensors).
+struct PlanTensor {
+  at::Tensor t;
+  const void* data;
+  std::vector<int64_t> sizes, strides;
+  c10::ScalarType dtype;
+  explicit PlanTensor(const at::Tensor& x)
+      : t(x), data(at_data(x)), sizes(x.sizes().vec()), strides(strides_of(x)), dtype(x.scalar_type()) {}
+  static const void* at_data(const at::Tensor& x) { return x.has_storage() ? x.data_ptr() : nullptr; }
+  static std::vector<int64_t> strides_of(const at::Tensor& x) {
+    return x.layout() == c10::kStrided ? x.strides().vec() : std::vector<int64_t>();
+  }
+  bool unchanged() const {
+    return at_data(t) == data && t.sizes() == c10::IntArrayRef(sizes) && t.scalar_type() == dtype &&
+           (t.layout() != c10::kStrided || t.strides() == c10::IntArrayRef(strides));
+  }
+};
+
 // A persistent plan (fastcomm.plan): host ops checked and built once, queued again at every
 // start. Each start's queue entries hold the plan, so dropping it while a start runs is safe.
 class Plan {
@@ -54,9 +72,10 @@ class Plan {
     uint64_t recv_group = 0;  // posted before it (Engine::Prepared)
     int tag = 0;
     std::vector<DeviceOp::Sender> from;  // a device recv: its sender, for its port (as `recv`)
-    // Every tensor the op touches, with where its data was at recording: the algorithm holds
-    // raw pointers into it, so a tensor given other storage since must not run.
-    c10::SmallVector<std::pair<at::Tensor, const void*>, 2> tensors;
+    // Every tensor the op touches, as it was at recording: the algorithm holds raw pointers
+    // into that memory and its layout, so a tensor moved (resize_, set_) or laid out anew since
+    // (t_(), a smaller resize_, another dtype) must not run.
+    c10::SmallVector<PlanTensor, 2> tensors;
     // A device op: its checked request, posted anew to the device engine at every start (whose
     // ops are agreed and launched per post).
     bool on_device = false;
