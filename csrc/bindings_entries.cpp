@@ -69,7 +69,7 @@ void splits_arg(const py::handle& h, OpRequest& r) {
 // it instead of issued.
 py::object issue(Engine& e, int kind, const GroupHandle& g, const py::handle& tensor, const py::handle& output,
                  const py::handle& list, const py::handle& op, int peer, int tag, bool async_op,
-                 const py::handle& inputs, const py::handle& splits) {
+                 const py::handle& inputs, const py::handle& splits, int64_t timeout_ms = 0) {
   TORCH_CHECK_VALUE(kind > (int)OpKind::kNone && kind < (int)OpKind::kCount, "fastcomm: rank ", e.rank(),
                     ": unknown op kind ", kind);
   const OpKind k = (OpKind)kind;
@@ -83,6 +83,7 @@ py::object issue(Engine& e, int kind, const GroupHandle& g, const py::handle& te
   r.redop = to_redop(op, e, g, k);
   r.peer = peer;
   r.tag = tag;
+  r.timeout = std::chrono::milliseconds(timeout_ms);
   if (Batch* batch = t_recording) {
     // send/recv take the engine lock to find their channel, never waited for with the GIL.
     if (collective_spec(k).p2p) {
@@ -125,8 +126,8 @@ int int_arg(PyObject* o, const char* name) {
 // small group. Arguments as `issue` above, positional only.
 PyObject* issue_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   try {
-    if (nargs != 11)
-      throw py::type_error("Engine.issue takes 11 positional arguments, got " + std::to_string(nargs));
+    if (nargs != 11 && nargs != 12)
+      throw py::type_error("Engine.issue takes 11 or 12 positional arguments, got " + std::to_string(nargs));
     Engine* e = registered<Engine>(self);
     if (e == nullptr) throw py::type_error("Engine.issue: 'self' is not a fastcomm Engine");
     const GroupHandle* g = registered<GroupHandle>(args[1]);
@@ -137,7 +138,8 @@ PyObject* issue_entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     const int async_op = PyObject_IsTrue(args[8]);
     if (async_op < 0) throw py::error_already_set();
     py::object r = issue(*e, int_arg(args[0], "kind"), *g, args[2], args[3], args[4], args[5],
-                         int_arg(args[6], "peer"), int_arg(args[7], "tag"), async_op != 0, args[9], args[10]);
+                         int_arg(args[6], "peer"), int_arg(args[7], "tag"), async_op != 0, args[9], args[10],
+                         nargs == 12 ? (int64_t)int_arg(args[11], "timeout_ms") : 0);
     return r.release().ptr();
   } catch (...) {
     py::detail::try_translate_exceptions();
@@ -322,8 +324,8 @@ std::array<PyMethodDef, std::size(g_entries)> g_fast_defs =
 
 PyMethodDef issue_def = {
     "issue", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&issue_entry)), METH_FASTCALL,
-    "issue(kind, group, tensor, output, list, op, peer, tag, async_op, inputs, splits): every op's "
-    "entry (positional only; from fastcomm/collectives.py)"};
+    "issue(kind, group, tensor, output, list, op, peer, tag, async_op, inputs, splits[, timeout_ms]): every "
+    "op's entry (positional only; from fastcomm/collectives.py); timeout_ms > 0: the op's own timeout"};
 
 }  // namespace
 

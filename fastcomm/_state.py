@@ -296,12 +296,26 @@ def is_initialized() -> bool:
     return _live() is not None
 
 
-def get_rank() -> int:
-    return _require("get_rank").rank
+def _group_arg(group, api: str) -> "Group":
+    if not isinstance(group, Group):
+        raise TypeError(f"fastcomm.{api}: argument 'group' must be a fastcomm.Group (from fastcomm.new_group), "
+                        f"got {type(group).__name__}")
+    return group
 
 
-def get_world_size() -> int:
-    return _require("get_world_size").world_size
+def get_rank(group: Optional["Group"] = None) -> int:
+    """This process's rank in the world, or in ``group`` (-1 where it is not a member), as torch's."""
+    e = _require("get_rank")
+    return e.rank if group is None else _group_arg(group, "get_rank").rank()
+
+
+def get_world_size(group: Optional["Group"] = None) -> int:
+    """The world's size, or ``group``'s (-1 where this process is not a member), as torch's."""
+    e = _require("get_world_size")
+    if group is None:
+        return e.world_size
+    g = _group_arg(group, "get_world_size")
+    return g.size() if g.is_member else -1
 
 
 def world() -> Group:

@@ -146,9 +146,19 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
                    splits)
 
 
-def barrier(group=None, async_op: bool = False) -> Optional[Work]:
+def barrier(group=None, async_op: bool = False, device_ids=None, timeout=None) -> Optional[Work]:
+    """Returns once every member of ``group`` reached it (or, with ``async_op``, a Work that
+    completes then). ``timeout`` (a timedelta or seconds): this barrier's own, instead of the
+    group's, as in torch's Gloo backend; ``device_ids`` is taken and ignored, as there."""
     e, h = _handle(group, "barrier")
-    return e.issue(_BARRIER, h, None, None, None, None, -1, 0, async_op, None, None)
+    if timeout is None:
+        return e.issue(_BARRIER, h, None, None, None, None, -1, 0, async_op, None, None)
+    secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not secs > 0:
+        raise ValueError(f"fastcomm.barrier: rank {e.rank}, group {list(h.ranks)}: argument 'timeout' must be "
+                         f"positive, got {timeout}")
+    ms = min(max(1, int(round(secs * 1000))), 2**31 - 1)
+    return e.issue(_BARRIER, h, None, None, None, None, -1, 0, async_op, None, None, ms)
 
 
 def _reserved_tag(api: str):

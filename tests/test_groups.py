@@ -6,6 +6,7 @@ import itertools
 import os
 import threading
 
+import pytest
 import torch
 from torch.distributed import ReduceOp
 
@@ -138,6 +139,14 @@ def _torch_like_body(rank, world):
     fc.all_reduce(t)
     assert torch.equal(t, torch.full((2,), 3.0))
     assert fc.get_rank() == rank and fc.get_world_size() == world
+    # With a group, as torch's: this process's group rank and the group's size, -1 for both
+    # where it is not a member.
+    (pair,) = fc.new_groups([[2, 1]])
+    assert fc.get_rank(pair) == {0: -1, 1: 0, 2: 1}[rank]
+    assert fc.get_world_size(group=pair) == (-1 if rank == 0 else 2)
+    assert fc.get_rank(group=None) == rank and fc.get_world_size(None) == world
+    with pytest.raises(TypeError, match="argument 'group' must be a fastcomm.Group"):
+        fc.get_rank([0, 1])
     return True
 
 

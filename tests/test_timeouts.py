@@ -56,6 +56,11 @@ def _api_body(rank, world):
         expect_timeout(lambda: fc.all_reduce(torch.ones(4), group=h), "rank 0", "waiting for rank 1")
         # A send/recv channel times out as its group does.
         expect_timeout(lambda: fc.recv(torch.ones(4), src=1, group=g), "rank 0", "waiting for rank 1")
+        # A barrier's own timeout, shorter or longer than the group's (as torch's barrier takes).
+        with pytest.raises(dist.DistBackendError, match="timed out after 300 ms, the call's own timeout"):
+            fc.barrier(group=g, timeout=timedelta(milliseconds=300))
+        with pytest.raises(dist.DistBackendError, match="timed out after 1500 ms, the call's own timeout"):
+            fc.barrier(group=g, timeout=1.5)
         store.set("timed_out", "1")
     else:
         wait_for(store, "timed_out")
@@ -67,6 +72,9 @@ def _api_body(rank, world):
     for bad in (0, -1, timedelta(0)):
         with pytest.raises(ValueError, match="argument 'timeout' must be positive"):
             fc.new_group([0, 1], timeout=bad)
+        with pytest.raises(ValueError, match="argument 'timeout' must be positive"):
+            fc.barrier(group=g, timeout=bad)
+    fc.barrier(timeout=timedelta(seconds=30), device_ids=[0])  # both there: passes
     return True
 
 
