@@ -517,6 +517,46 @@ def test_a_blocking_abort_holds_no_other_channel():
     assert res[0] == [4.0] * 3 and res[2] == [4.0] * 3, res
 
 
+def _engine_failure_body(rank, world):
+    """Rank 0's device engine fails on its own thread (the runtime makes no more streams; on a
+    GPU a sticky CUDA error does that): the op fails naming it, fc.shutdown() still joins the
+    engine thread and ends the plan graph it holds, and dropping the graph afterwards is clean
+    (before, the unjoined thread aborted the process)."""
+    from datetime import timedelta
+
+    from _plan_cases import pair_plan
+    store = harness.child_store()
+    tri = fc.new_group([0, 1, 2], timeout=timedelta(seconds=2))
+    p01, p02 = fc.new_groups([[0, 1], [0, 2]])
+    for g in (p01, p02):  # the pair channels (and their streams) made beforehand
+        if g.is_member:
+            fc.all_reduce(torch.ones(2), group=g)
+    dsync()
+    graph = pair_plan(torch.ones(3), p01) if rank < 2 else None
+    out = []
+    if rank == 0:
+        dbg("fail_new_streams", 1000)  # the join stream of the group of three is the next one
+    w = fc.all_reduce(torch.ones(5), group=tri, async_op=True)
+    if rank == 0:
+        out.append(expect(dist.DistBackendError, lambda: w.wait(timedelta(seconds=30)), "device engine failed"))
+        fc.shutdown()
+        out.append(expect(dist.DistBackendError, graph.replay, "capture the plan again"))
+        del graph  # the last reference to the engine: its thread was joined
+        store.set("rank0-done", "1")
+    else:
+        # (Rank 0's data may have gone out before its fold failed: the peers' op may succeed.)
+        try:
+            w.wait(timedelta(seconds=30))
+        except dist.DistBackendError:
+            pass
+        store.wait(["rank0-done"], timedelta(seconds=60))
+    return len(out)
+
+
+def test_a_device_engine_that_failed_on_its_thread_shuts_down_cleanly():
+    assert harness.run(_engine_failure_body, 3, timeout=90, env=FAKE, init_timeout=30) == [2, 0, 0]
+
+
 def _group_release_body(rank, world):
     """H8 for groups of 3+: a group communicator idle past FASTCOMM_DEVICE_IDLE_MS is released by
     the group's rank 0 on every member, and the group's next large op makes a new one."""

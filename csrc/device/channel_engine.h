@@ -318,6 +318,7 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   std::exception_ptr broken_;
   std::unordered_set<int> failed_peers_;  // peers whose channel was aborted (test hook)
   bool stop_ = false;
+  bool shut_down_ = false;  // shutdown() ran (stop_ alone may be the engine thread's own, on a failure)
   bool woken_ = false;
   std::vector<std::unique_ptr<IpcLink>> retired_links_;  // plans' links, for ipc_ to free
   std::vector<std::shared_ptr<void>> retired_rest_;       // ... and what their runs used

@@ -272,12 +272,17 @@ int64_t ChannelEngine::debug(const std::string& what, int64_t arg) {
 void ChannelEngine::shutdown() {
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (stop_) return;
-    stop_ = true;
+    if (shut_down_) return;
+    shut_down_ = true;
+    stop_ = true;  // (already, where the engine thread stopped on a failure of its own)
     if (!broken_) broken_ = comm_error_ptr("fastcomm: rank " + std::to_string(rank_) + ": fastcomm was shut down");
   }
   cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  if (thread_.joinable()) {
+    // The engine thread itself may drop the last reference (a Work it releases in teardown).
+    if (thread_.get_id() == std::this_thread::get_id()) thread_.detach();
+    else thread_.join();
+  }
   std::vector<std::shared_ptr<PlanGraph>> graphs;
   {
     std::lock_guard<std::mutex> lk(graphs_mu_);

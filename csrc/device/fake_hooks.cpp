@@ -13,6 +13,10 @@ namespace fake {
 int64_t FakeRuntime::debug(const std::string& what, int64_t arg) {
   if (what == "work_entries") return work_entries_.load();
   if (what == "idle_stream_calls") return idle_calls_.load();
+  if (what == "fail_new_streams") {  // the next `arg` new_stream() calls throw
+    failing_streams_.store(arg);
+    return 0;
+  }
   if (what == "callback_calls") return fake::callback_calls().load();
   if (what == "spin") {
     run_on(*caller_, [arg] { std::this_thread::sleep_for(std::chrono::milliseconds(arg)); });

@@ -67,6 +67,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <stdexcept>
 
 #include "algorithms/reduce.h"
 #include "common/errors.h"
@@ -160,6 +161,9 @@ FakeRuntime::~FakeRuntime() {
 }
 
 Stream FakeRuntime::new_stream() {
+  // "fail_new_streams": a runtime that cannot make another stream (a sticky CUDA error does that).
+  for (int64_t n = failing_streams_.load(); n > 0;)
+    if (failing_streams_.compare_exchange_weak(n, n - 1)) throw std::runtime_error("fake: no stream made (a test's fault)");
   auto s = std::make_shared<StreamCore>(false);
   std::lock_guard<std::mutex> lk(mu_);
   streams_[s.get()] = s;

@@ -139,7 +139,12 @@ void ChannelEngine::teardown() {
   }
   // Ops still open may wait on a peer for good: their channels are aborted, so every stream
   // drains, and their Works fail.
-  const std::string down = "fastcomm: rank " + std::to_string(rank_) + ": fastcomm was shut down";
+  std::string down = "fastcomm: rank " + std::to_string(rank_) + ": fastcomm was shut down";
+  try {
+    if (why) std::rethrow_exception(why);  // the engine's own failure, where that ended it
+  } catch (const std::exception& e) {
+    down = e.what();
+  }
   std::vector<Channel*> chans;
   for (auto& [peer, c] : channels_) chans.push_back(c.get());
   for (Channel* c : chans)
