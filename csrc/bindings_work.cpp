@@ -75,7 +75,6 @@ PyObject* work_wait(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyO
     // A CPU op already done needs no driving: its outcome is read with the GIL kept (giving it
     // up and taking it back is a good part of a finished batch's wait).
     if (!w.on_device() && w.done()) {
-      w.observe();
       w.rethrow_if_failed();
       Py_RETURN_TRUE;
     }

@@ -314,8 +314,8 @@ class plan:
     the inputs in place and starts the plan again. The tensors must keep their memory and
     layout for the plan's lifetime (no ``resize_``, ``set_`` or ``t_()``), and every member of
     each group must start its plans and issue its other ops on those groups in the same order.
-    A plan of CPU tensors runs one start at a time: ``wait()`` on a start's Work (or see
-    ``is_completed()`` return True) before the next. A plan of CUDA tensors (all on one device) is
+    A plan of CPU tensors runs one start at a time: a start while the last one runs waits for it
+    first (as a blocking call waits for its op). A plan of CUDA tensors (all on one device) is
     checked once and its ops issued anew at each start, or captured into a CUDA graph with
     :meth:`capture`."""
 

@@ -141,7 +141,7 @@ def test_several_threads():
 
 def test_the_host_runs_ahead_of_the_device_through_1000_pipelined_ops():
     for r in harness.run(tds._run_ahead_body, 2, 1000, timeout=120, env=IPC, init_timeout=60):
-        assert r == (True, True, True, True), r
+        assert r == (True,) * 5, r
 
 
 # ---------------------------------------------------------------------------------------------

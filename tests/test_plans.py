@@ -184,30 +184,34 @@ def test_plan_starts_and_ordinary_ops_interleave_in_issue_order():
 
 
 def _one_at_a_time_body(rank, world):
-    """A start before the last was waited for is refused on every member alike, however fast the
-    peers were: rank 0's first start is still pending when it tries; rank 1's has run (its
-    future says so, which does not count as waiting) when it does."""
+    """A start while the last one runs waits for it first, on every member alike however fast
+    the peers were, and whatever told the program the last one was done (or nothing did): rank
+    0's first start is still pending at its second (rank 1 has not started); rank 1's has run,
+    seen only through its future; then starts chained through futures, a blocking op of the
+    same group, and starts never waited for in between."""
     store = harness.child_store()
     g = fc.new_group([0, 1])
     t = torch.full((4,), float(rank + 1))
     with fc.plan() as p:
         fc.all_reduce(t, group=g)
     if rank == 1:
-        store.wait(["fc-test/second-start-tried"])  # rank 0's start stays pending until now
+        store.wait(["fc-test/second-start-issued"])  # rank 0's first start stays pending until now
     w = p.start()
-    if rank == 1:
-        w.get_future().wait()
-    expect(RuntimeError, p.start, "not waited for", "on every member")
     if rank == 0:
-        store.set("fc-test/second-start-tried", "1")
-    w.wait()
-    p.start(async_op=False)  # a blocking start was waited for
-    p.start().wait()
-    return t.tolist()
+        store.set("fc-test/second-start-issued", "1")  # (its second start below waits for rank 1)
+    else:
+        w.get_future().wait()
+    p.start().get_future().then(lambda f: f.value()).wait()  # 3 -> 6 -> 12
+    p.start()
+    u = torch.full((2,), float(rank))
+    fc.all_reduce(u, group=g)
+    p.start()
+    p.start().wait()  # 12 -> 24 -> 48
+    return t.tolist(), u.tolist()
 
 
 def test_a_plan_runs_one_start_at_a_time():
-    assert harness.run(_one_at_a_time_body, 2) == [[12.0] * 4] * 2
+    assert harness.run(_one_at_a_time_body, 2) == [([48.0] * 4, [1.0] * 2)] * 2
 
 
 def _errors_body(rank, world):

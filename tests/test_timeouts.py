@@ -61,6 +61,10 @@ def _api_body(rank, world):
             fc.barrier(group=g, timeout=timedelta(milliseconds=300))
         with pytest.raises(dist.DistBackendError, match="timed out after 1500 ms, the call's own timeout"):
             fc.barrier(group=g, timeout=1.5)
+        with fc.plan() as p:  # a plan keeps a barrier's own timeout
+            fc.barrier(group=g, timeout=0.3)
+        with pytest.raises(dist.DistBackendError, match="timed out after 300 ms, the call's own timeout"):
+            p.start(async_op=False)
         store.set("timed_out", "1")
     else:
         wait_for(store, "timed_out")

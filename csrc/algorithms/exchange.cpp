@@ -290,8 +290,6 @@ void Exchange::fold_from(const uint8_t* src, uint8_t* dst, size_t n) {
   }
 }
 
-// Folds the contributions of group ranks fold_next_.. into piece folded_; returns false when
-// one has not arrived yet (the fold resumes there on a later step).
 void Exchange::awaiting(std::vector<int>& group_ranks) const {
   if (done_) return;
   for (int p = 0; p < size_; ++p) {
@@ -305,6 +303,8 @@ void Exchange::awaiting(std::vector<int>& group_ranks) const {
   }
 }
 
+// Folds the contributions of group ranks fold_next_.. into piece folded_; returns false when
+// one has not arrived yet (the fold resumes there on a later step).
 bool Exchange::fold_piece(Comm& c) {
   const size_t off = folded_ * piece_;
   const size_t len = std::min(piece_, plan_.out.len - std::min(plan_.out.len, off));

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstring>
+#include <optional>
 
 #include "cuda/ipc.h"
 #include "engine/device.h"
@@ -226,8 +227,14 @@ void CudaRuntime::host_call(Stream s, void (*fn)(void*), void* arg) {
 }
 
 void CudaRuntime::on_idle_stream(const std::function<void()>& f) {
-  std::call_once(idle_once_, [this] { idle_ = cs(new_stream()); });
-  c10::cuda::CUDAStreamGuard g(c10::cuda::getStreamFromExternal(idle_, dev()));
+  // On the publisher's thread, which has nothing to raise to: without a stream of our own (a
+  // failed CUDA call), the Future is completed as before, on the thread's current stream.
+  std::optional<c10::cuda::CUDAStreamGuard> g;
+  try {
+    std::call_once(idle_once_, [this] { idle_ = cs(new_stream()); });
+    g.emplace(c10::cuda::getStreamFromExternal(idle_, dev()));
+  } catch (const std::exception&) {
+  }
   f();
 }
 

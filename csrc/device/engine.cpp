@@ -279,7 +279,7 @@ void ChannelEngine::shutdown() {
   }
   cv_.notify_all();
   if (thread_.joinable()) {
-    // The engine thread itself may drop the last reference (a Work it releases in teardown).
+    // The engine thread itself drops the last reference where teardown held it last (main()).
     if (thread_.get_id() == std::this_thread::get_id()) thread_.detach();
     else thread_.join();
   }

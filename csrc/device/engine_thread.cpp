@@ -74,6 +74,9 @@ void ChannelEngine::main() {
     }
   }
   lk.unlock();
+  // Teardown may drop the engine's last reference (a Work it fails): held until teardown is
+  // over, so the engine is destroyed, if here at all, once this thread no longer touches it.
+  std::shared_ptr<ChannelEngine> self = weak_from_this().lock();
   teardown();
 }
 

@@ -3,6 +3,7 @@
 // its end), and creating and destroying them per op is most of a small op's host cost on CUDA.
 // An event goes back to the pool only when its last holder lets go, so a wait enqueued later
 // (Work.wait() long after the op) never sees a newer record of a recycled event.
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -21,6 +22,7 @@ struct EventRef {
   EventRef& operator=(const EventRef&) = delete;
   std::shared_ptr<EventPool> pool;
   Event ev;
+  uint64_t seq = 0;  // record order (EventPool::record): the later of two on one stream covers both
 };
 using EventPtr = std::shared_ptr<EventRef>;
 
@@ -56,6 +58,7 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
   EventPtr record(Stream s) {
     EventPtr e = get();
     rt_.record(e->ev, s);
+    e->seq = seq_.fetch_add(1, std::memory_order_relaxed) + 1;
     return e;
   }
   void put(Event e) {
@@ -73,6 +76,7 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
   mutable std::mutex mu_;
   std::vector<Event> free_;
   size_t created_ = 0;
+  std::atomic<uint64_t> seq_{0};
 };
 
 inline EventRef::~EventRef() { pool->put(ev); }

@@ -142,8 +142,9 @@ void ChannelEngine::teardown() {
   std::string down = "fastcomm: rank " + std::to_string(rank_) + ": fastcomm was shut down";
   try {
     if (why) std::rethrow_exception(why);  // the engine's own failure, where that ended it
-  } catch (const std::exception& e) {
-    down = e.what();
+  } catch (const c10::Error& e) {
+    down = e.what_without_backtrace();
+  } catch (...) {
   }
   std::vector<Channel*> chans;
   for (auto& [peer, c] : channels_) chans.push_back(c.get());

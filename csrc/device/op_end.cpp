@@ -153,7 +153,10 @@ void ChannelEngine::ended(DevOp* op, Stream s, const EventPtr& end) {
     if (st == nullptr || !e) return;
     auto it = std::find_if(b.ends.begin(), b.ends.end(), [&](const auto& x) { return x.first == st; });
     if (it == b.ends.end()) b.ends.emplace_back(st, e);
-    else it->second = e;  // recorded later on the same stream: covers the earlier one
+    // The later record on a stream covers the earlier: not the later call here (an op of 3+
+    // ended after a pair op brings its part's event, recorded at its launch, before the pair
+    // op's end work).
+    else if (e->seq > it->second->seq) it->second = e;
   };
   for (auto& p : op->parts) add_end(p->stream, p->done_event);
   if (end) add_end(s, end);

@@ -47,7 +47,11 @@ class Publisher {
         auto w = std::move(queue_.front());
         queue_.pop_front();
         lk.unlock();
-        around_([&] { w->publish(); });
+        try {
+          around_([&] { w->publish(); });
+        } catch (...) {
+          // (A callback's own error: the Future is completed by then; nothing here to tell.)
+        }
         w.reset();
         lk.lock();
         continue;

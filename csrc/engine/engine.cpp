@@ -372,6 +372,7 @@ std::shared_ptr<Plan> Engine::make_plan(PreparedOps ops) {
     e.recv = p.recv;
     e.recv_group = p.recv_group;
     e.tag = p.tag;
+    e.req.timeout = p.req.timeout;  // a barrier's own (the rest of a host op's request is its op)
     plan->ops_.push_back(std::move(e));
   }
   auto outputs = std::make_shared<std::vector<at::Tensor>>();
@@ -392,6 +393,9 @@ c10::intrusive_ptr<Work> Engine::start(const std::shared_ptr<Plan>& plan, bool a
                         " since the plan was recorded; record the plan again");
   }
   if (!pl.ops_.empty() && pl.ops_[0].on_device) return start_on_device(pl, async_op);
+  // A CPU plan's ops are reused, so a start waits for the last one first (as a blocking call
+  // waits for its own op): the same on every member, whatever the peers' speed.
+  if (c10::intrusive_ptr<Work> last = pl.last_; last && !last->done()) driver_.wait(*last, std::chrono::milliseconds(0));
   auto work = c10::make_intrusive<Work>(shared_from_this(), opts_.rank,
                                         pl.ops_.size() == 1 ? op_kind_type(pl.ops_[0].kind) : c10d::OpType::COALESCED,
                                         std::vector<at::Tensor>(), (int)pl.ops_.size(), async_op);
@@ -404,9 +408,8 @@ c10::intrusive_ptr<Work> Engine::start(const std::shared_ptr<Plan>& plan, bool a
     for (const auto& e : pl.ops_)
       TORCH_CHECK(groups_.owns(*e.group), "fastcomm.plan: rank ", opts_.rank, ", group ", ranks_label(e.group->ranks),
                   ": the plan was recorded before fastcomm.shutdown(); record it again after init()");
-    TORCH_CHECK(!pl.last_ || (pl.last_->done() && pl.last_->observed()), "fastcomm.plan: rank ", opts_.rank,
-                ": the plan's last start was not waited for; wait() on its Work (or see is_completed() return "
-                "True) before starting the plan again, on every member");
+    TORCH_CHECK(!pl.last_ || pl.last_->done(), "fastcomm.plan: rank ", opts_.rank,
+                ": the plan is being started from two threads at once");
     pl.last_ = work;
     if (pl.ops_.empty()) {
       work->settle(nullptr, true);
@@ -419,6 +422,7 @@ c10::intrusive_ptr<Work> Engine::start(const std::shared_ptr<Plan>& plan, bool a
         queued.emplace_back();
         queued.back().group = e.group.get();
         queued.back().op = OpPtr(e.op.get(), OpRelease(false));
+        queued.back().timeout = e.req.timeout;
         if (e.recv) queued.back().port = groups_.find_port(e.recv_group, e.tag);
       }
       progress_.post_locked(std::move(queued), work, done, plan);
@@ -429,7 +433,6 @@ c10::intrusive_ptr<Work> Engine::start(const std::shared_ptr<Plan>& plan, bool a
     if (!work->done()) driver_.ensure_background();
   } else {
     driver_.wait(*work, std::chrono::milliseconds(0));
-    work->observe();
     work->rethrow_if_failed();
   }
   return work;

@@ -24,7 +24,6 @@ int Work::sourceRank() const {
 
 bool Work::isCompleted() {
   if (!done()) waiter_->poll();
-  observe();
   return done();
 }
 
@@ -49,7 +48,6 @@ void Work::rethrow_if_failed() const {
 
 bool Work::wait(std::chrono::milliseconds timeout) {
   waiter_->wait(*this, timeout);
-  observe();
   rethrow_if_failed();
   return true;
 }

@@ -71,13 +71,6 @@ class Work : public c10d::Work {
   void publish();
   bool is_async() const { return async_; }
   bool done() const { return done_.load(std::memory_order_acquire); }
-  // Whether the caller saw the Work done (wait() returned or raised its error, is_completed()
-  // said so, a blocking call returned): a plan's next start requires it of the last one, so the
-  // refusal depends on the program, not on how fast the peers were.
-  bool observed() const { return observed_.load(std::memory_order_acquire); }
-  void observe() {
-    if (done()) observed_.store(true, std::memory_order_release);
-  }
   // Raises the op's error, if any. Called after done().
   void rethrow_if_failed() const;
 
@@ -91,7 +84,6 @@ class Work : public c10d::Work {
  private:
   std::shared_ptr<Waiter> waiter_;
   std::atomic<bool> done_{false};
-  std::atomic<bool> observed_{false};
   int remaining_;  // parts not yet finished; mutex_
   const int parts_;
   std::atomic<int> source_{-1};  // sourceRank(); -1 until known
