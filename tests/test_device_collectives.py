@@ -431,6 +431,36 @@ def test_an_op_under_graph_capture_is_refused_naming_the_plan_route():
         assert len(msgs) == 5
 
 
+def _mixed_batch_body(rank, world):
+    """A barrier has no device form: a batch or plan that holds one beside CUDA ops is refused
+    on every member, saying so, and nothing of it is sent."""
+    setup(rank)
+    g = fc.new_group([0, 1])
+    t = full((3,), float(rank + 1))
+
+    def batch():
+        with fc.batch():
+            fc.all_reduce(t, group=g)
+            fc.barrier(group=g)
+
+    def plan():
+        with fc.plan():
+            fc.barrier(group=g)
+            fc.all_reduce(t, group=g)
+
+    msgs = [expect(ValueError, batch, "runs on one device", "barrier, which has no device form"),
+            expect(ValueError, plan, "runs on one device", "barrier, which has no device form")]
+    fc.all_reduce(t, group=g)
+    dsync()
+    return msgs, t.tolist()
+
+
+@fake_only
+def test_a_batch_of_device_ops_and_a_barrier_is_refused_saying_why():
+    for msgs, t in harness.run(_mixed_batch_body, 2, timeout=60, env=ENV, init_timeout=20):
+        assert t == [3.0] * 3, (msgs, t)
+
+
 def _cuda_graph_body(rank, world):
     setup(rank)
     g = fc.new_group([0, 1])

@@ -218,6 +218,12 @@ DeviceOp device_op(const GroupState& g, OpRequest req, const std::vector<DeviceO
   return d;
 }
 
+// For a batch that mixes devices: what one of its ops runs on.
+std::string runs_on(const Engine::Prepared& p) {
+  if (p.on_device) return "ops on " + p.device.str();
+  return std::string("an op on the host (") + op_kind_name(p.req.kind) + (p.req.kind == OpKind::kBarrier ? ", which has no device form)" : ")");
+}
+
 }  // namespace
 
 c10::intrusive_ptr<Work> Engine::post(PreparedOps& ops, bool async_op, bool hidden) {
@@ -227,7 +233,7 @@ c10::intrusive_ptr<Work> Engine::post(PreparedOps& ops, bool async_op, bool hidd
     dops.reserve(ops.size());
     for (auto& p : ops) {
       TORCH_CHECK_VALUE(p.device == dev && p.on_device, "fastcomm.batch: rank ", opts_.rank,
-                        ": a batch runs on one device; it holds ops on ", dev, " and on ", p.device);
+                        ": a batch runs on one device; it holds ", runs_on(ops[0]), " and ", runs_on(p));
       dops.push_back(device_op(*p.group, std::move(p.req), p.from, p.recv_group, p.tag));
     }
     const int source = ops.size() == 1 ? ops[0].source : -1;
@@ -239,8 +245,8 @@ c10::intrusive_ptr<Work> Engine::post(PreparedOps& ops, bool async_op, bool hidd
   std::vector<at::Tensor> outputs;
   if (!hidden) outputs.reserve(ops.size());
   for (auto& p : ops) {
-    TORCH_CHECK_VALUE(!p.on_device, "fastcomm.batch: rank ", opts_.rank,
-                      ": a batch runs on one device; it holds ops on cpu and on ", p.device);
+    TORCH_CHECK_VALUE(!p.on_device, "fastcomm.batch: rank ", opts_.rank, ": a batch runs on one device; it holds ",
+                      runs_on(ops[0]), " and ", runs_on(p));
     if (hidden) continue;
     if (p.outputs.empty()) p.op->append_outputs(outputs);
     else outputs.insert(outputs.end(), p.outputs.begin(), p.outputs.end());
@@ -341,8 +347,8 @@ std::shared_ptr<Plan> Engine::make_plan(PreparedOps ops) {
   plan->ops_.reserve(ops.size());
   for (auto& p : ops) {
     TORCH_CHECK_VALUE(p.on_device == ops[0].on_device && p.device == ops[0].device, "fastcomm.plan: rank ",
-                      opts_.rank, ", group ", ranks_label(p.group->ranks), ": a plan runs on one device; it holds ops on ",
-                      ops[0].device, " and on ", p.device);
+                      opts_.rank, ", group ", ranks_label(p.group->ranks), ": a plan runs on one device; it holds ",
+                      runs_on(ops[0]), " and ", runs_on(p));
     TORCH_CHECK_VALUE(p.type != c10d::OpType::RECVANYSOURCE, "fastcomm.plan: rank ", opts_.rank, ", group ",
                       ranks_label(p.group->ranks),
                       ": a receive from any source cannot be part of a plan (its sender is matched anew each time)");
