@@ -19,7 +19,7 @@ namespace fastcomm {
 
 namespace {
 constexpr uint64_t kMagic = 0x6d6d6f6374736166ULL;  // "fastcomm"
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;  // the ring format (3: skipped tails carry a marker)
 constexpr size_t kCtlBytes = 4096;
 constexpr size_t kRingCtlBytes = 256;
 constexpr size_t kRecordHeader = 64;
