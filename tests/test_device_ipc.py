@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import harness
+import test_device_recovery as tdr
 import test_device_streams as tds
 import test_fake_device as tfd
 from _helpers import expect, fold, gen, seed_of
@@ -259,13 +260,13 @@ def test_memory_outlives_the_streams_that_may_write_it():
 
 
 def test_a_timed_out_channel_recovers_on_a_new_link():
-    for first, a, b in harness.run(tds._recovery_body, 2, timeout=60, env=IPC, init_timeout=30):
+    for first, a, b in harness.run(tdr._recovery_body, 2, timeout=60, env=IPC, init_timeout=30):
         assert a == [3.0] * 4 and b == [21.0] * 4, (first, a, b)
 
 
 def test_idle_links_are_released_and_made_again():
     env = dict(IPC, FASTCOMM_DEVICE_IDLE_MS="100")
-    res = harness.run(tds._release_body, 3, timeout=90, env=env, init_timeout=30)
+    res = harness.run(tdr._release_body, 3, timeout=90, env=env, init_timeout=30)
     for rank, r in enumerate(res):
         if rank < 2:
             assert r[:2] == [[3.0] * 3, [6.0] * 3], r
