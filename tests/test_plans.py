@@ -256,6 +256,10 @@ def _errors_body(rank, world):
     smaller = recorded(s)
     s.resize_(4)
     expect(ValueError, smaller.start, "laid out anew")
+    for x in (torch.ones(4), torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))):
+        retyped = recorded(x)
+        x.data = x.data.double()  # the same tensor object, another dtype (sparse: its size may change)
+        expect(ValueError, retyped.start, "another dtype")
     # A plan outlives the session it was recorded in, but cannot run there.
     with fc.plan() as old:
         fc.all_reduce(torch.ones(2), group=g)

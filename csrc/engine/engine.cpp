@@ -29,8 +29,8 @@ int local_ranks(const EngineOptions& o) {
 
 // What changed in a plan's tensor since it was recorded, for the start's refusal.
 std::string moved_how(const PlanTensor& r) {
-  if (PlanTensor::at_data(r.t) != r.data) return "was moved (resize_ or set_?)";
   if (r.t.scalar_type() != r.dtype) return "has another dtype";
+  if (PlanTensor::at_data(r.t) != r.data) return "was moved (resize_ or set_?)";
   return "was laid out anew (a smaller resize_, or an in-place view change such as t_() or as_strided_())";
 }
 
@@ -401,7 +401,12 @@ c10::intrusive_ptr<Work> Engine::start(const std::shared_ptr<Plan>& plan, bool a
   if (!pl.ops_.empty() && pl.ops_[0].on_device) return start_on_device(pl, async_op);
   // A CPU plan's ops are reused, so a start waits for the last one first (as a blocking call
   // waits for its own op): the same on every member, whatever the peers' speed.
-  if (c10::intrusive_ptr<Work> last = pl.last_; last && !last->done()) driver_.wait(*last, std::chrono::milliseconds(0));
+  c10::intrusive_ptr<Work> last;
+  {
+    std::lock_guard<std::mutex> lk(mu_);  // (last_ is the engine lock's)
+    last = pl.last_;
+  }
+  if (last && !last->done()) driver_.wait(*last, std::chrono::milliseconds(0));
   auto work = c10::make_intrusive<Work>(shared_from_this(), opts_.rank,
                                         pl.ops_.size() == 1 ? op_kind_type(pl.ops_[0].kind) : c10d::OpType::COALESCED,
                                         std::vector<at::Tensor>(), (int)pl.ops_.size(), async_op);

@@ -50,9 +50,9 @@ struct PlanTensor {
     return x.layout() == c10::kStrided ? x.strides().vec() : std::vector<int64_t>();
   }
   // (A sparse tensor's size and values may change between starts: its op reads them anew and
-  // agrees a changed dimension count with its peers itself.)
+  // agrees a changed dimension count with its peers itself; its dtype is the plan's.)
   bool unchanged() const {
-    if (t.layout() != c10::kStrided) return true;
+    if (t.layout() != c10::kStrided) return t.scalar_type() == dtype;
     return at_data(t) == data && t.sizes() == c10::IntArrayRef(sizes) && t.scalar_type() == dtype &&
            t.strides() == c10::IntArrayRef(strides);
   }
