@@ -245,3 +245,29 @@ def test_a_member_swaps_a_released_group_communicator_before_its_next_op():
     env = dict(FAKE, FASTCOMM_DEVICE_IDLE_MS="100", FASTCOMM_RSAG_THRESHOLD="4096")
     res = harness.run(_release_in_flight_body, 3, timeout=90, env=env, init_timeout=30)
     assert res == [(1.0, 11.0, 21.0)] * 3, res
+
+
+def _shutdown_in_callback_body(rank, world):
+    """A Future's callback (on the publisher's thread) calls fc.shutdown(): the teardown it waits
+    for no longer joins that very thread (before, both ranks hung there for good)."""
+    import threading
+
+    g = fc.new_group([0, 1])
+    t = torch.full((7,), float(rank + 1))
+    ended = threading.Event()
+    seen = {}
+
+    def cb(fut):
+        seen["value"] = fut.value()[0].tolist()
+        fc.shutdown()
+        ended.set()
+
+    fc.all_reduce(t, group=g, async_op=True).get_future().then(cb)
+    assert ended.wait(30), "fc.shutdown() from the callback did not return"
+    refused = expect(Exception, lambda: fc.all_reduce(torch.ones(2), group=g), "not initialized")
+    return seen["value"], refused
+
+
+def test_shutdown_from_a_future_callback_returns():
+    for value, refused in harness.run(_shutdown_in_callback_body, 2, timeout=60, env=FAKE, init=True):
+        assert value == [3.0] * 7 and refused, (value, refused)
