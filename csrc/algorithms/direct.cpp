@@ -72,6 +72,19 @@ class DirectAllReduce final : public Op {
   }
   void awaiting(std::vector<int>& group_ranks) const override {
     if (state_ == kFallback) return fallback_->awaiting(group_ranks);
+    if (state_ == kRun) {
+      // An announcement that could not go yet, else the first member whose chunks are missing.
+      if (notified_ < folded_ && sent_ < size_) {
+        group_ranks.push_back(sent_);
+        return;
+      }
+      for (int q = 0; q < size_; ++q)
+        if (q != rank_ && copied_[q] < chunks(q)) {
+          group_ranks.push_back(q);
+          return;
+        }
+      return;
+    }
     if (state_ != kWhere && state_ != kMapped && state_ != kCopied) return;
     // post() stopped at a member whose ring is full, else collect() at one not yet heard from.
     if (sent_ < size_) group_ranks.push_back(sent_);
