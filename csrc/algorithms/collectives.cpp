@@ -377,20 +377,32 @@ std::unique_ptr<Op> make_all_gather(const std::vector<at::Tensor>& outs, const a
 }
 
 std::unique_ptr<Op> make_reduce_scatter(const at::Tensor& out, const std::vector<at::Tensor>& ins,
-                                        RedOp op, int rank, int size) {
-  OpDesc d{OpKind::kReduceScatter, out.scalar_type(), op, (uint64_t)out.numel(), -1};
+                                        RedOp op, int rank, int size, std::string label) {
   std::vector<uint8_t*> src;
-  for (const auto& i : ins) src.push_back(bytes(i));
+  std::vector<size_t> sends;
+  uint64_t total = 0;
+  for (const auto& i : ins) {
+    src.push_back(bytes(i));
+    sends.push_back(nbytes(i));
+    total += (uint64_t)i.numel();
+  }
   uint8_t* dst = bytes(out);
   const size_t len = nbytes(out);
+  const bool even = std::all_of(sends.begin(), sends.end(), [&](size_t n) { return n == len; });
+  // Uneven blocks: the header holds the blocks' total (equal on every member), and each pair
+  // checks the two sizes it exchanges, so members that disagree fail naming each other.
+  OpDesc d{OpKind::kReduceScatter, out.scalar_type(), op, even ? (uint64_t)out.numel() : total, -1};
   return phased(d, Tensors{out}, tensors(ins), rank, size, 1, out.element_size(),
       [=](int) {
         ExchangePlan p = blank_plan(size);
         for (int q = 0; q < size; ++q) {
           if (q == rank) continue;
-          p.send[q] = Span::of(src[q], len);
+          p.send[q] = Span::of(src[q], sends[q]);
           p.recv[q].active = true;
+          p.recv[q].len = len;  // (a fold receives into `out`; the length is for pair_sizes)
         }
+        p.pair_sizes = !even;
+        p.label = label;
         p.fold = true;
         p.out = Span::of(dst, len);
         p.own = src[rank];

@@ -87,12 +87,15 @@ void check_reduce_scatter(const OpRequest& r, const GroupView& g) {
   TORCH_CHECK_VALUE(r.list.size() == g.ranks.size(), "fastcomm.reduce_scatter: rank ", g.global_rank,
                     ", group ", g.label(), ": argument 'input_list' has ", r.list.size(),
                     " tensors, expected ", g.ranks.size());
+  // Block q is member q's output: the blocks may differ in size (as in torch's Gloo backend),
+  // and each member's own is its output's size.
   for (size_t i = 0; i < r.list.size(); ++i)
-    check_like(r.list[i], r.output, r.output.numel(), g, r.kind, {"input_list", i});
+    check_like(r.list[i], r.output, (int)i == g.rank ? r.output.numel() : -1, g, r.kind, {"input_list", i});
 }
 
 std::unique_ptr<Op> lower_reduce_scatter(const OpRequest& r, const GroupView& g) {
-  return make_reduce_scatter(r.output, r.list, r.redop, g.rank, g.size());
+  return make_reduce_scatter(r.output, r.list, r.redop, g.rank, g.size(),
+                             "fastcomm.reduce_scatter: rank " + std::to_string(g.global_rank) + ", group " + g.label());
 }
 
 void check_reduce_scatter_tensor(const OpRequest& r, const GroupView& g) {

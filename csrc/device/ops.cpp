@@ -302,6 +302,12 @@ std::unique_ptr<DevOp> lower(DeviceOp& d, const std::shared_ptr<Batch>& batch, c
     case OpKind::kReduceScatter:
     case OpKind::kReduceScatterTensor: {
       const bool flat = r.kind == OpKind::kReduceScatterTensor;
+      if (!flat)
+        for (size_t j = 0; j < r.list.size(); ++j)
+          TORCH_CHECK_VALUE(r.list[j].numel() == r.output.numel(), "fastcomm.", api, ": rank ", rank_, ", group ",
+                            d.label, ": argument 'input_list[", j, "]' has ", r.list[j].numel(),
+                            " elements, expected ", r.output.numel(), ": on ", r.output.device().type(),
+                            " tensors every block must be the output's size (uneven blocks run on CPU tensors)");
       op->keep = flat ? std::vector<at::Tensor>{r.tensor, r.output} : r.list;
       if (!flat) op->keep.push_back(r.output);
       const size_t bytes = r.output.nbytes();
