@@ -116,6 +116,9 @@ void* map_flags(const char* name, size_t size, bool create) {
 bool ipc_supported(int device) {
   const Driver& d = driver();
   if (d.wait == nullptr || d.write == nullptr) return false;
+  // The caller's thread may have another device current: the probe, its stream and the kernels
+  // it loads are this device's.
+  c10::cuda::CUDAGuard g((c10::DeviceIndex)device);
   int same_address = 0;
   if (cudaDeviceGetAttribute(&same_address, cudaDevAttrCanUseHostPointerForRegisteredMem, device) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -134,7 +137,7 @@ bool ipc_supported(int device) {
     IpcHandle h;
     IpcBlock b;
     token = ipc_create(device, 256, 4, &h, &b, /*host=*/false);
-    FASTCOMM_GPU_CHECK(preload_flag_kernels());
+    FASTCOMM_GPU_CHECK(preload_kernels());
     FASTCOMM_GPU_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     flag_write(b.flags, 1, s);
     flag_wait(s, b.flags, 1);
@@ -142,6 +145,7 @@ bool ipc_supported(int device) {
     cudaError_t q;
     while ((q = cudaStreamQuery(s)) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline)
       std::this_thread::sleep_for(std::chrono::microseconds(100));
+    (void)cudaGetLastError();  // (the polls' cudaErrorNotReady is no error of the caller's)
     if (q == cudaErrorNotReady) {  // still waited on: its memory stays, only its name goes
       shm_unlink(static_cast<Block*>(token)->name.c_str());
       token = nullptr;

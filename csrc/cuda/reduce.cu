@@ -159,9 +159,11 @@ cudaError_t launch_fold_flag(const ReduceJob& job, uint32_t* flag, uint32_t valu
   return cudaGetLastError();
 }
 
-cudaError_t preload_flag_kernels() {
+cudaError_t preload_kernels() {
   cudaFuncAttributes a;
-  for (const void* f : {(const void*)copy_then_flag, (const void*)fold_then_flag})
+  for (const void* f : {(const void*)copy_then_flag, (const void*)fold_then_flag, (const void*)fused_reduce,
+                        (const void*)divide<__half>, (const void*)divide<__nv_bfloat16>, (const void*)divide<float>,
+                        (const void*)divide<double>})
     if (cudaError_t e = cudaFuncGetAttributes(&a, f)) return e;
   return cudaSuccess;
 }

@@ -41,8 +41,9 @@ cudaError_t launch_fused_reduce(const ReduceJob* jobs, int count, cudaStream_t s
 cudaError_t launch_copy_flag(void* dst, const void* src, size_t bytes, uint32_t* flag, uint32_t value,
                              cudaStream_t stream);
 cudaError_t launch_fold_flag(const ReduceJob& job, uint32_t* flag, uint32_t value, cudaStream_t stream);
-// Loads the two kernels above now (CUDA loads kernels lazily, at their first launch, by default).
-cudaError_t preload_flag_kernels();
+// Loads this file's kernels now (CUDA loads kernels lazily, at their first launch, by default;
+// a load inside an enqueue may wait for the device while its work waits for a peer).
+cudaError_t preload_kernels();
 
 // Enqueues p[i] /= n over `numel` elements of a floating `dtype` (half types in float): the end
 // of an AVG that NCCL summed.
