@@ -320,6 +320,38 @@ def test_future_completes_without_a_wait():
 # Issue orders that must not deadlock
 
 
+def _shutdown_in_callback_body(rank, world):
+    """fc.shutdown() from a Future callback on the background thread (nobody waits on the op):
+    before, the engine was destroyed on that thread, inside the pass that ran the callback, which
+    then used the freed engine (with glibc's free() filling freed memory, every run ended in
+    std::terminate). After it, fc.init() gives a working engine again."""
+    import ctypes
+    import threading
+    import time
+
+    ctypes.CDLL(None).mallopt(-6, 165)  # M_PERTURB: freed memory is overwritten, so a use shows
+    g = fc.new_group([0, 1])
+    ended = threading.Event()
+    if rank == 1:
+        time.sleep(0.3)  # rank 0's op is then completed by its background thread
+
+    def cb(_fut):
+        fc.shutdown()
+        ended.set()
+
+    fc.all_reduce(torch.ones(4), group=g, async_op=True).get_future().then(cb)
+    assert ended.wait(30), "fc.shutdown() from the callback did not return"
+    time.sleep(0.2)  # the background thread's way out, where the freed engine was used
+    harness.init_child(rank, world)
+    t = torch.full((3,), float(rank + 1))
+    fc.all_reduce(t, group=fc.new_group([0, 1]))
+    return t.tolist()
+
+
+def test_shutdown_from_a_callback_on_the_background_thread():
+    assert harness.run(_shutdown_in_callback_body, 2, timeout=60) == [[3.0] * 3] * 2
+
+
 def _ring_body(rank, world, iters):
     left = fc.new_group([(rank - 1) % world, rank])
     right = fc.new_group([rank, (rank + 1) % world])

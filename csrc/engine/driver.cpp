@@ -163,6 +163,17 @@ void Driver::hurry() {
   bg_cv_.notify_one();
 }
 
+bool Driver::held(const std::function<void()>& f) {
+  std::shared_ptr<void> hold = owner_ ? owner_() : nullptr;
+  const std::weak_ptr<void> alive = hold;
+  f();
+  if (!hold) return true;
+  hold.reset();
+  // Expired: that was the last reference, and the owner (this driver with it) is gone; its
+  // stop() saw it was called on this thread and detached it.
+  return !alive.expired();
+}
+
 void Driver::bg_main() {
   std::unique_lock<std::mutex> lk(bg_mu_);
   auto last_busy = Clock::now();
@@ -194,8 +205,11 @@ void Driver::bg_main() {
     if (progress_.pending_async() == 0) {
       if (progress_.publish_pending()) {
         lk.unlock();
-        Progress::Done none;
-        progress_.finish(none);
+        if (!held([this] {
+              Progress::Done none;
+              progress_.finish(none);
+            }))
+          return;
         lk.lock();
       }
       idle_tick();
@@ -209,11 +223,14 @@ void Driver::bg_main() {
     tick = kBgTick;
     idle_ticks = 0;
     lk.unlock();
-    try {
-      drive(nullptr, Clock::time_point{}, false);
-    } catch (...) {
-      // Without a Work there is no user deadline; errors reach users through Works.
-    }
+    if (!held([this] {
+          try {
+            drive(nullptr, Clock::time_point{}, false);
+          } catch (...) {
+            // Without a Work there is no user deadline; errors reach users through Works.
+          }
+        }))
+      return;
     lk.lock();
     last_busy = Clock::now();
   }

@@ -7,6 +7,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 
@@ -40,6 +42,10 @@ class Driver {
   void hurry();
   // Stops and joins the background thread (or detaches it, if called on it).
   void stop();
+  // A strong reference to the driver's owner (null once it is being destroyed). The background
+  // thread holds one while it drives: a Future callback there may drop the owner's last other
+  // reference (fastcomm.shutdown() from a callback), and the owner must not die under it.
+  void set_owner(std::function<std::shared_ptr<void>()> owner) { owner_ = std::move(owner); }
   // Sleeps that ran their whole slice with nobody ringing, after which there was work to do:
   // lost wake-ups, or work that came just as the slice ended. A diagnostic, not asserted on.
   uint64_t stalled_sleeps() const { return stalled_sleeps_.load(std::memory_order_relaxed); }
@@ -48,6 +54,8 @@ class Driver {
   // Drives until `w` is done (null: while async ops are pending and no waiter drives).
   void drive(Work* w, Clock::time_point user_deadline, bool has_deadline);
   void bg_main();
+  // Runs `f` holding the owner; false if the owner died when it was let go (return at once).
+  bool held(const std::function<void()>& f);
 
   static constexpr int kAloneSpins = 128;
   Progress& progress_;
@@ -65,6 +73,7 @@ class Driver {
   bool bg_hurry_ = false;  // bg_mu_
   std::atomic<bool> bg_started_{false};
   std::atomic<bool> bg_deep_{false};  // asleep until rung, not ticking
+  std::function<std::shared_ptr<void>()> owner_;  // set before the background thread starts
 };
 
 }  // namespace fastcomm

@@ -49,6 +49,8 @@ Engine::Engine(EngineOptions opts)
   control_group_.state = std::make_shared<GroupState>();
   control_group_.state->label = "device control";
   control_group_.state->timeout = std::chrono::hours(24 * 365);
+  // (Called from the background thread only, once the engine is owned by a shared_ptr.)
+  driver_.set_owner([this]() -> std::shared_ptr<void> { return weak_from_this().lock(); });
 }
 
 Engine::~Engine() { shutdown(); }
