@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import harness
 from _helpers import expect
+from _device import channels
 from test_device_streams import FAKE, _until, dbg, dsync
 
 import fastcomm as fc
@@ -271,3 +272,37 @@ def _shutdown_in_callback_body(rank, world):
 def test_shutdown_from_a_future_callback_returns():
     for value, refused in harness.run(_shutdown_in_callback_body, 2, timeout=60, env=FAKE, init=True):
         assert value == [3.0] * 7 and refused, (value, refused)
+
+
+def _sticky_body(rank, world):
+    """Rank 0's device context breaks for good (a sticky CUDA error: every later call fails) while
+    an op is in flight. The engine's teardown makes device calls too: they fail as well, and the
+    op still fails with DistBackendError naming the engine's failure, fc.shutdown() returns, and
+    the process lives on (before, an exception out of teardown ended it in std::terminate)."""
+    store = harness.child_store()
+    g = fc.new_group([0, 1], timeout=timedelta(seconds=3))
+    fc.all_reduce(torch.ones(4), group=g)  # the channel made beforehand
+    dsync()
+    out = None
+    if rank == 0:
+        dbg("hold")  # the op's input is never ready: it stays in flight
+    w = fc.all_reduce(torch.ones(5), group=g, async_op=True)
+    if rank == 0:
+        dbg("sticky_error", 1)
+        out = expect(dist.DistBackendError, lambda: w.wait(timedelta(seconds=30)), "sticky device error")
+        dbg("release")
+        fc.shutdown()  # its teardown's device calls fail too
+        store.set("rank0-done", "1")
+    else:
+        try:  # (its peer's engine is gone: a failure or a timeout)
+            w.wait(timedelta(seconds=30))
+        except dist.DistBackendError:
+            pass
+        store.wait(["rank0-done"], timedelta(seconds=60))
+    return out
+
+
+@channels
+def test_a_sticky_device_error_fails_the_op_and_shutdown_still_returns(channel):
+    res = harness.run(_sticky_body, 2, timeout=90, env={**FAKE, **channel}, init_timeout=30)
+    assert res[0] and res[1] is None, res

@@ -178,6 +178,7 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   void part_done(Part* p);
   // Ops whose parts are all enqueued: their end work, their end event, their group's next op.
   void flush_ends();
+  void end_on(Stream s, const std::vector<DevOp*>& list, std::vector<FoldJob>& jobs, std::vector<Event>& waited);
   void ended(DevOp* op, Stream s, const EventPtr& end);
   // An op that will never be launched (it failed before): launched and finished as it is.
   void abandon(DevOp* op);
@@ -360,6 +361,7 @@ class ChannelEngine final : public DeviceEngine, public WorkOwner, public std::e
   std::atomic<int64_t> plan_links_{0};  // plans' links made (debug "plan_ipc_links")
   std::atomic<int64_t> plan_serial_{0};  // plans whose pairs all went on one stream (debug "plan_serial")
   std::atomic<int64_t> plan_releasing_{0};  // graphs dropped, waiting for their runs
+  std::atomic<bool> torn_down_{false};  // debug "engine_torn_down": the engine thread ended its teardown
   // Group communicators the leader released, and new ones its go brought (debug
   // "group_releases_heard", "group_next_ids"): members swap them once nothing runs on the old.
   std::atomic<int64_t> group_releases_heard_{0}, group_next_ids_{0};

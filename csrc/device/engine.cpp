@@ -66,6 +66,7 @@ c10::intrusive_ptr<Work> ChannelEngine::post(std::vector<DeviceOp> dops, bool as
     }
   }
   auto batch = std::make_shared<Batch>();
+  batch->nested = Publisher::on_callback_thread();
   std::vector<std::unique_ptr<DevOp>> ops;
   std::vector<at::Tensor> outputs;
   c10d::OpType type = dops.size() == 1 ? op_kind_type(dops[0].req.kind) : c10d::OpType::COALESCED;
@@ -248,6 +249,7 @@ int64_t ChannelEngine::debug(const std::string& what, int64_t arg) {
   if (what == "plan_ipc_links") return plan_links_.load();
   if (what == "plan_serial") return plan_serial_.load();
   if (what == "plan_releasing") return plan_releasing_.load();
+  if (what == "engine_torn_down") return torn_down_.load() ? 1 : 0;
   if (what == "group_releases_heard") return group_releases_heard_.load();
   if (what == "group_next_ids") return group_next_ids_.load();
   if (what == "ipc_skip_waits") {  // links made from now on

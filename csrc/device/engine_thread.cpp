@@ -2,6 +2,7 @@
 // their group's order, made ready and handed to their channels' agreement, and one pass over
 // the channels, group communicators, health and ending batches.
 #include <algorithm>
+#include <cstdio>
 
 #include "common/errors.h"
 #include "device/channel_engine.h"
@@ -19,7 +20,10 @@ constexpr int kYieldPasses = 200;
 void ChannelEngine::main() {
   // This thread's event queries and syncs must not break a CUDA graph the caller captures
   // meanwhile in the global capture mode.
-  rt_->relax_capture_mode();
+  try {
+    rt_->relax_capture_mode();
+  } catch (const std::exception&) {
+  }
   std::unique_lock<std::mutex> lk(mu_);
   int idle = 0;
   while (!stop_) {
@@ -77,7 +81,14 @@ void ChannelEngine::main() {
   // Teardown may drop the engine's last reference (a Work it fails): held until teardown is
   // over, so the engine is destroyed, if here at all, once this thread no longer touches it.
   std::shared_ptr<ChannelEngine> self = weak_from_this().lock();
-  teardown();
+  try {
+    teardown();
+  } catch (const std::exception& e) {
+    // (teardown lets nothing escape on purpose; an exception out of this thread would end the
+    // process, the users' error unread)
+    std::fprintf(stderr, "fastcomm: rank %d: the device engine's teardown failed: %s\n", rank_, e.what());
+  }
+  torn_down_.store(true);
 }
 
 void ChannelEngine::admit(std::unique_ptr<DevOp> op) {

@@ -17,6 +17,10 @@ int64_t FakeRuntime::debug(const std::string& what, int64_t arg) {
     failing_streams_.store(arg);
     return 0;
   }
+  if (what == "sticky_error") {
+    sticky_.store(arg != 0);
+    return 0;
+  }
   if (what == "callback_calls") return fake::callback_calls().load();
   if (what == "spin") {
     run_on(*caller_, [arg] { std::this_thread::sleep_for(std::chrono::milliseconds(arg)); });

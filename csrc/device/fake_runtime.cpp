@@ -410,8 +410,13 @@ void FakeRuntime::fold_flag(const FoldJob& j, uint32_t* flag, uint32_t value, St
   });
 }
 
+void FakeRuntime::sticky_check(const char* call) const {
+  if (sticky_.load()) call_error(call, "a sticky device error (a test's fault: \"sticky_error\")");
+}
+
 std::shared_ptr<StreamCore> FakeRuntime::stream_of(Stream s, const char* call) {
   note_callback_call(call);
+  sticky_check(call);
   if (s == caller_.get()) return caller_;
   std::lock_guard<std::mutex> lk(mu_);
   auto it = streams_.find(s);
@@ -421,6 +426,7 @@ std::shared_ptr<StreamCore> FakeRuntime::stream_of(Stream s, const char* call) {
 
 EventImpl* FakeRuntime::event_of(Event e, const char* call) {
   note_callback_call(call);
+  sticky_check(call);
   std::lock_guard<std::mutex> lk(mu_);
   auto it = events_.find(e);
   if (it == events_.end()) call_error(call, "unknown event");

@@ -164,6 +164,10 @@ class FakeRuntime final : public Runtime {
   // stream's bounded command buffer, where event records and waits are not counted.
   std::atomic<int64_t> work_entries_{0};
   std::atomic<int64_t> idle_calls_{0};
+  // debug "sticky_error": from now on every call on a stream or an event throws, as after a
+  // sticky CUDA error (an illegal address): the context cannot be used any more.
+  std::atomic<bool> sticky_{false};
+  void sticky_check(const char* call) const;
   std::atomic<int64_t> failing_streams_{0};  // debug "fail_new_streams": new_stream() calls that throw
   const bool blocking_pairs_;
   bool launches_inline(const CommImpl& c) const { return blocking_pairs_ && c.nranks() == 2; }

@@ -146,20 +146,36 @@ void ChannelEngine::teardown() {
     down = e.what_without_backtrace();
   } catch (...) {
   }
+  // A device call that fails here means the device is lost (a sticky error): what is left is
+  // failed and let go without device work. Nothing may escape: this runs at the end of the
+  // engine thread.
+  bool lost = false;
+  auto guarded = [&](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const std::exception&) {
+      lost = true;
+    }
+  };
   std::vector<Channel*> chans;
   for (auto& [peer, c] : channels_) chans.push_back(c.get());
   for (Channel* c : chans)
-    if (c->busy()) fault(*c, down);
+    if (c->busy()) guarded([&] { fault(*c, down); });
   for (auto& [id, g] : groups_)
-    if (g->busy()) fault_group(*g, down);
-  flush_ends();
+    if (g->busy()) guarded([&] { fault_group(*g, down); });
+  guarded([&] { flush_ends(); });
+  if (lost) {
+    const std::exception_ptr e = why ? why : comm_error_ptr(down);
+    for (auto& op : live_) fail_op(op.get(), e);  // their end work is none now
+    guarded([&] { flush_ends(); });
+  }
   for (auto& op : live_) {
     if (!op->finished) {
       fail_op(op.get(), why);
       abandon(op.get());
     }
   }
-  flush_ends();
+  guarded([&] { flush_ends(); });
   for (auto& b : ending_) {
     // What is left on the streams drains (its communicators are aborted): wait so its memory
     // outlives it.
@@ -196,8 +212,10 @@ void ChannelEngine::teardown() {
   // The channels' streams have drained. A live peer unmaps this side's rings once it sees them
   // ended (its health check): a short wait for that, then they go regardless.
   const auto until = Clock::now() + std::chrono::milliseconds(500);
-  while (ipc_->poll([this](int peer) { return host_.peer_alive(peer); }) && Clock::now() < until)
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  guarded([&] {
+    while (ipc_->poll([this](int peer) { return host_.peer_alive(peer); }) && Clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  });
   ipc_->close_all();
   for (auto& [id, s] : joins_) {
     try {

@@ -81,58 +81,70 @@ void ChannelEngine::flush_ends() {
   while (!to_end_.empty()) {
     std::vector<DevOp*> ops;
     ops.swap(to_end_);
-    std::vector<std::pair<Stream, std::vector<DevOp*>>> by;
-    for (DevOp* op : ops) {
-      if (op->launched) continue;  // abandoned meanwhile
-      Stream s = nullptr;
-      const bool device_work = !op->parts.empty() || !op->copies.empty() || !op->folds.empty();
-      if (!op->error && device_work) {
-        Stream only = nullptr;
-        bool one = !op->parts.empty();
-        for (auto& p : op->parts) {
-          if (only == nullptr) only = p->stream;
-          one = one && p->stream == only;
+    try {
+      std::vector<std::pair<Stream, std::vector<DevOp*>>> by;
+      for (DevOp* op : ops) {
+        if (op->launched) continue;  // abandoned meanwhile
+        Stream s = nullptr;
+        const bool device_work = !op->parts.empty() || !op->copies.empty() || !op->folds.empty();
+        if (!op->error && device_work) {
+          Stream only = nullptr;
+          bool one = !op->parts.empty();
+          for (auto& p : op->parts) {
+            if (only == nullptr) only = p->stream;
+            one = one && p->stream == only;
+          }
+          s = one ? only : join_stream(op->key.id);
         }
-        s = one ? only : join_stream(op->key.id);
-      }
-      auto it = std::find_if(by.begin(), by.end(), [&](const auto& x) { return x.first == s; });
-      if (it == by.end()) {
-        by.emplace_back(s, std::vector<DevOp*>{});
-        it = std::prev(by.end());
-      }
-      it->second.push_back(op);
-    }
-    std::vector<FoldJob> jobs;
-    std::vector<Event> waited;
-    for (auto& [s, list] : by) {
-      if (s == nullptr) {  // failed ops: no end work
-        for (DevOp* op : list) ended(op, nullptr, nullptr);
-        continue;
-      }
-      jobs.clear();
-      waited.clear();
-      auto wait_once = [&](const EventPtr& e) {
-        if (!e || std::find(waited.begin(), waited.end(), e->ev) != waited.end()) return;
-        waited.push_back(e->ev);
-        rt_->wait(s, e->ev);
-      };
-      bool enqueued = false;
-      for (DevOp* op : list) {
-        if (op->parts.empty()) {
-          wait_once(op->input);
-          if (op->pred_stream != s) wait_once(op->pred_end);
+        auto it = std::find_if(by.begin(), by.end(), [&](const auto& x) { return x.first == s; });
+        if (it == by.end()) {
+          by.emplace_back(s, std::vector<DevOp*>{});
+          it = std::prev(by.end());
         }
-        for (auto& p : op->parts)
-          if (p->stream != s) wait_once(p->done_event);
-        for (auto& [dst, src, n] : op->copies) rt_->copy(dst, src, n, s);
-        jobs.insert(jobs.end(), op->folds.begin(), op->folds.end());
-        enqueued = enqueued || !op->parts.empty() || !op->copies.empty();
+        it->second.push_back(op);
       }
-      if (!jobs.empty()) rt_->fold(jobs.data(), (int)jobs.size(), s);
-      EventPtr end = enqueued || !jobs.empty() ? events_->record(s) : nullptr;
-      for (DevOp* op : list) ended(op, s, end);
+      std::vector<FoldJob> jobs;
+      std::vector<Event> waited;
+      for (auto& [s, list] : by) end_on(s, list, jobs, waited);
+    } catch (...) {
+      // Only a broken device fails a call here: the ops not ended yet go back, for teardown to
+      // end once it has failed them.
+      for (DevOp* op : ops)
+        if (!op->launched) to_end_.push_back(op);
+      throw;
     }
   }
+}
+
+// The end work of `list`, the ops ending together on stream `s` (null: failed ops, none).
+void ChannelEngine::end_on(Stream s, const std::vector<DevOp*>& list, std::vector<FoldJob>& jobs,
+                           std::vector<Event>& waited) {
+  if (s == nullptr) {
+    for (DevOp* op : list) ended(op, nullptr, nullptr);
+    return;
+  }
+  jobs.clear();
+  waited.clear();
+  auto wait_once = [&](const EventPtr& e) {
+    if (!e || std::find(waited.begin(), waited.end(), e->ev) != waited.end()) return;
+    waited.push_back(e->ev);
+    rt_->wait(s, e->ev);
+  };
+  bool enqueued = false;
+  for (DevOp* op : list) {
+    if (op->parts.empty()) {
+      wait_once(op->input);
+      if (op->pred_stream != s) wait_once(op->pred_end);
+    }
+    for (auto& p : op->parts)
+      if (p->stream != s) wait_once(p->done_event);
+    for (auto& [dst, src, n] : op->copies) rt_->copy(dst, src, n, s);
+    jobs.insert(jobs.end(), op->folds.begin(), op->folds.end());
+    enqueued = enqueued || !op->parts.empty() || !op->copies.empty();
+  }
+  if (!jobs.empty()) rt_->fold(jobs.data(), (int)jobs.size(), s);
+  EventPtr end = enqueued || !jobs.empty() ? events_->record(s) : nullptr;
+  for (DevOp* op : list) ended(op, s, end);
 }
 
 void ChannelEngine::ended(DevOp* op, Stream s, const EventPtr& end) {
@@ -235,7 +247,7 @@ void ChannelEngine::settle(Batch& b, std::exception_ptr e) {
   }
   b.keep.clear();
   done_cv_.notify_all();
-  if (fin && has_future) publisher_.push(b.work);
+  if (fin && has_future) publisher_.push(b.work, b.nested);
 }
 
 }  // namespace device

@@ -196,6 +196,7 @@ struct Batch {
   std::vector<std::pair<Stream, EventPtr>> ends;
   std::vector<uint64_t> groups;  // the ops' group ids (deferred errors)
   bool one_op = false;           // a single op: a recv from any source sets the Work's source rank
+  bool nested = false;           // issued inside a Future callback of ours (device/publisher.h)
 };
 
 // How ops are lowered on this engine.

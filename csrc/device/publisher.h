@@ -1,14 +1,19 @@
 #pragma once
-// Completes the Futures of settled device Works off the engine thread: a Future's callbacks run
-// there and may wait for another device op, which only the engine thread can finish. A callback
-// that blocks holds its own thread; the next Future gets a new one. Each is completed inside
-// `around` (Runtime::on_idle_stream: the device and stream its events and callbacks see).
+// Completes the Futures of settled device Works off the engine thread (a callback may wait for
+// another device op, which only the engine thread can launch). Two lanes:
+// - the Futures of ops issued elsewhere, one at a time in settle order, as on the host path, so
+//   ops that their callbacks issue are issued in one order on every rank (callbacks side by side
+//   issued them in any order, and they met the wrong ops of the peer);
+// - the Futures of ops a callback issued (`nested`), each on a thread free at the time: the
+//   callback may wait for one (DDP's PowerSGD hook does) while it holds the first lane.
+// Each is completed inside `around` (Runtime::on_idle_stream: the device and stream its events
+// and callbacks see).
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
-#include <memory>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -23,70 +28,84 @@ class Publisher {
   using Around = std::function<void(const std::function<void()>&)>;
   explicit Publisher(Around around) : st_(std::make_shared<State>(std::move(around))) {}
   ~Publisher() { stop(); }
-  void push(c10::intrusive_ptr<Work> w) {
+  // Whether this thread is inside a callback of ours: an op issued here is `nested`.
+  static bool on_callback_thread() { return tl_publishing(); }
+  void push(c10::intrusive_ptr<Work> w, bool nested) {
     std::unique_lock<std::mutex> lk(st_->mu);
     if (st_->stop) {  // (after teardown nothing pushes; a late one is still completed)
       lk.unlock();
       publish(*st_, std::move(w));
       return;
     }
-    st_->queue.push_back(std::move(w));
-    if (st_->idle == 0) {
+    Lane& lane = st_->lanes[nested ? 1 : 0];
+    lane.queue.push_back(std::move(w));
+    // The ordered lane has one thread; the nested one a thread for each Future that finds none idle.
+    if (nested ? lane.idle == 0 : lane.threads == 0) {
+      ++lane.threads;
       ++st_->running;
-      threads_.emplace_back([st = st_] { loop(st); });
+      threads_.emplace_back([st = st_, nested] { loop(st, nested ? 1 : 0); });
     }
-    st_->cv.notify_one();
+    st_->cv.notify_all();
   }
-  // Joins the idle threads and publishes what is still queued on the caller's thread (by then
-  // every op is settled, so no callback waits long). A thread inside a publish is detached, not
-  // joined: its callback may itself be waiting for the caller (fastcomm.shutdown() from a
+  // Publishes what is still queued on the caller's thread once the idle threads have ended (by
+  // then every op is settled, so no callback waits long). A thread inside a publish is detached,
+  // not joined: its callback may itself be waiting for the caller (fastcomm.shutdown() from a
   // callback, or the engine's last reference dropped there). It touches only the shared state
-  // afterwards, and takes nothing more from the queue.
+  // afterwards, and takes nothing more from the queues.
   void stop() {
     std::unique_lock<std::mutex> lk(st_->mu);
     st_->stop = true;
     st_->cv.notify_all();
     for (;;) {
       st_->cv.wait(lk, [&] { return st_->running == st_->busy; });
-      if (st_->queue.empty()) break;
-      auto w = std::move(st_->queue.front());
-      st_->queue.pop_front();
+      Lane* lane = !st_->lanes[0].queue.empty() ? &st_->lanes[0] : !st_->lanes[1].queue.empty() ? &st_->lanes[1] : nullptr;
+      if (lane == nullptr) break;
+      auto w = std::move(lane->queue.front());
+      lane->queue.pop_front();
       lk.unlock();
       publish(*st_, std::move(w));
       lk.lock();
     }
     std::vector<std::thread> threads;
     threads.swap(threads_);
+    std::vector<std::thread::id> busy = st_->busy_ids;
     lk.unlock();
     for (auto& t : threads) {
-      if (t.get_id() == std::this_thread::get_id() || busy_ids_contain(t.get_id())) t.detach();
-      else t.join();
+      if (t.get_id() == std::this_thread::get_id() || std::find(busy.begin(), busy.end(), t.get_id()) != busy.end())
+        t.detach();
+      else
+        t.join();
     }
   }
 
  private:
+  struct Lane {
+    std::deque<c10::intrusive_ptr<Work>> queue;
+    int threads = 0;  // not yet returned from loop()
+    int idle = 0;
+  };
   struct State {
     explicit State(Around a) : around(std::move(a)) {}
     const Around around;
     std::mutex mu;
     std::condition_variable cv;
-    std::deque<c10::intrusive_ptr<Work>> queue;
+    Lane lanes[2];
     std::vector<std::thread::id> busy_ids;  // threads inside publish()
-    int running = 0;  // threads not yet returned from loop()
+    int running = 0;                        // threads of both lanes not yet returned from loop()
     int busy = 0;
-    int idle = 0;
     bool stop = false;
   };
 
-  bool busy_ids_contain(std::thread::id id) {
-    std::lock_guard<std::mutex> lk(st_->mu);
-    for (auto b : st_->busy_ids)
-      if (b == id) return true;
-    return false;
+  static bool& tl_publishing() {
+    thread_local bool on = false;
+    return on;
   }
 
   // Completes `w`'s Future; its last reference (and so possibly the engine's) is dropped inside.
   static void publish(State& st, c10::intrusive_ptr<Work> w) {
+    bool& on = tl_publishing();
+    const bool was = on;
+    on = true;
     try {
       st.around([&] {
         auto mine = std::move(w);
@@ -95,15 +114,17 @@ class Publisher {
     } catch (...) {
       // (A callback's own error: the Future is completed by then; nothing here to tell.)
     }
+    on = was;
   }
 
-  static void loop(std::shared_ptr<State> st) {
+  static void loop(std::shared_ptr<State> st, int which) {
+    Lane& lane = st->lanes[which];
     std::unique_lock<std::mutex> lk(st->mu);
     for (;;) {
       if (st->stop) break;
-      if (!st->queue.empty()) {
-        auto w = std::move(st->queue.front());
-        st->queue.pop_front();
+      if (!lane.queue.empty()) {
+        auto w = std::move(lane.queue.front());
+        lane.queue.pop_front();
         ++st->busy;
         st->busy_ids.push_back(std::this_thread::get_id());
         lk.unlock();
@@ -113,16 +134,17 @@ class Publisher {
         st->busy_ids.erase(std::find(st->busy_ids.begin(), st->busy_ids.end(), std::this_thread::get_id()));
         continue;
       }
-      ++st->idle;
+      ++lane.idle;
       st->cv.wait(lk);
-      --st->idle;
+      --lane.idle;
     }
+    --lane.threads;
     --st->running;
     st->cv.notify_all();
   }
 
   std::shared_ptr<State> st_;
-  std::vector<std::thread> threads_;  // the engine's thread(s) only: push and stop
+  std::vector<std::thread> threads_;  // touched by push and stop only (the engine's thread)
 };
 
 // Runs communicator aborts and destroys, and the release of ended IPC links' memory, off the
