@@ -8,6 +8,7 @@ instead of stalling the suite."""
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 import signal
 import stat
 import threading
@@ -265,6 +266,39 @@ def _shutdown_inflight_body(rank, world, flag_dir):
 def test_shutdown_fails_in_flight_work(tmp_path):
     harness.run(_shutdown_inflight_body, 2, str(tmp_path), timeout=60, env=RING_ENV,
                 init_timeout=OP_TIMEOUT)
+
+
+def _peer_shut_down_body(rank, world, backend):
+    """Rank 1 shuts fastcomm down (and stays alive) while rank 0 waits on an op with it: rank 0's
+    op fails at once naming that, as when a peer's process exits (Gloo: "Connection closed by
+    peer"), instead of after the group's 300 s timeout; so does its next op with rank 1."""
+    store = harness.child_store()
+    g = fc.new_group([0, 1], timeout=300)
+    fc.all_reduce(torch.ones(2), group=g)
+    if backend:
+        dist.init_process_group("fastcomm", store=harness.child_store(), rank=rank, world_size=world)
+    msgs = []
+    if rank == 1:
+        if backend:
+            dist.destroy_process_group()
+        fc.shutdown()
+        store.set("down", "1")
+        store.wait(["seen"], timedelta(seconds=60))
+        return msgs
+    store.wait(["down"], timedelta(seconds=60))
+    if backend:
+        msgs.append(expect_backend_error(lambda: dist.all_reduce(torch.ones(3)), "rank 1", "shut fastcomm down"))
+    msgs.append(expect_backend_error(lambda: fc.all_reduce(torch.ones(3), group=g), "rank 1", "shut fastcomm down"))
+    msgs.append(expect_backend_error(lambda: fc.all_reduce(torch.ones(3), group=g), "cannot run", "rank 1",
+                                     "shut fastcomm down"))
+    store.set("seen", "1")
+    return msgs
+
+
+@pytest.mark.parametrize("backend", [False, True], ids=["native", "backend"])
+def test_a_peer_that_shut_down_fails_ops_naming_it(backend):
+    msgs = harness.run(_peer_shut_down_body, 2, backend, timeout=90)
+    assert len(msgs[0]) == (3 if backend else 2), msgs
 
 
 # ---------------------------------------------------------------------------------------------

@@ -49,18 +49,25 @@ std::string Progress::failure_prefix(const GroupState& g, const Pending& p) cons
 }
 
 std::string Progress::exited_locked(const std::vector<int>& ranks) const {
-  std::string who;
-  if (n_dead_ == 0) return who;
-  int n = 0;
+  if (n_dead_ == 0) return "";
+  // Peers whose process exited, and same-host peers alive that shut their engine down.
+  std::string exited, closed;
+  int n_exited = 0, n_closed = 0;
   for (int r : ranks) {
     if (r == rank_ || !dead_[r]) continue;
     // Only same-host peers' pids are known (the rendezvous hands out no other host's).
     std::string about = pids_[r] > 0 ? "pid " + std::to_string(pids_[r]) : "";
     const std::string why = tr_.of(r)->death_reason(r);
-    if (!why.empty()) about += (about.empty() ? "" : ", ") + why;
-    who += std::string(n++ ? " and " : "") + "rank " + std::to_string(r) + (about.empty() ? "" : " (" + about + ")");
+    const bool shut = why == "shut fastcomm down";
+    if (!why.empty() && !shut) about += (about.empty() ? "" : ", ") + why;
+    std::string& list = shut ? closed : exited;
+    int& n = shut ? n_closed : n_exited;
+    list += std::string(n++ ? " and " : "") + "rank " + std::to_string(r) + (about.empty() ? "" : " (" + about + ")");
   }
-  return n == 0 ? who : who + (n == 1 ? " has exited" : " have exited");
+  std::string who;
+  if (n_exited) who = exited + (n_exited == 1 ? " has exited" : " have exited");
+  if (n_closed) who += (who.empty() ? "" : ", and ") + closed + " shut fastcomm down";
+  return who;
 }
 
 void Progress::post_locked(PostedOps ops, const c10::intrusive_ptr<Work>& work, Done& done,

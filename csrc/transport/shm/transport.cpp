@@ -19,7 +19,7 @@ namespace fastcomm {
 
 namespace {
 constexpr uint64_t kMagic = 0x6d6d6f6374736166ULL;  // "fastcomm"
-constexpr uint32_t kVersion = 3;  // the ring format (3: skipped tails carry a marker)
+constexpr uint32_t kVersion = 4;  // the segment format (3: skipped tails carry a marker; 4: `closed`)
 constexpr size_t kCtlBytes = 4096;
 constexpr size_t kRingCtlBytes = 256;
 constexpr size_t kRecordHeader = 64;
@@ -70,6 +70,9 @@ struct ShmSegmentHeader {
   int64_t pid;
   uint64_t ring_bytes;
   uint32_t num_local;
+  // Set by the owner when its engine shuts down: its peers then fail their ops with it at once,
+  // as they do when its process exits, instead of waiting out their timeouts.
+  uint32_t closed;
   char token[68];
   alignas(64) DoorbellWords bell;
 };
@@ -107,6 +110,7 @@ ShmTransport::ShmTransport(int rank, int world_size, const std::string& token,
       pids_(std::move(pids)),
       ring_bytes_(align64(ring_bytes)),
       stream_stores_(stream_stores),
+      closed_seen_(world_size, 0),
       in_(world_size),
       out_(world_size),
       pidfd_(world_size, -1),
@@ -420,7 +424,30 @@ std::map<std::string, uint64_t> ShmTransport::counters() {
   return {{"spans_imported", import_calls_}, {"buffers_mapped", buffers_mapped_}};
 }
 
+bool ShmTransport::peer_closed(int peer) const {
+  if (peer < 0 || peer >= (int)local_index_.size() || local_index_[peer] < 0) return false;
+  const auto* h = static_cast<const ShmSegmentHeader*>(peer_maps_[local_index_[peer]].base);
+  return h != nullptr && __atomic_load_n(&h->closed, __ATOMIC_ACQUIRE) != 0;
+}
+
+void ShmTransport::stop() {
+  if (own_.base == nullptr) return;
+  __atomic_store_n(&static_cast<ShmSegmentHeader*>(own_.base)->closed, 1u, __ATOMIC_RELEASE);
+  for (int r : local_ranks_)  // a peer asleep in a wait looks now
+    if (r != rank_ && out_[r].ctl != nullptr) out_[r].peer_bell.ring();
+}
+
+std::string ShmTransport::death_reason(int peer) {
+  // (Seen by peer_alive, before release_peer unmapped its segment.)
+  return closed_seen_[peer] ? "shut fastcomm down" : "";
+}
+
 bool ShmTransport::peer_alive(int peer) {
+  if (closed_seen_[peer]) return false;  // (its segment may be unmapped since: release_peer)
+  if (peer_closed(peer)) {
+    closed_seen_[peer] = 1;
+    return false;
+  }
   // An attached peer's pidfd names that very process (readable once it exited); its pid may be
   // another's by then.
   if (pidfd_[peer] >= 0) {

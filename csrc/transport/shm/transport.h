@@ -56,12 +56,16 @@ class ShmTransport final : public Transport {
   const Message* peek(int peer) override;
   void pop(int peer) override;
   bool peer_alive(int peer) override;
+  std::string death_reason(int peer) override;
+  // Marks this rank's segment closed (its engine shuts down) and wakes its peers.
+  void stop() override;
   void release_peer(int peer) override;
   std::map<std::string, uint64_t> counters() override;
   bool shares_memory(int peer) override { return is_local(peer) && peer != rank_ && pidfd_[peer] >= 0; }
   const uint8_t* import_span(int peer, const SharedSpan& span) override;
 
   bool is_local(int peer) const { return local_index_[peer] >= 0; }
+  bool peer_closed(int peer) const;  // its engine shut down (ShmSegmentHeader::closed)
   Doorbell doorbell() const { return own_bell_; }
 
  private:
@@ -117,6 +121,7 @@ class ShmTransport final : public Transport {
   bool unlinked_ = false;
   Mapping own_;
   std::vector<Mapping> peer_maps_;  // by local index
+  std::vector<char> closed_seen_;   // by global rank: peer_alive found it shut down (engine lock)
   std::vector<Inbound> in_;         // by global rank
   std::vector<Outbound> out_;       // by global rank
   std::vector<int> dirty_;          // peers with unpublished messages
