@@ -104,9 +104,17 @@ def init(timeout=None, store: Optional[dist.Store] = None, rank: Optional[int] =
         if store is None:
             if dist.is_available() and dist.is_initialized():
                 store = dist.distributed_c10d._get_default_store()
+                for name, given, theirs in (("rank", rank, dist.get_rank()),
+                                            ("world_size", world_size, dist.get_world_size())):
+                    if given is not None and given != theirs:
+                        raise ValueError(f"fastcomm.init: argument '{name}' is {given}, but torch.distributed "
+                                         f"was initialized with {name} {theirs} (fastcomm uses its store)")
                 rank, world_size = dist.get_rank(), dist.get_world_size()
             else:
-                store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+                # As init_process_group: the arguments stand in for RANK and WORLD_SIZE.
+                query = "&".join(f"{k}={v}" for k, v in (("rank", rank), ("world_size", world_size)) if v is not None)
+                url = "env://" + ("?" + query if query else "")
+                store, rank, world_size = next(dist.rendezvous(url, timeout=timeout))
         elif rank is None or world_size is None:
             raise ValueError("fastcomm.init: 'rank' and 'world_size' are required with 'store'")
         _generation += 1

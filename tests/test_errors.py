@@ -292,6 +292,37 @@ def test_init_twice_and_store_without_rank():
     harness.run(_init_twice_body, 2, timeout=40)
 
 
+def _init_args_body(rank, world, port):
+    """fc.init(rank=, world_size=) on the env:// path stand in for RANK and WORLD_SIZE, as
+    init_process_group's do (they were ignored: "environment variable RANK expected"); with
+    torch.distributed initialized, arguments that contradict it are refused."""
+    import os
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(k, None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    fc.init(rank=rank, world_size=world, timeout=30)
+    t = torch.full((3,), float(rank + 1))
+    fc.all_reduce(t)
+    fc.shutdown()
+    dist.init_process_group("gloo", store=harness.child_store(), rank=rank, world_size=world)
+    msg = expect(ValueError, lambda: fc.init(rank=1 - rank), "argument 'rank' is", "torch.distributed")
+    fc.init(rank=rank, world_size=world)  # agreeing arguments are fine
+    fc.shutdown()
+    dist.destroy_process_group()
+    return t.tolist(), msg
+
+
+def test_init_rank_and_world_size_arguments_on_env():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for values, msg in harness.run(_init_args_body, 2, port, timeout=60, init=False):
+        assert values == [3.0] * 3 and msg, (values, msg)
+
+
 # ---------------------------------------------------------------------------------------------
 # Mismatched collectives: seen on the wire, reported on both members
 
