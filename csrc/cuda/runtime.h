@@ -15,7 +15,8 @@
 // every other call touching that stream, its communicators or such an event waits for the
 // enqueue (which needs the peer only at first contact), at most `block_limit`.
 // Streams are recycled, never destroyed (see new_stream); comm_destroy finalizes, and aborts a
-// communicator that does not finalize within 10 s.
+// non-blocking communicator that does not finalize within 10 s (a blocking one's finalize
+// returns only once NCCL is done: the engine ends those only when they look idle).
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
