@@ -306,3 +306,28 @@ def _sticky_body(rank, world):
 def test_a_sticky_device_error_fails_the_op_and_shutdown_still_returns(channel):
     res = harness.run(_sticky_body, 2, timeout=90, env={**FAKE, **channel}, init_timeout=30)
     assert res[0] and res[1] is None, res
+
+
+def _peer_shut_down_body(rank, world):
+    """Rank 1 shuts fastcomm down (and lives on) while rank 0's op waits for it: the op fails at
+    once saying so (the device channel's message said "exited" of a live process)."""
+    store = harness.child_store()
+    g = fc.new_group([0, 1], timeout=timedelta(seconds=300))
+    fc.all_reduce(torch.ones(2), group=g)
+    dsync()
+    if rank == 1:
+        fc.shutdown()
+        store.set("down", "1")
+        store.wait(["seen"], timedelta(seconds=60))
+        return None
+    store.wait(["down"], timedelta(seconds=60))
+    w = fc.all_reduce(torch.ones(3), group=g, async_op=True)
+    msg = expect(dist.DistBackendError, lambda: w.wait(timedelta(seconds=60)), "rank 1", "shut fastcomm down")
+    store.set("seen", "1")
+    return msg
+
+
+@channels
+def test_a_peer_that_shut_down_fails_device_ops_naming_it(channel):
+    res = harness.run(_peer_shut_down_body, 2, timeout=90, env={**FAKE, **channel}, init_timeout=30)
+    assert res[0], res

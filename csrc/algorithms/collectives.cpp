@@ -388,10 +388,10 @@ std::unique_ptr<Op> make_reduce_scatter(const at::Tensor& out, const std::vector
   }
   uint8_t* dst = bytes(out);
   const size_t len = nbytes(out);
-  const bool even = std::all_of(sends.begin(), sends.end(), [&](size_t n) { return n == len; });
-  // Uneven blocks: the header holds the blocks' total (equal on every member), and each pair
-  // checks the two sizes it exchanges, so members that disagree fail naming each other.
-  OpDesc d{OpKind::kReduceScatter, out.scalar_type(), op, even ? (uint64_t)out.numel() : total, -1};
+  // The header holds the blocks' total (the same on every member whether the blocks are even or
+  // not), and each pair checks the two sizes it exchanges, so members that disagree fail naming
+  // each other.
+  OpDesc d{OpKind::kReduceScatter, out.scalar_type(), op, total, -1};
   return phased(d, Tensors{out}, tensors(ins), rank, size, 1, out.element_size(),
       [=](int) {
         ExchangePlan p = blank_plan(size);
@@ -401,7 +401,7 @@ std::unique_ptr<Op> make_reduce_scatter(const at::Tensor& out, const std::vector
           p.recv[q].active = true;
           p.recv[q].len = len;  // (a fold receives into `out`; the length is for pair_sizes)
         }
-        p.pair_sizes = !even;
+        p.pair_sizes = true;
         p.label = label;
         p.fold = true;
         p.out = Span::of(dst, len);

@@ -22,10 +22,10 @@ std::unique_ptr<Op> make_broadcast(const at::Tensor& t, int root, int rank, int 
 // `outs`: member q's block; `reported`: what the op hands the caller's future.
 std::unique_ptr<Op> make_all_gather(const std::vector<at::Tensor>& outs, const at::Tensor& in, int rank, int size,
                                     std::vector<at::Tensor> reported);
-// `ins`: member q's block; blocks of uneven sizes need `label` ("fastcomm.<api>: rank R, group
-// [..]"), which names this side when a pair disagrees on them.
+// `ins`: member q's block (sizes may differ); `label` ("fastcomm.<api>: rank R, group [..]")
+// names this side when a pair disagrees on them.
 std::unique_ptr<Op> make_reduce_scatter(const at::Tensor& out, const std::vector<at::Tensor>& ins, RedOp op,
-                                        int rank, int size, std::string label = {});
+                                        int rank, int size, std::string label);
 std::unique_ptr<Op> make_barrier(const OpRequest&, const GroupView& g);
 std::unique_ptr<Op> make_p2p(const at::Tensor& t, bool sending, int peer_rank, int rank);
 std::unique_ptr<Op> make_reduce(const at::Tensor& t, int root, RedOp op, int rank, int size);

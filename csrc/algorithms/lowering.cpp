@@ -105,7 +105,9 @@ void check_reduce_scatter_tensor(const OpRequest& r, const GroupView& g) {
 }
 
 std::unique_ptr<Op> lower_reduce_scatter_tensor(const OpRequest& r, const GroupView& g) {
-  return make_reduce_scatter(r.output, blocks(r.tensor, g.size()), r.redop, g.rank, g.size());
+  return make_reduce_scatter(r.output, blocks(r.tensor, g.size()), r.redop, g.rank, g.size(),
+                             "fastcomm.reduce_scatter_tensor: rank " + std::to_string(g.global_rank) + ", group " +
+                                 g.label());
 }
 
 void check_p2p(const OpRequest& r, const GroupView& g) {

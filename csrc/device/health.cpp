@@ -86,8 +86,8 @@ bool ChannelEngine::check_health() {
     for (int r : g->ranks) {
       if (r == rank_ || host_.peer_alive(r)) continue;
       if (g->doomed_why.empty()) {
-        g->doomed_why = "fastcomm: rank " + std::to_string(rank_) + ": peer rank " + std::to_string(r) +
-                        " exited; the communicator of its group was aborted";
+        g->doomed_why = "fastcomm: rank " + std::to_string(rank_) + ": peer rank " + std::to_string(r) + " " +
+                        host_.peer_gone_how(r) + "; the communicator of its group was aborted";
         g->doomed_at = now + std::chrono::milliseconds(100);
       }
       moved = true;
@@ -109,8 +109,8 @@ bool ChannelEngine::check_health() {
     }
     if (c->failed || !c->busy()) continue;
     if (!host_.peer_alive(peer)) {
-      doom(*c, "fastcomm: rank " + std::to_string(rank_) + ": peer rank " + std::to_string(peer) +
-                   " exited; its channel was aborted");
+      doom(*c, "fastcomm: rank " + std::to_string(rank_) + ": peer rank " + std::to_string(peer) + " " +
+                   host_.peer_gone_how(peer) + "; its channel was aborted");
       moved = true;
     }
   }

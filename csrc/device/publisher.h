@@ -39,8 +39,9 @@ class Publisher {
     }
     Lane& lane = st_->lanes[nested ? 1 : 0];
     lane.queue.push_back(std::move(w));
-    // The ordered lane has one thread; the nested one a thread for each Future that finds none idle.
-    if (nested ? lane.idle == 0 : lane.threads == 0) {
+    // The ordered lane has one thread; the nested one a thread for each queued Future that no
+    // idle thread will take (an idle one counts as idle until it wakes).
+    if (nested ? (size_t)lane.idle < lane.queue.size() : lane.threads == 0) {
       ++lane.threads;
       ++st_->running;
       threads_.emplace_back([st = st_, nested] { loop(st, nested ? 1 : 0); });

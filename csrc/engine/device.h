@@ -91,8 +91,11 @@ class HostLink {
   // thread), on a tag of its own so the two never interleave.
   virtual c10::intrusive_ptr<Work> control_send(int peer, at::Tensor bytes, int lane = 0) = 0;
   virtual c10::intrusive_ptr<Work> control_recv(int peer, at::Tensor bytes, int lane = 0) = 0;
-  // False once the host transports know the peer process is gone.
+  // False once the host transports know the peer process is gone (or, on this host, that its
+  // engine shut down).
   virtual bool peer_alive(int peer) = 0;
+  // How a peer that is not alive went, for messages: "exited" or "shut fastcomm down".
+  virtual std::string peer_gone_how(int /*peer*/) { return "exited"; }
 };
 
 // The kinds the device engine runs (device/ops.cpp); it refuses the others.

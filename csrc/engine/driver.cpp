@@ -168,9 +168,21 @@ bool Driver::held(const std::function<void()>& f) {
   const std::weak_ptr<void> alive = hold;
   f();
   if (!hold) return true;
+  bool stopping;
+  {
+    std::lock_guard<std::mutex> lk(bg_mu_);
+    stopping = bg_stop_;
+  }
+  // Stopped inside f (a callback shut the engine down on this thread, which stop() then
+  // detached): once the hold goes, another thread may destroy the owner without waiting for
+  // this one, so nothing of it is touched after.
+  if (stopping) {
+    hold.reset();
+    return false;
+  }
   hold.reset();
-  // Expired: that was the last reference, and the owner (this driver with it) is gone; its
-  // stop() saw it was called on this thread and detached it.
+  // Not stopped: an owner destroyed elsewhere from now on joins this thread first. Expired:
+  // that was the last reference, and the owner went on this thread (its stop() detached it).
   return !alive.expired();
 }
 

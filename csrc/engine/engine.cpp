@@ -571,6 +571,13 @@ bool Engine::peer_alive(int peer) {
   return t == nullptr || t->peer_alive(peer);
 }
 
+std::string Engine::peer_gone_how(int peer) {
+  std::lock_guard<std::mutex> lk(mu_);
+  Transport* t = transports_.of(peer);
+  const std::string why = t == nullptr ? "" : t->death_reason(peer);
+  return why == "shut fastcomm down" ? why : "exited";
+}
+
 // ---------------------------------------------------------------------------------------------
 
 void Engine::shutdown() {

@@ -177,6 +177,7 @@ class Engine final : public Waiter, public HostLink, public std::enable_shared_f
   // applies its ops' deadlines itself).
   c10::intrusive_ptr<Work> control_send(int peer, at::Tensor bytes, int lane = 0) override;
   c10::intrusive_ptr<Work> control_recv(int peer, at::Tensor bytes, int lane = 0) override;
+  std::string peer_gone_how(int peer) override;
   bool peer_alive(int peer) override;
 
   // Waiter: blocks until `w` is done, driving progress; poll: one non-blocking attempt.
