@@ -339,6 +339,40 @@ def test_a_ring_is_never_freed_under_a_late_openers_mapping():
     assert harness.run(_late_opener_body, 2, timeout=60, env=IPC, init_timeout=30) == [(True, 0), (True, 0)]
 
 
+def _busy_peer_body(rank, world):
+    """Rank 0 shuts down while rank 1's stream has yet to read rank 0's ring (rank 1's side of
+    the op is held behind a kernel): rank 0 keeps its ring rather than free it under rank 1's
+    mapping (undefined on CUDA; the fake counts it), however long rank 1 takes. Before, the
+    ring went 500 ms into rank 0's teardown."""
+    from datetime import timedelta
+    store = harness.child_store()
+    g = fc.new_group([0, 1], timeout=timedelta(seconds=300))
+    fc.all_reduce(torch.ones(8), group=g)  # the link made
+    tfd.dsync()
+    if rank == 1:
+        dbg("hold")
+    w = fc.all_reduce(torch.ones(8), group=g, async_op=True)
+    if rank == 0:
+        w.wait()  # enqueued
+        fc.shutdown()
+        store.set("busy-peer/down", "1")
+    else:
+        store.wait(["busy-peer/down"], timedelta(seconds=30))
+        time.sleep(0.8)  # past the 500 ms rank 0's teardown waits for it
+        dbg("release")
+        try:
+            w.wait(timedelta(seconds=30))
+        except dist.DistBackendError:
+            pass
+        fc.shutdown()
+    harness.init_child(rank, world)  # the fake's counters live on in the process
+    return dbg("ipc_freed_while_mapped")
+
+
+def test_a_ring_is_kept_while_a_live_peer_may_still_read_it():
+    assert harness.run(_busy_peer_body, 2, timeout=60, env=IPC, init_timeout=30) == [0, 0]
+
+
 # ---------------------------------------------------------------------------------------------
 # Devices without peer access: rings in host memory
 

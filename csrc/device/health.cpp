@@ -216,7 +216,7 @@ void ChannelEngine::teardown() {
     while (ipc_->poll([this](int peer) { return host_.peer_alive(peer); }) && Clock::now() < until)
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
   });
-  ipc_->close_all();
+  guarded([&] { ipc_->close_all([this](int peer) { return host_.peer_alive(peer); }); });
   for (auto& [id, s] : joins_) {
     try {
       rt_->destroy_stream(s);

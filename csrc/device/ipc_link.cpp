@@ -484,9 +484,16 @@ bool IpcLinks::poll(const std::function<bool(int)>& peer_alive) {
   return !closing_.empty();
 }
 
-void IpcLinks::close_all() {
-  for (auto& [c, l] : live_) gone(*l);
-  for (auto& x : closing_) gone(*x.link);
+void IpcLinks::close_all(const std::function<bool(int)>& peer_alive) {
+  auto keep_if_read = [&](IpcLink& l) {
+    gone(l);
+    if (l.peer_opened() && !l.peer_done() && peer_alive(l.peer())) {
+      l.keep_own_ring();
+      ++kept_;
+    }
+  };
+  for (auto& [c, l] : live_) keep_if_read(*l);
+  for (auto& x : closing_) keep_if_read(*x.link);
   live_.clear();
   closing_.clear();
 }

@@ -104,6 +104,9 @@ class IpcLink {
   bool peer_done() const;
   // Whether the peer claimed this side's ring (it maps it, or did; open_peer's claim).
   bool peer_opened() const;
+  // Teardown, with the peer still mapping this side's ring (its stream may still read it): the
+  // ring is left to the process's end instead of freed under that mapping (undefined on CUDA).
+  void keep_own_ring() { own_token_ = nullptr; }
 
   // ---- A link for CUDA graphs (`fixed`; device/graph.h). A graph replays the same stream
   // work each time, so its flag waits and writes must hold fixed values: each slot's two flags
@@ -198,8 +201,10 @@ class IpcLinks {
   void retire(std::unique_ptr<IpcLink> l);
   // Releases what can go; true while some ended link still holds memory.
   bool poll(const std::function<bool(int)>& peer_alive);
-  // Teardown: the streams have drained; everything goes.
-  void close_all();
+  // Teardown: the streams have drained; everything goes, but the rings of live peers that still
+  // map them (kept: IpcLink::keep_own_ring; counted by kept()).
+  void close_all(const std::function<bool(int)>& peer_alive);
+  int64_t kept() const { return kept_.load(); }
   bool closing() const { return !closing_.empty(); }
   // Links that hold memory, links made so far (one per channel epoch over IPC), and this side's
   // rings' bytes (any thread: debug).
@@ -222,7 +227,7 @@ class IpcLinks {
   std::function<void(std::function<void()>)> offload_;
   std::unordered_map<Comm, std::unique_ptr<IpcLink>> live_;
   std::vector<Closing> closing_;
-  std::atomic<int64_t> blocks_{0}, made_{0}, bytes_{0}, host_rings_{0};
+  std::atomic<int64_t> blocks_{0}, made_{0}, bytes_{0}, host_rings_{0}, kept_{0};
   std::atomic<bool> skip_rx_waits_{false};
   std::atomic<size_t> fuse_bytes_{0};
   void gone(const IpcLink& l) {
