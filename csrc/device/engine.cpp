@@ -203,6 +203,8 @@ void ChannelEngine::retire_links(std::vector<std::unique_ptr<IpcLink>> links, st
       l->close_peer();
       while (l->peer_opened() && !l->peer_done() && Clock::now() < until)
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      // (The host engine may be gone by now: a peer not seen to let go is taken as alive.)
+      if (IpcLinks::still_read(*l, [](int) { return true; })) l->keep_own_ring();
     }
     links.clear();
     rest.reset();
@@ -243,6 +245,7 @@ int64_t ChannelEngine::debug(const std::string& what, int64_t arg) {
   if (what == "kernel_waits") return slot_waits_.load();
   if (what == "ipc_links") return ipc_->blocks();
   if (what == "ipc_links_made") return ipc_->made();
+  if (what == "ipc_kept_rings") return ipc_->kept();
   if (what == "ipc_ring_bytes") return ipc_->ring_bytes();
   if (what == "ipc_host_rings") return ipc_->host_rings();
   if (what == "ipc_ring_fold_bytes") return ring_fold_bytes_.load();

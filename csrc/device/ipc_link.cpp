@@ -487,7 +487,9 @@ bool IpcLinks::poll(const std::function<bool(int)>& peer_alive) {
 void IpcLinks::close_all(const std::function<bool(int)>& peer_alive) {
   auto keep_if_read = [&](IpcLink& l) {
     gone(l);
-    if (l.peer_opened() && !l.peer_done() && peer_alive(l.peer())) {
+    l.abort();  // (again, or first for a live one: the peer is told, this side's waits released)
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);  // as in poll(): after the end, before the claim is read
+    if (still_read(l, peer_alive)) {
       l.keep_own_ring();
       ++kept_;
     }

@@ -205,6 +205,11 @@ class IpcLinks {
   // map them (kept: IpcLink::keep_own_ring; counted by kept()).
   void close_all(const std::function<bool(int)>& peer_alive);
   int64_t kept() const { return kept_.load(); }
+  // Whether a live peer may still read `l`'s own ring: it mapped it and has not let it go (a
+  // ring in host memory is a segment both map, safe to unmap here, so never).
+  static bool still_read(const IpcLink& l, const std::function<bool(int)>& peer_alive) {
+    return !l.host() && l.peer_opened() && !l.peer_done() && peer_alive(l.peer());
+  }
   bool closing() const { return !closing_.empty(); }
   // Links that hold memory, links made so far (one per channel epoch over IPC), and this side's
   // rings' bytes (any thread: debug).

@@ -59,7 +59,8 @@ class Publisher {
     st_->cv.notify_all();
     for (;;) {
       st_->cv.wait(lk, [&] { return st_->running == st_->busy; });
-      Lane* lane = !st_->lanes[0].queue.empty() ? &st_->lanes[0] : !st_->lanes[1].queue.empty() ? &st_->lanes[1] : nullptr;
+      // Nested first: a callback still running (detached below) may wait for one.
+      Lane* lane = !st_->lanes[1].queue.empty() ? &st_->lanes[1] : !st_->lanes[0].queue.empty() ? &st_->lanes[0] : nullptr;
       if (lane == nullptr) break;
       auto w = std::move(lane->queue.front());
       lane->queue.pop_front();

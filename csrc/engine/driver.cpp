@@ -148,7 +148,7 @@ void Driver::ensure_background() {
   if (bg_started_.load(std::memory_order_acquire) && !bg_deep_.load(std::memory_order_seq_cst))
     return;  // ticking: it will look within kBgTick
   std::lock_guard<std::mutex> lk(bg_mu_);
-  if (!bg_.joinable() && !bg_stop_) {
+  if (!bg_stop_ && !bg_.joinable()) {  // (stop() joins or detaches bg_ once bg_stop_ is set)
     bg_ = std::thread([this] { bg_main(); });
     bg_started_.store(true, std::memory_order_release);
   }
