@@ -176,11 +176,8 @@ bool Driver::held(const std::function<void()>& f) {
   // Stopped inside f (a callback shut the engine down on this thread, which stop() then
   // detached): once the hold goes, another thread may destroy the owner without waiting for
   // this one, so nothing of it is touched after.
-  if (stopping) {
-    hold.reset();
-    return false;
-  }
   hold.reset();
+  if (stopping) return false;
   // Not stopped: an owner destroyed elsewhere from now on joins this thread first. Expired:
   // that was the last reference, and the owner went on this thread (its stop() detached it).
   return !alive.expired();

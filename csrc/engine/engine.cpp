@@ -575,7 +575,7 @@ std::string Engine::peer_gone_how(int peer) {
   std::lock_guard<std::mutex> lk(mu_);
   Transport* t = transports_.of(peer);
   const std::string why = t == nullptr ? "" : t->death_reason(peer);
-  return why == "shut fastcomm down" ? why : "exited";
+  return why == Transport::kShutDown ? why : "exited";
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ std::string Progress::exited_locked(const std::vector<int>& ranks) const {
     // Only same-host peers' pids are known (the rendezvous hands out no other host's).
     std::string about = pids_[r] > 0 ? "pid " + std::to_string(pids_[r]) : "";
     const std::string why = tr_.of(r)->death_reason(r);
-    const bool shut = why == "shut fastcomm down";
+    const bool shut = why == Transport::kShutDown;
     if (!why.empty() && !shut) about += (about.empty() ? "" : ", ") + why;
     std::string& list = shut ? closed : exited;
     int& n = shut ? n_closed : n_exited;
@@ -66,7 +66,7 @@ std::string Progress::exited_locked(const std::vector<int>& ranks) const {
   }
   std::string who;
   if (n_exited) who = exited + (n_exited == 1 ? " has exited" : " have exited");
-  if (n_closed) who += (who.empty() ? "" : ", and ") + closed + " shut fastcomm down";
+  if (n_closed) who += (who.empty() ? "" : ", and ") + closed + " " + Transport::kShutDown;
   return who;
 }
 

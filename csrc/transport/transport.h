@@ -92,10 +92,12 @@ class Transport {
   virtual const Message* peek(int peer) = 0;
   // Consumes the message last returned by peek(peer).
   virtual void pop(int peer) = 0;
-  // False once the transport knows the peer process is gone.
+  // False once the transport knows the peer process is gone (or its engine shut down: kShutDown).
   virtual bool peer_alive(int peer) = 0;
   // Why a peer is reported gone, when the transport knows more than that ("" otherwise).
   virtual std::string death_reason(int /*peer*/) { return ""; }
+  // The death_reason of a same-host peer whose engine shut down while its process lives on.
+  static constexpr const char* kShutDown = "shut fastcomm down";
   // What an op waiting on `peer` may be waiting for besides the peer itself (a connection
   // still being made), for a timeout's message; "" if nothing.
   virtual std::string pending_reason(int /*peer*/) { return ""; }

@@ -439,7 +439,7 @@ void ShmTransport::stop() {
 
 std::string ShmTransport::death_reason(int peer) {
   // (Seen by peer_alive, before release_peer unmapped its segment.)
-  return closed_seen_[peer] ? "shut fastcomm down" : "";
+  return closed_seen_[peer] ? kShutDown : "";
 }
 
 bool ShmTransport::peer_alive(int peer) {
